@@ -1,0 +1,135 @@
+//! The `Handler` trait: the user's code, and the errors it reports.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::decision::Outcome;
+use crate::message::Message;
+
+type Cause = Box<dyn StdError + Send + Sync + 'static>;
+
+/// How a failure should be treated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// May succeed later: retry by the policy.
+    Transient,
+    /// Will fail again: park at once.
+    Permanent,
+    /// Retry after this delay, clamped to the policy's bounds.
+    RetryAfter(Duration),
+}
+
+/// A handler's failure: its kind and its cause.
+///
+/// ```
+/// use retry_core::{FailureKind, HandlerError, Outcome};
+/// use std::time::Duration;
+///
+/// let e = HandlerError::retry_after(Duration::from_secs(30), "429 Too Many Requests");
+/// assert_eq!(e.to_string(), "429 Too Many Requests");
+/// assert_eq!(e.kind(), FailureKind::RetryAfter(Duration::from_secs(30)));
+///
+/// let e = HandlerError::permanent(std::io::Error::other("schema mismatch"));
+/// assert_eq!(e.to_outcome(), Outcome::Permanent("schema mismatch".into()));
+/// ```
+#[derive(Debug)]
+pub struct HandlerError {
+    kind: FailureKind,
+    cause: Cause,
+}
+
+impl HandlerError {
+    /// A failure that may succeed later.
+    pub fn transient(cause: impl Into<Cause>) -> Self {
+        HandlerError {
+            kind: FailureKind::Transient,
+            cause: cause.into(),
+        }
+    }
+
+    /// A failure that will not succeed: the message is parked at once.
+    pub fn permanent(cause: impl Into<Cause>) -> Self {
+        HandlerError {
+            kind: FailureKind::Permanent,
+            cause: cause.into(),
+        }
+    }
+
+    /// Retry after `delay`, clamped to the policy's delay bounds.
+    pub fn retry_after(delay: Duration, cause: impl Into<Cause>) -> Self {
+        HandlerError {
+            kind: FailureKind::RetryAfter(delay),
+            cause: cause.into(),
+        }
+    }
+
+    /// How the failure is treated.
+    pub fn kind(&self) -> FailureKind {
+        self.kind
+    }
+
+    /// The cause.
+    pub fn cause(&self) -> &(dyn StdError + Send + Sync + 'static) {
+        &*self.cause
+    }
+
+    /// The engine input for this failure.
+    pub fn to_outcome(&self) -> Outcome {
+        let text = self.cause.to_string();
+        match self.kind {
+            FailureKind::Transient => Outcome::Transient(text),
+            FailureKind::Permanent => Outcome::Permanent(text),
+            FailureKind::RetryAfter(d) => Outcome::RetryAfter(d, text),
+        }
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.cause, f)
+    }
+}
+
+impl StdError for HandlerError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&*self.cause)
+    }
+}
+
+/// The user's message handler. Plain async functions and closures taking a [`Message`] are
+/// handlers too:
+///
+/// ```
+/// use retry_core::{Handler, HandlerError, Message};
+///
+/// async fn handle(msg: Message) -> Result<(), HandlerError> {
+///     if msg.body().is_empty() {
+///         return Err(HandlerError::permanent("empty body"));
+///     }
+///     Ok(())
+/// }
+///
+/// fn assert_handler<H: Handler>(_: H) {}
+/// assert_handler(handle);
+/// assert_handler(|_msg: Message| async { Ok::<(), HandlerError>(()) });
+/// ```
+#[async_trait]
+pub trait Handler: Send + Sync + 'static {
+    /// Handles one message.
+    async fn handle(&self, msg: &Message) -> Result<(), HandlerError>;
+}
+
+#[async_trait]
+impl<F, Fut> Handler for F
+where
+    F: Fn(Message) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    async fn handle(&self, msg: &Message) -> Result<(), HandlerError> {
+        (self)(msg.clone()).await
+    }
+}

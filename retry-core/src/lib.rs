@@ -1,0 +1,142 @@
+//! # retry-core
+//!
+//! The sans-IO heart of a broker-agnostic retry engine: it decides what happens to a message
+//! whose handler failed, and what the broker must look like for that to work. It does no IO,
+//! reads no clock and spawns nothing; transports (AMQP 0-9-1, AMQP 1.0, in-memory) feed it
+//! and carry out what it asks.
+//!
+//! ## Design
+//!
+//! * [`RetryPolicy`]: attempts, backoff ([`Backoff`]), seeded [`Jitter`], a cap on elapsed
+//!   time, immediate (in-process) retries, a crash limit, and what happens when attempts run
+//!   out. Invalid policies are refused by [`RetryPolicyBuilder::build`] with a
+//!   [`PolicyError`] naming the field.
+//! * [`DeliveryFacts`]: what is known about a delivery, decoded from its [`Headers`] and the
+//!   broker's [`BrokerSignals`] without allocating. Malformed values are read as absent and
+//!   listed in [`DeliveryFacts::malformed`]; decoding never panics.
+//! * [`admit`] and [`decide`]: the pure decision functions.
+//! * [`Engine`]: the state machine around them, in the style of `quinn-proto`. `handle_*`
+//!   methods feed inputs, `poll_*` methods drain [`Action`]s, and every entry point takes
+//!   `now`. Every move is *publish, await confirm, then settle the original*; a refused,
+//!   returned or failed publish requeues the original. Duplicates are possible, loss is not.
+//! * [`TopologyPlan`]: the exchanges, queues (with TTL and dead-letter arguments) and bindings
+//!   a work queue needs, as data. The core computes the route of every delay.
+//!
+//! ## The run loop
+//!
+//! A driver owns the IO; the engine owns the decisions.
+//!
+//! ```
+//! use retry_core::*;
+//! use std::time::Duration;
+//!
+//! let policy = RetryPolicy::delays([Duration::from_secs(30), Duration::from_secs(600)]).build()?;
+//! let plan = TopologyPlan::new("comments", &policy)?; // a transport declares this
+//! let mut engine = Engine::new(policy, &plan)?;
+//! let mut now = Timestamp::from_millis(0);
+//!
+//! // Receive: decode the facts, hand the delivery in.
+//! let headers = Headers::new();
+//! let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), message_identity(None, b"hi"));
+//! engine.handle_delivery(now, facts);
+//!
+//! // Drain actions and carry them out, feeding results back, until the engine is idle.
+//! while let Some(action) = engine.poll_action(now) {
+//!     match action {
+//!         Action::RunHandler { delivery, .. } => {
+//!             let outcome = Outcome::Transient("downstream timeout".into()); // run the handler
+//!             engine.handle_outcome(now, delivery, outcome)?;
+//!         }
+//!         Action::Publish { delivery, publish } => {
+//!             // Publish the clone to publish.route with confirms, then report the confirm.
+//!             assert_eq!(&*publish.route.routing_key, "comments.retry.30s");
+//!             engine.handle_confirm(now, delivery, Confirm::Ack)?;
+//!         }
+//!         Action::Settle { settlement, terminal, .. } => {
+//!             // Ack or requeue the original on the broker.
+//!             assert_eq!(settlement, Settlement::Ack);
+//!             assert!(matches!(terminal, Terminal::Retried { attempts: 1, .. }));
+//!         }
+//!     }
+//!     if let Some(wait) = engine.poll_timeout(now) {
+//!         now = now + wait; // sleep until an in-process wait ends
+//!     }
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Header schema
+//!
+//! The engine keeps its state on the message, in headers it owns (AMQP 0-9-1 headers, AMQP
+//! 1.0 application properties). The body is never touched. Times are integers counting
+//! milliseconds since the Unix epoch.
+//!
+//! | header | type | meaning |
+//! |---|---|---|
+//! | `x-retry-attempts` | integer | handler runs that failed so far |
+//! | `x-retry-crashes` | integer | deliveries lost to a consumer crash so far |
+//! | `x-retry-first-failure` | integer (ms) | first failure or crash |
+//! | `x-retry-last-failure` | integer (ms) | latest failure or crash |
+//! | `x-retry-last-error` | string, ≤ 1024 bytes | the latest failure's cause, cut at a character boundary |
+//! | `x-retry-origin-queue` | string | the queue the message was consumed from when it first failed |
+//! | `x-retry-origin-exchange` | string | the exchange of that delivery |
+//! | `x-retry-origin-routing-key` | string | the routing key of that delivery |
+//! | `x-retry-reason` | string | on parked messages: `attempts-exhausted`, `max-elapsed`, `permanent` or `crash-loop` |
+//! | `x-retry-delay` | integer (ms) | on delayed copies: the delay they went through |
+//!
+//! Counters above [`MAX_COUNTER`], negative numbers, times past the year 9999, wrong types
+//! and garbage bytes are read as absent and reported in [`Malformed`]. The broker's own
+//! counters are read too: `x-death` (summed into [`DeliveryFacts::deaths`]), quorum
+//! `x-delivery-count` and AMQP 1.0 `delivery-count` (into [`DeliveryFacts::delivery_count`]),
+//! and the redelivered flag or AMQP 1.0 `first-acquirer`. Clones drop the broker-owned
+//! headers listed in [`headers::BROKER_OWNED`].
+//!
+//! ## Crashes
+//!
+//! A delivery that arrives redelivered, or with a broker delivery count, was held by a
+//! consumer that went away without settling it. With prefetch above one that is only a hint,
+//! so such a delivery is never dropped: by default ([`CrashAction::Divert`]) it is counted as
+//! a crash and sent through one delay without running the handler, so a message that kills
+//! its consumer cannot do so in a tight loop. Past the crash limit it is parked with reason
+//! `crash-loop`. Crashes are counted apart from failed attempts.
+//!
+//! ## Features
+//!
+//! * `serde`: [`RetryPolicy`] deserializes from TOML or JSON, with human durations; see the
+//!   `config` module's documentation for the format.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod backoff;
+#[cfg(feature = "serde")]
+mod config;
+mod decision;
+mod engine;
+mod facts;
+mod handler;
+pub mod headers;
+mod jitter;
+mod message;
+mod policy;
+mod time;
+mod topology;
+mod transport;
+
+pub use backoff::Backoff;
+pub use decision::{Admission, AttemptState, DeadLetterReason, Decision, Outcome, admit, decide};
+pub use engine::{Action, Confirm, DeliveryId, Engine, EngineError, Publish, Settlement, Terminal};
+pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedRecord};
+pub use handler::{FailureKind, Handler, HandlerError};
+pub use headers::{HeaderValue, Headers};
+pub use jitter::{Jitter, message_identity};
+pub use message::{Delivery, Message, MessageParts, Properties};
+pub use policy::{
+    CrashAction, Exhausted, MAX_TTL, PolicyError, Retry, RetryPolicy, RetryPolicyBuilder,
+};
+pub use time::{Timestamp, format_delay};
+pub use topology::{
+    BindingSpec, DelayStrategy, ExchangeKind, ExchangeSpec, MAX_NAME_LEN, Overflow, QueueArguments,
+    QueueRole, QueueSpec, QueueType, Route, TopologyBuilder, TopologyError, TopologyPlan,
+};
+pub use transport::{Capabilities, PublishResult, Transport, TransportError};

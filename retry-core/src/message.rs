@@ -1,0 +1,139 @@
+//! `Message` and `Delivery`: what a transport receives and a handler sees.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::facts::DeliveryFacts;
+use crate::headers::Headers;
+use crate::time::Timestamp;
+
+/// The AMQP basic properties a clone carries over from its original. `expiration` is not
+/// among them: a clone's per-message TTL is the engine's business.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Properties {
+    /// MIME content type.
+    pub content_type: Option<String>,
+    /// MIME content encoding.
+    pub content_encoding: Option<String>,
+    /// Application message id; seeds the jitter when present.
+    pub message_id: Option<String>,
+    /// Correlation id.
+    pub correlation_id: Option<String>,
+    /// Reply-to address.
+    pub reply_to: Option<String>,
+    /// Creation time.
+    pub timestamp: Option<Timestamp>,
+    /// Priority, 0 to 9.
+    pub priority: Option<u8>,
+    /// Message type name.
+    pub kind: Option<String>,
+    /// Creating application.
+    pub app_id: Option<String>,
+    /// Whether the broker should write it to disk (AMQP delivery mode 2 / durable).
+    pub persistent: bool,
+}
+
+/// The parts of a received message.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MessageParts {
+    /// The queue it was consumed from.
+    pub queue: String,
+    /// The exchange it was published to.
+    pub exchange: String,
+    /// The routing key it was published with.
+    pub routing_key: String,
+    /// The body, never modified by the engine.
+    pub body: Vec<u8>,
+    /// Its properties.
+    pub properties: Properties,
+    /// Its headers, converted from the transport's native form.
+    pub headers: Headers,
+}
+
+/// A received message as a handler sees it: cheap to clone, immutable.
+///
+/// ```
+/// use retry_core::{Message, MessageParts};
+///
+/// let msg = Message::new(MessageParts { body: b"hello".to_vec(), ..Default::default() });
+/// assert_eq!(msg.body(), b"hello");
+/// assert_eq!(msg.attempt(), 1);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Message {
+    parts: Arc<MessageParts>,
+    attempt: u32,
+    delay: Option<Duration>,
+}
+
+impl Message {
+    /// Wraps received parts; the attempt is 1 until [`with_attempt`](Self::with_attempt).
+    pub fn new(parts: MessageParts) -> Self {
+        Message {
+            parts: Arc::new(parts),
+            attempt: 1,
+            delay: None,
+        }
+    }
+
+    /// The same message on run number `attempt` (1-based).
+    pub fn with_attempt(&self, attempt: u32) -> Self {
+        Message {
+            parts: Arc::clone(&self.parts),
+            attempt,
+            delay: self.delay,
+        }
+    }
+
+    /// The run number of this handler call (1-based, immediate retries included).
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The body.
+    pub fn body(&self) -> &[u8] {
+        &self.parts.body
+    }
+
+    /// The properties.
+    pub fn properties(&self) -> &crate::Properties {
+        &self.parts.properties
+    }
+
+    /// The headers.
+    pub fn headers(&self) -> &Headers {
+        &self.parts.headers
+    }
+
+    /// The queue it was consumed from.
+    pub fn queue(&self) -> &str {
+        &self.parts.queue
+    }
+
+    /// The exchange it was published to.
+    pub fn exchange(&self) -> &str {
+        &self.parts.exchange
+    }
+
+    /// The routing key it was published with.
+    pub fn routing_key(&self) -> &str {
+        &self.parts.routing_key
+    }
+
+    /// All the parts.
+    pub fn parts(&self) -> &MessageParts {
+        &self.parts
+    }
+}
+
+/// A delivery from a transport: the message, what is known about it, and the tag that
+/// settles it.
+#[derive(Clone, Debug)]
+pub struct Delivery<T> {
+    /// The transport's handle for settling this delivery.
+    pub tag: T,
+    /// The message.
+    pub message: Message,
+    /// The facts the engine decides on.
+    pub facts: DeliveryFacts,
+}

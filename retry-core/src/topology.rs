@@ -1,0 +1,483 @@
+//! `TopologyPlan`: the exchanges, queues and bindings a work queue needs for a policy, as
+//! plain data. The core computes it; transports declare it.
+//!
+//! Names are derived from the work queue `Q`:
+//!
+//! | object | name | kind / arguments |
+//! |---|---|---|
+//! | work queue | `Q` | dead-letters to `Q.dead-letter` with routing key `Q` |
+//! | retry exchange | `Q.retry` | direct |
+//! | delay queue, one per delay level | `Q.retry.<delay>`, e.g. `Q.retry.30s`, `Q.retry.1m30s` | `x-message-ttl` = the delay; dead-letters to the default exchange with routing key `Q` |
+//! | dead-letter exchange | `Q.dead-letter` | direct |
+//! | parking queue | `Q.parking` | none; bound to `Q.dead-letter` with key `Q` |
+//!
+//! Each delay queue is bound to `Q.retry` with its own name as routing key. Delays are
+//! written by [`format_delay`](crate::format_delay). With [`QueueType::Quorum`], every queue
+//! is a quorum queue and the queues that dead-letter use at-least-once dead-lettering (which
+//! RabbitMQ requires to be paired with `x-overflow: reject-publish`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::headers::{HeaderValue, Headers};
+use crate::policy::RetryPolicy;
+use crate::time::{duration_millis, format_delay};
+
+/// Longest queue or exchange name AMQP 0-9-1 allows (a short string), in bytes.
+pub const MAX_NAME_LEN: usize = 255;
+
+/// Classic or quorum queues.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum QueueType {
+    /// RabbitMQ classic queues (the default).
+    #[default]
+    Classic,
+    /// RabbitMQ quorum queues: replicated, with a delivery count.
+    Quorum,
+}
+
+/// How delays are realised on the broker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DelayStrategy {
+    /// One TTL queue per distinct delay of the policy: the classic "retry queue" topology.
+    /// A jittered or retry-after delay goes to the smallest level that holds it, with a
+    /// per-message expiration for the difference.
+    #[default]
+    PerDelayQueue,
+}
+
+/// Exchange types the plan uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExchangeKind {
+    /// Routes by exact routing key.
+    Direct,
+    /// Routes to every bound queue.
+    Fanout,
+    /// Routes by routing-key pattern.
+    Topic,
+}
+
+impl ExchangeKind {
+    /// The AMQP spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExchangeKind::Direct => "direct",
+            ExchangeKind::Fanout => "fanout",
+            ExchangeKind::Topic => "topic",
+        }
+    }
+}
+
+/// An exchange to declare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExchangeSpec {
+    /// Its name.
+    pub name: String,
+    /// Its type.
+    pub kind: ExchangeKind,
+    /// Whether it survives a broker restart.
+    pub durable: bool,
+}
+
+/// What a queue is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueRole {
+    /// The queue the consumer reads.
+    Work,
+    /// A delay queue nobody consumes; messages expire back to the work queue.
+    Delay {
+        /// Its TTL.
+        ttl: Duration,
+    },
+    /// Where parked messages wait for a human.
+    Parking,
+}
+
+/// `x-overflow` behaviours the plan uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Overflow {
+    /// Refuse publishes when full (nack with confirms).
+    RejectPublish,
+}
+
+/// Queue arguments, typed. [`QueueArguments::to_headers`] gives the `x-` table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QueueArguments {
+    /// `x-queue-type`.
+    pub queue_type: QueueType,
+    /// `x-message-ttl`.
+    pub message_ttl: Option<Duration>,
+    /// `x-dead-letter-exchange` (`""` is the default exchange).
+    pub dead_letter_exchange: Option<String>,
+    /// `x-dead-letter-routing-key`.
+    pub dead_letter_routing_key: Option<String>,
+    /// `x-overflow`.
+    pub overflow: Option<Overflow>,
+    /// `x-dead-letter-strategy: at-least-once` (quorum queues only).
+    pub at_least_once: bool,
+    /// `x-delivery-limit` (quorum queues only).
+    pub delivery_limit: Option<u32>,
+}
+
+impl QueueArguments {
+    /// The arguments as an AMQP argument table.
+    ///
+    /// ```
+    /// use retry_core::{HeaderValue, QueueArguments};
+    /// use std::time::Duration;
+    ///
+    /// let args = QueueArguments {
+    ///     message_ttl: Some(Duration::from_secs(30)),
+    ///     dead_letter_exchange: Some(String::new()),
+    ///     dead_letter_routing_key: Some("comments".into()),
+    ///     ..QueueArguments::default()
+    /// };
+    /// let table = args.to_headers();
+    /// assert_eq!(table.get("x-message-ttl"), Some(&HeaderValue::Int(30_000)));
+    /// assert_eq!(table.get("x-queue-type"), Some(&HeaderValue::Str("classic".into())));
+    /// ```
+    pub fn to_headers(&self) -> Headers {
+        let mut h = Headers::new();
+        h.insert(
+            "x-queue-type",
+            match self.queue_type {
+                QueueType::Classic => "classic",
+                QueueType::Quorum => "quorum",
+            },
+        );
+        if let Some(ttl) = self.message_ttl {
+            let ms = i64::try_from(duration_millis(ttl)).unwrap_or(i64::MAX);
+            h.insert("x-message-ttl", HeaderValue::Int(ms));
+        }
+        if let Some(x) = &self.dead_letter_exchange {
+            h.insert("x-dead-letter-exchange", x.as_str());
+        }
+        if let Some(k) = &self.dead_letter_routing_key {
+            h.insert("x-dead-letter-routing-key", k.as_str());
+        }
+        if let Some(Overflow::RejectPublish) = self.overflow {
+            h.insert("x-overflow", "reject-publish");
+        }
+        if self.at_least_once {
+            h.insert("x-dead-letter-strategy", "at-least-once");
+        }
+        if let Some(n) = self.delivery_limit {
+            h.insert("x-delivery-limit", i64::from(n));
+        }
+        h
+    }
+}
+
+/// A queue to declare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueueSpec {
+    /// Its name.
+    pub name: String,
+    /// What it is for.
+    pub role: QueueRole,
+    /// Whether it survives a broker restart.
+    pub durable: bool,
+    /// Its arguments.
+    pub arguments: QueueArguments,
+}
+
+/// A binding to declare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BindingSpec {
+    /// The source exchange.
+    pub exchange: String,
+    /// The destination queue.
+    pub queue: String,
+    /// The routing key.
+    pub routing_key: String,
+}
+
+/// Where a clone goes: an exchange and a routing key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Route {
+    /// The exchange to publish to.
+    pub exchange: Arc<str>,
+    /// The routing key to publish with.
+    pub routing_key: Arc<str>,
+}
+
+/// Why a plan could not be made.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TopologyError {
+    /// The work queue name was empty.
+    #[error("work queue name is empty")]
+    EmptyQueueName,
+    /// The broker reserves names starting with `amq.`.
+    #[error("work queue name {name:?} starts with \"amq.\", which the broker reserves")]
+    ReservedQueueName {
+        /// The name given.
+        name: String,
+    },
+    /// A derived name would be longer than AMQP allows.
+    #[error(
+        "work queue name {name:?} is too long: derived name {derived:?} is {len} bytes, the limit is 255"
+    )]
+    NameTooLong {
+        /// The work queue name.
+        name: String,
+        /// The longest derived name.
+        derived: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+}
+
+/// Everything a work queue needs on the broker for a policy.
+///
+/// ```
+/// use retry_core::{QueueRole, RetryPolicy, TopologyPlan};
+/// use std::time::Duration;
+///
+/// let spring = RetryPolicy::exponential(Duration::from_secs(1), 3.0, Duration::from_secs(10))
+///     .with_max_attempts(5)
+///     .build()?;
+/// let plan = TopologyPlan::new("comments", &spring)?;
+/// let delay_queues: Vec<&str> = plan
+///     .queues()
+///     .iter()
+///     .filter(|q| matches!(q.role, QueueRole::Delay { .. }))
+///     .map(|q| q.name.as_str())
+///     .collect();
+/// assert_eq!(delay_queues, ["comments.retry.1s", "comments.retry.3s", "comments.retry.9s", "comments.retry.10s"]);
+/// assert_eq!(plan.parking_queue(), "comments.parking");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopologyPlan {
+    work_queue: String,
+    exchanges: Vec<ExchangeSpec>,
+    queues: Vec<QueueSpec>,
+    bindings: Vec<BindingSpec>,
+    delay_routes: Vec<(Duration, Route)>,
+    parking_route: Route,
+    parking_queue: String,
+}
+
+impl TopologyPlan {
+    /// The plan for `work_queue` and `policy` with classic queues and one TTL queue per delay.
+    pub fn new(work_queue: &str, policy: &RetryPolicy) -> Result<Self, TopologyError> {
+        Self::builder(work_queue, policy).build()
+    }
+
+    /// A builder, for quorum queues or a delivery limit.
+    pub fn builder<'a>(work_queue: &'a str, policy: &'a RetryPolicy) -> TopologyBuilder<'a> {
+        TopologyBuilder {
+            work_queue,
+            policy,
+            queue_type: QueueType::Classic,
+            delivery_limit: None,
+            strategy: DelayStrategy::PerDelayQueue,
+        }
+    }
+
+    /// The work queue.
+    pub fn work_queue(&self) -> &str {
+        &self.work_queue
+    }
+
+    /// The exchanges to declare.
+    pub fn exchanges(&self) -> &[ExchangeSpec] {
+        &self.exchanges
+    }
+
+    /// The queues to declare, the work queue first.
+    pub fn queues(&self) -> &[QueueSpec] {
+        &self.queues
+    }
+
+    /// The bindings to declare.
+    pub fn bindings(&self) -> &[BindingSpec] {
+        &self.bindings
+    }
+
+    /// The parking (dead-letter) queue.
+    pub fn parking_queue(&self) -> &str {
+        &self.parking_queue
+    }
+
+    /// The route parked clones are published to.
+    pub fn parking_route(&self) -> &Route {
+        &self.parking_route
+    }
+
+    /// The delay levels, ascending, each with its route.
+    pub fn delay_routes(&self) -> &[(Duration, Route)] {
+        &self.delay_routes
+    }
+
+    /// The route for a delay, and the per-message expiration to set when the delay is shorter
+    /// than the level it goes to. The level is the smallest one that holds `delay`, or the
+    /// largest if none does; `None` when the plan has no delay levels.
+    ///
+    /// ```
+    /// use retry_core::{RetryPolicy, TopologyPlan};
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetryPolicy::delays([10, 60].map(Duration::from_secs)).build()?;
+    /// let plan = TopologyPlan::new("q", &policy)?;
+    /// let (route, expiration) = plan.route_for(Duration::from_secs(20)).unwrap();
+    /// assert_eq!(&*route.routing_key, "q.retry.1m");
+    /// assert_eq!(expiration, Some(Duration::from_secs(20)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn route_for(&self, delay: Duration) -> Option<(&Route, Option<Duration>)> {
+        let (level, route) = self
+            .delay_routes
+            .iter()
+            .find(|(level, _)| *level >= delay)
+            .or(self.delay_routes.last())?;
+        let expiration = (delay < *level).then_some(delay);
+        Some((route, expiration))
+    }
+}
+
+/// Builds a [`TopologyPlan`]. Defaults: classic queues, no delivery limit,
+/// [`DelayStrategy::PerDelayQueue`].
+#[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until `build()` is called"]
+pub struct TopologyBuilder<'a> {
+    work_queue: &'a str,
+    policy: &'a RetryPolicy,
+    queue_type: QueueType,
+    delivery_limit: Option<u32>,
+    strategy: DelayStrategy,
+}
+
+impl TopologyBuilder<'_> {
+    /// Classic or quorum queues.
+    pub fn with_queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// Quorum only: the broker dead-letters a message (to the parking queue, reason
+    /// `delivery_limit`) after this many returns to the work queue. It backs up the engine's
+    /// crash limit for consumers that run the handler on redelivery.
+    pub fn with_delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// How delays are realised.
+    pub fn with_strategy(mut self, strategy: DelayStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// Validates the name and computes the plan.
+    pub fn build(self) -> Result<TopologyPlan, TopologyError> {
+        let q = self.work_queue;
+        if q.is_empty() {
+            return Err(TopologyError::EmptyQueueName);
+        }
+        if q.starts_with("amq.") {
+            return Err(TopologyError::ReservedQueueName { name: q.to_owned() });
+        }
+        let DelayStrategy::PerDelayQueue = self.strategy;
+        let quorum = self.queue_type == QueueType::Quorum;
+        let retry_exchange = format!("{q}.retry");
+        let dead_letter_exchange = format!("{q}.dead-letter");
+        let parking_queue = format!("{q}.parking");
+
+        let args = |ttl: Option<Duration>, dlx: Option<&str>| QueueArguments {
+            queue_type: self.queue_type,
+            message_ttl: ttl,
+            dead_letter_exchange: dlx.map(str::to_owned),
+            dead_letter_routing_key: dlx.map(|_| q.to_owned()),
+            overflow: (quorum && dlx.is_some()).then_some(Overflow::RejectPublish),
+            at_least_once: quorum && dlx.is_some(),
+            delivery_limit: None,
+        };
+
+        let mut work_args = args(None, Some(&dead_letter_exchange));
+        if quorum {
+            work_args.delivery_limit = self.delivery_limit;
+        }
+        let mut queues = vec![QueueSpec {
+            name: q.to_owned(),
+            role: QueueRole::Work,
+            durable: true,
+            arguments: work_args,
+        }];
+        let mut bindings = Vec::new();
+        let mut delay_routes = Vec::new();
+        let retry_exchange_arc: Arc<str> = Arc::from(retry_exchange.as_str());
+        for ttl in self.policy.delay_levels() {
+            let name = format!("{q}.retry.{}", format_delay(ttl));
+            queues.push(QueueSpec {
+                name: name.clone(),
+                role: QueueRole::Delay { ttl },
+                durable: true,
+                arguments: args(Some(ttl), Some("")),
+            });
+            bindings.push(BindingSpec {
+                exchange: retry_exchange.clone(),
+                queue: name.clone(),
+                routing_key: name.clone(),
+            });
+            delay_routes.push((
+                ttl,
+                Route {
+                    exchange: retry_exchange_arc.clone(),
+                    routing_key: Arc::from(name),
+                },
+            ));
+        }
+        queues.push(QueueSpec {
+            name: parking_queue.clone(),
+            role: QueueRole::Parking,
+            durable: true,
+            arguments: args(None, None),
+        });
+        bindings.push(BindingSpec {
+            exchange: dead_letter_exchange.clone(),
+            queue: parking_queue.clone(),
+            routing_key: q.to_owned(),
+        });
+        let exchanges = vec![
+            ExchangeSpec {
+                name: retry_exchange,
+                kind: ExchangeKind::Direct,
+                durable: true,
+            },
+            ExchangeSpec {
+                name: dead_letter_exchange.clone(),
+                kind: ExchangeKind::Direct,
+                durable: true,
+            },
+        ];
+
+        let longest = queues
+            .iter()
+            .map(|s| s.name.as_str())
+            .chain(exchanges.iter().map(|e| e.name.as_str()))
+            .max_by_key(|n| n.len())
+            .unwrap_or(q);
+        if longest.len() > MAX_NAME_LEN {
+            return Err(TopologyError::NameTooLong {
+                name: q.to_owned(),
+                derived: longest.to_owned(),
+                len: longest.len(),
+            });
+        }
+        Ok(TopologyPlan {
+            work_queue: q.to_owned(),
+            exchanges,
+            queues,
+            bindings,
+            delay_routes,
+            parking_route: Route {
+                exchange: Arc::from(dead_letter_exchange),
+                routing_key: Arc::from(q),
+            },
+            parking_queue,
+        })
+    }
+}
