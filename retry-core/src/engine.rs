@@ -12,9 +12,9 @@ use crate::decision::{
 };
 use crate::facts::DeliveryFacts;
 use crate::headers::EngineHeaders;
-use crate::policy::RetryPolicy;
+use crate::policy::{CrashAction, RetryPolicy};
 use crate::time::Timestamp;
-use crate::topology::{Route, TopologyPlan};
+use crate::topology::{QueueType, Route, TopologyPlan};
 
 /// The engine's handle on one delivery, from [`Engine::handle_delivery`] until the delivery
 /// is settled or forgotten. Handles are not reused while the delivery is live, and a stale
@@ -167,6 +167,16 @@ pub enum EngineError {
     /// A confirm arrived for a delivery with no publish pending.
     #[error("delivery {0} got a confirm but no publish was requested")]
     UnexpectedConfirm(DeliveryId),
+    /// The policy runs the handler on redelivered deliveries, but the plan's queues keep no
+    /// delivery count, so a message that crashes its consumer would never reach the crash
+    /// limit.
+    #[error(
+        "on_crash = run-handler needs a broker delivery count to enforce the crash limit, but {queue:?} is a classic queue: use QueueType::Quorum or CrashAction::Divert"
+    )]
+    CrashLimitUnenforceable {
+        /// The work queue.
+        queue: String,
+    },
     /// The plan lacks a delay level the policy needs: it was made for another policy.
     #[error(
         "the topology plan for {queue:?} has no delay queue for {delay:?}, which the policy needs; make the plan from the same policy"
@@ -237,7 +247,19 @@ pub struct Engine {
 
 impl Engine {
     /// An engine for `policy` over `plan`, which must have been made from the same policy.
+    ///
+    /// [`CrashAction::RunHandler`](crate::CrashAction::RunHandler) needs quorum queues: a
+    /// redelivered message is the same message, so only the broker's delivery count can show
+    /// how often it crashed its consumer.
     pub fn new(policy: RetryPolicy, plan: &TopologyPlan) -> Result<Self, EngineError> {
+        let work = &plan.queues()[0];
+        if policy.on_crash() == CrashAction::RunHandler
+            && work.arguments.queue_type != QueueType::Quorum
+        {
+            return Err(EngineError::CrashLimitUnenforceable {
+                queue: work.name.clone(),
+            });
+        }
         for delay in policy.delay_levels() {
             if !plan.delay_routes().iter().any(|(level, _)| *level == delay) {
                 return Err(EngineError::MissingDelayLevel {

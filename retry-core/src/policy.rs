@@ -19,7 +19,9 @@ pub enum CrashAction {
     /// message that kills its consumer cannot kill it in a tight loop (the default).
     #[default]
     Divert,
-    /// Count a crash and run the handler again.
+    /// Count a crash and run the handler again. The message is the same one the broker
+    /// redelivered, so crashes can only be counted by the broker: this needs quorum queues
+    /// (`x-delivery-count`), and [`Engine::new`](crate::Engine::new) refuses it otherwise.
     RunHandler,
 }
 
