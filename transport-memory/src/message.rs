@@ -1,0 +1,143 @@
+//! Messages going into the broker, and snapshots of messages inside it.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use retry_core::{HeaderValue, Headers, Properties, Timestamp};
+
+/// The broker's identity for a message and all its copies: dead-lettering keeps it, and so do
+/// the clones the retry engine publishes of a delivery through a [`MemoryTransport`]. It is
+/// how a simulation follows one message through retries.
+///
+/// [`MemoryTransport`]: crate::MemoryTransport
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MessageKey(pub(crate) u64);
+
+impl MessageKey {
+    /// The number behind the key, in publish order from 1.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for MessageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// A message to publish, with the publish's parameters.
+///
+/// ```
+/// use transport_memory::Outgoing;
+/// use std::time::Duration;
+///
+/// let m = Outgoing::to_queue("comments", b"hello".to_vec())
+///     .with_message_id("c-1")
+///     .with_header("tenant", "acme")
+///     .with_expiration(Duration::from_secs(5));
+/// assert_eq!(m.routing_key(), "comments");
+/// ```
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Outgoing {
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: Properties,
+    pub(crate) headers: Headers,
+    pub(crate) expiration: Option<Duration>,
+    pub(crate) mandatory: bool,
+}
+
+impl Outgoing {
+    /// A message for `exchange` with `routing_key`.
+    pub fn new(exchange: impl Into<String>, routing_key: impl Into<String>, body: Vec<u8>) -> Self {
+        Outgoing {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            body,
+            ..Outgoing::default()
+        }
+    }
+
+    /// A message for the default exchange, which routes it to the queue named `queue`.
+    pub fn to_queue(queue: impl Into<String>, body: Vec<u8>) -> Self {
+        Self::new("", queue, body)
+    }
+
+    /// Sets the `message-id` property.
+    pub fn with_message_id(mut self, id: impl Into<String>) -> Self {
+        self.properties.message_id = Some(id.into());
+        self
+    }
+
+    /// Sets a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<HeaderValue>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+
+    /// Replaces the headers.
+    pub fn with_headers(mut self, headers: Headers) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Replaces the properties.
+    pub fn with_properties(mut self, properties: Properties) -> Self {
+        self.properties = properties;
+        self
+    }
+
+    /// Sets the per-message TTL (the `expiration` property).
+    pub fn with_expiration(mut self, ttl: Duration) -> Self {
+        self.expiration = Some(ttl);
+        self
+    }
+
+    /// Publishes with the `mandatory` flag: an unroutable message comes back as returned
+    /// instead of vanishing.
+    pub fn mandatory(mut self) -> Self {
+        self.mandatory = true;
+        self
+    }
+
+    /// The exchange.
+    pub fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// The routing key.
+    pub fn routing_key(&self) -> &str {
+        &self.routing_key
+    }
+}
+
+/// A copy of a message waiting in a queue, for inspection.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct QueuedMessage {
+    /// The message's identity across copies.
+    pub key: MessageKey,
+    /// Its `message-id`, or its key when it has none.
+    pub label: Arc<str>,
+    /// The exchange it was last published or dead-lettered to.
+    pub exchange: String,
+    /// Its routing key.
+    pub routing_key: String,
+    /// Its body.
+    pub body: Vec<u8>,
+    /// Its properties.
+    pub properties: Properties,
+    /// Its headers, `x-death` included.
+    pub headers: Headers,
+    /// Its per-message TTL, if any.
+    pub expiration: Option<Duration>,
+    /// When it expires in this queue, if it does.
+    pub expires_at: Option<Timestamp>,
+    /// Whether its next delivery is flagged redelivered.
+    pub redelivered: bool,
+    /// Quorum queues: how often it has been returned to the queue.
+    pub delivery_count: u32,
+}
