@@ -1,0 +1,261 @@
+//! Conversions between lapin's AMQP 0-9-1 types and retry-core's neutral ones.
+//!
+//! Integers of every width read as 64-bit and are written back as 64-bit (`l`), floats as
+//! doubles, short strings as long strings; decimals are kept as their text. Long strings
+//! that are not UTF-8 become bytes. Nothing here panics on what the broker sends.
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use retry_core::{HeaderValue, Headers, Properties, Timestamp};
+use std::time::Duration;
+use tracing::warn;
+
+/// Reads an AMQP field table.
+pub fn headers_from_table(table: &FieldTable) -> Headers {
+    table
+        .inner()
+        .iter()
+        .map(|(k, v)| (k.as_str().to_owned(), value_from_amqp(v)))
+        .collect()
+}
+
+/// Writes an AMQP field table. Keys longer than a short string allows are left out with a
+/// warning: the broker could not carry them.
+pub fn table_from_headers(headers: &Headers) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (k, v) in headers.iter() {
+        match ShortString::try_new(k) {
+            Ok(key) => {
+                table.insert(key, value_to_amqp(v));
+            }
+            Err(_) => warn!(header = %truncate(k), "header name longer than 255 bytes left out"),
+        }
+    }
+    table
+}
+
+fn truncate(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn long_string(s: &LongString) -> HeaderValue {
+    match std::str::from_utf8(s.as_bytes()) {
+        Ok(text) => HeaderValue::Str(text.to_owned()),
+        Err(_) => HeaderValue::Bytes(s.as_bytes().to_vec()),
+    }
+}
+
+/// Reads one field value.
+pub fn value_from_amqp(v: &AMQPValue) -> HeaderValue {
+    match v {
+        AMQPValue::Boolean(b) => HeaderValue::Bool(*b),
+        AMQPValue::ShortShortInt(n) => HeaderValue::Int(i64::from(*n)),
+        AMQPValue::ShortShortUInt(n) => HeaderValue::Int(i64::from(*n)),
+        AMQPValue::ShortInt(n) => HeaderValue::Int(i64::from(*n)),
+        AMQPValue::ShortUInt(n) => HeaderValue::Int(i64::from(*n)),
+        AMQPValue::LongInt(n) => HeaderValue::Int(i64::from(*n)),
+        AMQPValue::LongUInt(n) => HeaderValue::Int(i64::from(*n)),
+        AMQPValue::LongLongInt(n) => HeaderValue::Int(*n),
+        AMQPValue::Float(f) => HeaderValue::Float(f64::from(*f)),
+        AMQPValue::Double(f) => HeaderValue::Float(*f),
+        AMQPValue::DecimalValue(d) => HeaderValue::Str(format!("{}e-{}", d.value, d.scale)),
+        AMQPValue::ShortString(s) => HeaderValue::Str(s.as_str().to_owned()),
+        AMQPValue::LongString(s) => long_string(s),
+        AMQPValue::FieldArray(a) => {
+            HeaderValue::Array(a.as_slice().iter().map(value_from_amqp).collect())
+        }
+        // AMQP 0-9-1 timestamps are seconds.
+        AMQPValue::Timestamp(secs) => {
+            HeaderValue::Timestamp(Timestamp::from_millis(secs.saturating_mul(1000)))
+        }
+        AMQPValue::FieldTable(t) => HeaderValue::Table(headers_from_table(t)),
+        AMQPValue::ByteArray(b) => HeaderValue::Bytes(b.as_slice().to_vec()),
+        AMQPValue::Void => HeaderValue::Null,
+    }
+}
+
+/// Writes one field value.
+pub fn value_to_amqp(v: &HeaderValue) -> AMQPValue {
+    match v {
+        HeaderValue::Null => AMQPValue::Void,
+        HeaderValue::Bool(b) => AMQPValue::Boolean(*b),
+        HeaderValue::Int(n) => AMQPValue::LongLongInt(*n),
+        // 0-9-1 has no unsigned 64-bit type; out-of-range values keep their digits.
+        HeaderValue::UInt(n) => match i64::try_from(*n) {
+            Ok(n) => AMQPValue::LongLongInt(n),
+            Err(_) => AMQPValue::LongString(n.to_string().into()),
+        },
+        HeaderValue::Float(f) => AMQPValue::Double(*f),
+        HeaderValue::Str(s) => AMQPValue::LongString(s.as_str().into()),
+        HeaderValue::Bytes(b) => AMQPValue::ByteArray(b.clone().into()),
+        HeaderValue::Timestamp(t) => AMQPValue::Timestamp(t.as_millis() / 1000),
+        HeaderValue::Array(a) => {
+            AMQPValue::FieldArray(FieldArray::from(a.iter().map(value_to_amqp).collect::<Vec<_>>()))
+        }
+        HeaderValue::Table(t) => AMQPValue::FieldTable(table_from_headers(t)),
+    }
+}
+
+fn text(s: &Option<ShortString>) -> Option<String> {
+    s.as_ref().map(|s| s.as_str().to_owned())
+}
+
+/// Reads the basic properties a clone carries over.
+pub fn properties_from_amqp(p: &BasicProperties) -> Properties {
+    Properties {
+        content_type: text(p.content_type()),
+        content_encoding: text(p.content_encoding()),
+        message_id: text(p.message_id()),
+        correlation_id: text(p.correlation_id()),
+        reply_to: text(p.reply_to()),
+        timestamp: p
+            .timestamp()
+            .map(|secs| Timestamp::from_millis(secs.saturating_mul(1000))),
+        priority: *p.priority(),
+        kind: text(p.kind()),
+        app_id: text(p.app_id()),
+        persistent: *p.delivery_mode() == Some(2),
+    }
+}
+
+fn short(s: &Option<String>) -> Option<ShortString> {
+    s.as_ref().and_then(|s| ShortString::try_new(s.as_str()).ok())
+}
+
+/// Writes basic properties for a clone: the original's, these headers, and a per-message
+/// TTL if one is given. Clones are always persistent when the original was.
+pub fn properties_to_amqp(
+    p: &Properties,
+    headers: &Headers,
+    expiration: Option<Duration>,
+) -> BasicProperties {
+    let mut out = BasicProperties::default().with_headers(table_from_headers(headers));
+    if let Some(v) = short(&p.content_type) {
+        out = out.with_content_type(v);
+    }
+    if let Some(v) = short(&p.content_encoding) {
+        out = out.with_content_encoding(v);
+    }
+    if let Some(v) = short(&p.message_id) {
+        out = out.with_message_id(v);
+    }
+    if let Some(v) = short(&p.correlation_id) {
+        out = out.with_correlation_id(v);
+    }
+    if let Some(v) = short(&p.reply_to) {
+        out = out.with_reply_to(v);
+    }
+    if let Some(v) = short(&p.kind) {
+        out = out.with_type(v);
+    }
+    if let Some(v) = short(&p.app_id) {
+        out = out.with_app_id(v);
+    }
+    if let Some(t) = p.timestamp {
+        out = out.with_timestamp(t.as_millis() / 1000);
+    }
+    if let Some(n) = p.priority {
+        out = out.with_priority(n);
+    }
+    if p.persistent {
+        out = out.with_delivery_mode(2);
+    }
+    if let Some(ttl) = expiration {
+        out = out.with_expiration(ttl.as_millis().to_string().into());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::{ByteArray, DecimalValue};
+
+    #[test]
+    fn every_field_type_reads_without_panicking() {
+        let mut t = FieldTable::default();
+        t.insert("b".into(), AMQPValue::Boolean(true));
+        t.insert("i8".into(), AMQPValue::ShortShortInt(-3));
+        t.insert("u32".into(), AMQPValue::LongUInt(u32::MAX));
+        t.insert("i64".into(), AMQPValue::LongLongInt(i64::MIN));
+        t.insert("f".into(), AMQPValue::Float(1.5));
+        t.insert(
+            "dec".into(),
+            AMQPValue::DecimalValue(DecimalValue { scale: 2, value: 314 }),
+        );
+        t.insert("ss".into(), AMQPValue::ShortString("short".into()));
+        t.insert(
+            "bad".into(),
+            AMQPValue::LongString(vec![0xff, 0xfe, 0x00].into()),
+        );
+        t.insert("ts".into(), AMQPValue::Timestamp(u64::MAX));
+        t.insert("bytes".into(), AMQPValue::ByteArray(ByteArray::from(vec![1u8, 2])));
+        t.insert("void".into(), AMQPValue::Void);
+        let h = headers_from_table(&t);
+        assert_eq!(h.get("b"), Some(&HeaderValue::Bool(true)));
+        assert_eq!(h.get("i8"), Some(&HeaderValue::Int(-3)));
+        assert_eq!(h.get("u32"), Some(&HeaderValue::Int(u32::MAX as i64)));
+        assert_eq!(h.get("i64"), Some(&HeaderValue::Int(i64::MIN)));
+        assert_eq!(h.get("f"), Some(&HeaderValue::Float(1.5)));
+        assert_eq!(h.get("dec"), Some(&HeaderValue::Str("314e-2".into())));
+        assert_eq!(h.get("ss"), Some(&HeaderValue::Str("short".into())));
+        assert_eq!(h.get("bad"), Some(&HeaderValue::Bytes(vec![0xff, 0xfe, 0])));
+        assert_eq!(
+            h.get("ts"),
+            Some(&HeaderValue::Timestamp(Timestamp::from_millis(u64::MAX)))
+        );
+        assert_eq!(h.get("void"), Some(&HeaderValue::Null));
+    }
+
+    #[test]
+    fn engine_headers_round_trip() {
+        let h: Headers = [
+            ("x-retry-attempts", HeaderValue::Int(3)),
+            ("x-retry-last-error", HeaderValue::from("timeout")),
+            ("tenant", HeaderValue::Bytes(vec![1, 2, 3])),
+            (
+                "nested",
+                HeaderValue::Array(vec![HeaderValue::Table(
+                    [("count", HeaderValue::Int(2))].into_iter().collect(),
+                )]),
+            ),
+            ("big", HeaderValue::UInt(u64::MAX)),
+        ]
+        .into_iter()
+        .collect();
+        let back = headers_from_table(&table_from_headers(&h));
+        assert_eq!(back.get("x-retry-attempts"), h.get("x-retry-attempts"));
+        assert_eq!(back.get("x-retry-last-error"), h.get("x-retry-last-error"));
+        assert_eq!(back.get("tenant"), h.get("tenant"));
+        assert_eq!(back.get("nested"), h.get("nested"));
+        assert_eq!(
+            back.get("big"),
+            Some(&HeaderValue::Str(u64::MAX.to_string()))
+        );
+    }
+
+    #[test]
+    fn overlong_names_and_values_are_dropped_not_panicked_on() {
+        let long = "k".repeat(300);
+        let h: Headers = [(long.as_str(), HeaderValue::Int(1)), ("ok", HeaderValue::Int(2))]
+            .into_iter()
+            .collect();
+        let t = table_from_headers(&h);
+        assert_eq!(t.inner().len(), 1);
+        let p = Properties {
+            message_id: Some("m".repeat(300)),
+            content_type: Some("text/plain".into()),
+            persistent: true,
+            ..Properties::default()
+        };
+        let out = properties_to_amqp(&p, &Headers::new(), Some(Duration::from_millis(1500)));
+        assert_eq!(out.message_id(), &None);
+        assert_eq!(out.content_type().as_ref().map(|s| s.as_str()), Some("text/plain"));
+        assert_eq!(out.delivery_mode(), &Some(2));
+        assert_eq!(out.expiration().as_ref().map(|s| s.as_str()), Some("1500"));
+    }
+}

@@ -1,0 +1,39 @@
+//! lapin errors as `TransportError`s.
+
+use lapin::types::ShortString;
+use retry_core::TransportError;
+
+/// The AMQP reply code of a broker error, if it is one.
+pub(crate) fn amqp_code(err: &lapin::Error) -> Option<u16> {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
+        _ => None,
+    }
+}
+
+/// A lapin error as a connection error. lapin's messages carry no credentials.
+pub(crate) fn connection_error(err: lapin::Error) -> TransportError {
+    TransportError::Connection(err.to_string())
+}
+
+/// A name as an AMQP short string, refusing (not panicking on) names over 255 bytes.
+pub(crate) fn short(name: &str) -> Result<ShortString, TransportError> {
+    ShortString::try_new(name).map_err(|_| {
+        TransportError::Other(
+            format!(
+                "name {:?}… is {} bytes, longer than AMQP allows (255)",
+                prefix(name, 32),
+                name.len()
+            )
+            .into(),
+        )
+    })
+}
+
+fn prefix(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}

@@ -1,0 +1,250 @@
+//! Shared helpers for the broker tests: skipping without a broker, unique names, raw lapin
+//! access for setup and inspection, and `rabbitmqctl` for faults.
+
+#![allow(dead_code)]
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use retry_core::Headers;
+use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table};
+
+pub fn url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// The broker's config, or `None` (after a loud message) when there is no broker and
+/// `REQUIRE_BROKER` is unset. With `REQUIRE_BROKER` set, a missing broker fails the test.
+pub async fn broker(test: &str) -> Option<AmqpConfig> {
+    let reachable = tokio::time::timeout(
+        Duration::from_secs(5),
+        Connection::connect(&url(), ConnectionProperties::default()),
+    )
+    .await;
+    match reachable {
+        Ok(Ok(c)) => {
+            let _ = c.close(200, "probe".into()).await;
+            Some(AmqpConfig::new(url()).with_connection_name(format!("test-{}", unique(test))))
+        }
+        other => {
+            let why = match other {
+                Ok(Err(e)) => e.to_string(),
+                _ => "timed out".into(),
+            };
+            if std::env::var_os("REQUIRE_BROKER").is_some() {
+                panic!("REQUIRE_BROKER is set but RabbitMQ at {} is not answering: {why}", url());
+            }
+            eprintln!(
+                "\n!!! SKIPPED {test}: no RabbitMQ at {} ({why}); set REQUIRE_BROKER=1 to make this a failure\n",
+                url()
+            );
+            None
+        }
+    }
+}
+
+/// A name no other test run uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!(
+        "{prefix}-{}-{:x}-{}",
+        std::process::id(),
+        nanos & 0xffff_ffff,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A plain lapin connection and confirm-mode channel for setup and inspection.
+pub async fn raw() -> (Connection, Channel) {
+    let conn = Connection::connect(&url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    (conn, ch)
+}
+
+/// Publishes `body` to the default exchange with `routing_key`, waiting for the confirm.
+pub async fn publish(ch: &Channel, routing_key: &str, body: &[u8], message_id: &str) {
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            routing_key.into(),
+            BasicPublishOptions::default(),
+            body,
+            BasicProperties::default()
+                .with_message_id(message_id.into())
+                .with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack(), "{confirm:?}");
+}
+
+/// A message taken from a queue with basic.get (acked), as body, message id and headers.
+pub struct Got {
+    pub body: Vec<u8>,
+    pub message_id: Option<String>,
+    pub headers: Headers,
+}
+
+pub async fn get(ch: &Channel, queue: &str) -> Option<Got> {
+    let msg = ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()?;
+    let d = msg.delivery;
+    Some(Got {
+        message_id: d.properties.message_id().as_ref().map(|s| s.to_string()),
+        headers: d
+            .properties
+            .headers()
+            .as_ref()
+            .map(headers_from_table)
+            .unwrap_or_default(),
+        body: d.data,
+    })
+}
+
+/// Polls `queue` until a message arrives or `within` passes.
+pub async fn wait_get(ch: &Channel, queue: &str, within: Duration) -> Option<Got> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(got) = get(ch, queue).await {
+            return Some(got);
+        }
+        if tokio::time::Instant::now() > deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub async fn message_count(ch: &Channel, queue: &str) -> u32 {
+    ch.queue_declare(
+        queue.into(),
+        lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
+pub async fn transport(config: &AmqpConfig) -> AmqpTransport {
+    AmqpTransport::connect(config.clone()).await.unwrap()
+}
+
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Closes, from the broker's side, every connection whose client-provided name is `name`.
+/// Returns how many were closed.
+pub async fn close_connection(name: &str) -> usize {
+    let needle = format!("{{\"connection_name\",\"{name}\"}}");
+    tokio::task::spawn_blocking(move || {
+        // The table form prints pids in the full syntax close_connection accepts.
+        let listing = rabbitmqctl(&["list_connections", "-q", "pid", "client_properties"]);
+        let mut closed = 0;
+        for line in listing.lines().filter(|l| l.contains(&needle)) {
+            let pid = line.split('\t').next().unwrap();
+            rabbitmqctl(&["close_connection", pid, "test: forced close"]);
+            closed += 1;
+        }
+        if closed == 0 {
+            eprintln!("no connection named {needle} in:\n{listing}");
+        }
+        closed
+    })
+    .await
+    .unwrap()
+}
+
+/// `rabbitmqctl list_queues` rows for queues whose names start with `prefix`: name,
+/// arguments (as JSON), durable, type.
+pub async fn list_queues(prefix: &str) -> Vec<serde_json::Value> {
+    let prefix = prefix.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let listing = rabbitmqctl(&[
+            "list_queues",
+            "name",
+            "arguments",
+            "durable",
+            "type",
+            "--formatter",
+            "json",
+        ]);
+        let rows: serde_json::Value = serde_json::from_str(&listing).expect("json");
+        rows.as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["name"].as_str().is_some_and(|n| n.starts_with(&prefix)))
+            .cloned()
+            .collect()
+    })
+    .await
+    .unwrap()
+}
+
+/// `rabbitmqctl list_bindings` rows (source, destination, routing key) whose source starts
+/// with `prefix`.
+pub async fn list_bindings(prefix: &str) -> Vec<(String, String, String)> {
+    let prefix = prefix.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let listing = rabbitmqctl(&[
+            "list_bindings",
+            "source_name",
+            "destination_name",
+            "routing_key",
+            "--formatter",
+            "json",
+        ]);
+        let rows: serde_json::Value = serde_json::from_str(&listing).expect("json");
+        let mut out: Vec<_> = rows
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| {
+                r["source_name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with(&prefix))
+            })
+            .map(|r| {
+                (
+                    r["source_name"].as_str().unwrap().to_owned(),
+                    r["destination_name"].as_str().unwrap().to_owned(),
+                    r["routing_key"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        out.sort();
+        out
+    })
+    .await
+    .unwrap()
+}

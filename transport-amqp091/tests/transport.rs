@@ -1,0 +1,332 @@
+//! The transport against the real RabbitMQ: provisioning, publish results, settlement and
+//! recovery, without the driver.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use retry_core::headers::{self, EngineHeaders};
+use retry_core::{
+    HeaderValue, Message, MessageParts, Properties, Publish, PublishResult, QueueType,
+    RetryPolicy, Route, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
+};
+use transport_amqp091::{AmqpConfig, AmqpTransport};
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn clone_of(queue: &str, body: &[u8]) -> Message {
+    Message::new(MessageParts {
+        queue: queue.into(),
+        exchange: String::new(),
+        routing_key: queue.into(),
+        body: body.to_vec(),
+        properties: Properties {
+            message_id: Some("m-1".into()),
+            content_type: Some("application/octet-stream".into()),
+            persistent: true,
+            ..Properties::default()
+        },
+        headers: [("tenant", HeaderValue::from("acme"))].into_iter().collect(),
+    })
+}
+
+fn publish_to(route: Route) -> Publish {
+    Publish {
+        route,
+        expiration: None,
+        headers: EngineHeaders {
+            attempts: 1,
+            crashes: 0,
+            first_failure: Timestamp::from_millis(1_000),
+            last_failure: Timestamp::from_millis(2_000),
+            last_error: Some("boom".into()),
+            reason: None,
+            delay: Some(secs(1)),
+        },
+    }
+}
+
+#[tokio::test]
+async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
+    let Some(config) = broker("provision").await else { return };
+    let q = unique("prov");
+    let policy = RetryPolicy::delays([secs(30), secs(600), secs(3600)])
+        .build()
+        .unwrap();
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = transport(&config).await;
+    t.provision(&plan).await.unwrap();
+    let first = t.last_provision_report().unwrap();
+    assert_eq!(first.created.len(), 2 + 5, "{first:?}");
+
+    let queues = list_queues(&q).await;
+    let mut names: Vec<_> = queues.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    names.sort();
+    let mut planned: Vec<_> = plan.queues().iter().map(|q| q.name.as_str()).collect();
+    planned.sort();
+    assert_eq!(names, planned);
+    for spec in plan.queues() {
+        let row = queues.iter().find(|r| r["name"] == spec.name.as_str()).unwrap();
+        assert_eq!(row["durable"], true);
+        assert_eq!(row["type"], "classic");
+        // rabbitmqctl prints arguments as [name, type, value] triples.
+        let args: Vec<(String, String)> = row["arguments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| (a[0].as_str().unwrap().to_owned(), a[2].to_string()))
+            .collect();
+        let mut want: Vec<(String, String)> = spec
+            .arguments
+            .to_headers()
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    HeaderValue::Int(n) => n.to_string(),
+                    HeaderValue::Str(s) => format!("{s:?}"),
+                    other => panic!("unexpected argument {other:?}"),
+                };
+                (k.to_owned(), v)
+            })
+            .collect();
+        let mut got = args.clone();
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "{}", spec.name);
+    }
+    let bindings = list_bindings(&q).await;
+    let mut planned: Vec<_> = plan
+        .bindings()
+        .iter()
+        .map(|b| (b.exchange.clone(), b.queue.clone(), b.routing_key.clone()))
+        .collect();
+    planned.sort();
+    assert_eq!(bindings, planned);
+
+    // Again: nothing new, everything verified.
+    t.provision(&plan).await.unwrap();
+    let second = t.last_provision_report().unwrap();
+    assert!(second.created.is_empty(), "{second:?}");
+    assert_eq!(second.verified.len(), 7);
+    t.teardown(&plan).await.unwrap();
+    assert!(list_queues(&q).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_conflicting_declaration_is_reported_by_queue_and_argument() {
+    let Some(config) = broker("conflict").await else { return };
+    let q = unique("conflict");
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let delay_queue = format!("{q}.retry.30s");
+    let (_conn, ch) = raw().await;
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-message-ttl".into(), lapin::types::AMQPValue::LongInt(5_000));
+    ch.queue_declare(
+        delay_queue.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+
+    let t = transport(&config).await;
+    let err = t.provision(&plan).await.unwrap_err();
+    match &err {
+        TransportError::TopologyConflict {
+            object,
+            argument,
+            existing,
+            wanted,
+        } => {
+            assert!(object.contains(&delay_queue), "{err}");
+            assert!(argument == "x-dead-letter-exchange" || argument == "x-message-ttl", "{err}");
+            assert!(!existing.is_empty() && !wanted.is_empty(), "{err}");
+        }
+        other => panic!("expected a conflict, got {other}"),
+    }
+    // The transport is still usable after the refused declaration.
+    let plain = TopologyPlan::new(&unique("after-conflict"), &policy).unwrap();
+    t.provision(&plain).await.unwrap();
+    t.teardown(&plain).await.unwrap();
+    ch.queue_delete(delay_queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn publish_results_are_told_apart() {
+    let Some(config) = broker("publish").await else { return };
+    let q = unique("pub");
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = transport(&config).await;
+    t.provision(&plan).await.unwrap();
+    let msg = clone_of(&q, b"\x00\xffbody");
+    let (route, _) = plan.route_for(secs(30)).unwrap();
+
+    // Confirmed, with the body untouched and the engine's headers written.
+    let r = t.publish(&msg, &publish_to(route.clone())).await;
+    assert!(matches!(r, PublishResult::Confirmed), "{r:?}");
+    let (_conn, ch) = raw().await;
+    let got = wait_get(&ch, &format!("{q}.retry.30s"), secs(5)).await.unwrap();
+    assert_eq!(got.body, b"\x00\xffbody");
+    assert_eq!(got.message_id.as_deref(), Some("m-1"));
+    assert_eq!(got.headers.get(headers::ATTEMPTS), Some(&HeaderValue::Int(1)));
+    assert_eq!(got.headers.get("tenant"), Some(&HeaderValue::from("acme")));
+    assert_eq!(
+        got.headers.get(headers::ORIGIN_QUEUE),
+        Some(&HeaderValue::from(q.as_str()))
+    );
+
+    // Returned: the exchange exists but nothing is bound to the key.
+    let unroutable = Route {
+        exchange: route.exchange.clone(),
+        routing_key: "no-such-key".into(),
+    };
+    let r = t.publish(&msg, &publish_to(unroutable)).await;
+    assert!(matches!(r, PublishResult::Returned), "{r:?}");
+
+    // Failed: a missing exchange is a channel error...
+    let missing = Route {
+        exchange: format!("{q}.missing").into(),
+        routing_key: "k".into(),
+    };
+    let r = t.publish(&msg, &publish_to(missing)).await;
+    assert!(matches!(r, PublishResult::Failed(_)), "{r:?}");
+    // ...after which the transport reopens its channel and publishes again.
+    let r = t.publish(&msg, &publish_to(route.clone())).await;
+    assert!(matches!(r, PublishResult::Confirmed), "{r:?}");
+
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_full_reject_publish_queue_refuses_the_clone() {
+    let Some(config) = broker("refused").await else { return };
+    let q = unique("full");
+    let (_conn, ch) = raw().await;
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
+    args.insert("x-overflow".into(), lapin::types::AMQPValue::LongString("reject-publish".into()));
+    ch.queue_declare(q.as_str().into(), Default::default(), args)
+        .await
+        .unwrap();
+    let t = transport(&config).await;
+    let route = Route {
+        exchange: "".into(),
+        routing_key: q.as_str().into(),
+    };
+    let r = t.publish(&clone_of(&q, b"x"), &publish_to(route)).await;
+    assert!(matches!(r, PublishResult::Refused), "{r:?}");
+    ch.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
+}
+
+#[tokio::test]
+async fn passwords_stay_out_of_errors_and_debug_output() {
+    // TLS to the plain port fails in the handshake; the error must not carry the password.
+    let config = AmqpConfig::new("amqps://guest:hunter2-secret@127.0.0.1:5672/%2f")
+        .with_auto_recover(false);
+    assert!(!format!("{config:?}").contains("hunter2"));
+    let err = tokio::time::timeout(secs(20), AmqpTransport::connect(config))
+        .await
+        .expect("a TLS handshake against a plain port fails quickly")
+        .unwrap_err();
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("amqps://guest:****@127.0.0.1"), "{text}");
+
+    let Some(_) = broker("password").await else { return };
+    let wrong = AmqpConfig::new("amqp://guest:not-the-password@127.0.0.1:5672/%2f")
+        .with_auto_recover(false);
+    let err = AmqpTransport::connect(wrong).await.unwrap_err();
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("not-the-password"), "{text}");
+}
+
+#[tokio::test]
+async fn consuming_resumes_after_a_forced_close_and_stale_tags_are_not_acked() {
+    let Some(config) = broker("recovery").await else { return };
+    let name = config.connection_name().unwrap().to_owned();
+    let q = unique("recover");
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::builder(&q, &policy)
+        .with_queue_type(QueueType::Classic)
+        .build()
+        .unwrap();
+    let t = transport(&config).await;
+    t.provision(&plan).await.unwrap();
+    let (_conn, ch) = raw().await;
+    publish(&ch, &q, b"one", "one").await;
+    t.consume(&q, 10).await.unwrap();
+    let first = t.recv().await.unwrap().unwrap();
+    assert!(!first.facts.redelivered);
+
+    assert_eq!(close_connection(&name).await, 1);
+    // The held delivery comes back, flagged, on the recovered channel.
+    let again = tokio::time::timeout(secs(30), t.recv())
+        .await
+        .expect("consuming resumes")
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.message.body(), b"one");
+    assert!(again.facts.redelivered);
+    assert_eq!(t.recoveries(), 1);
+
+    // Acking the stale tag does nothing; acking the new one removes the message.
+    t.settle(&first.tag, Settlement::Ack).await.unwrap();
+    t.flush_acks().await;
+    t.settle(&again.tag, Settlement::Ack).await.unwrap();
+    t.cancel().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(message_count(&ch, &q).await, 0);
+
+    // And publishing works on the recovered connection.
+    let (route, _) = plan.route_for(secs(30)).unwrap();
+    let r = t.publish(&clone_of(&q, b"x"), &publish_to(route.clone())).await;
+    assert!(matches!(r, PublishResult::Confirmed), "{r:?}");
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn requeue_returns_the_delivery_and_acks_are_batched_safely() {
+    let Some(config) = broker("settle").await else { return };
+    let q = unique("settle");
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = transport(&config).await;
+    t.provision(&plan).await.unwrap();
+    let (_conn, ch) = raw().await;
+    for i in 0..6 {
+        publish(&ch, &q, format!("m{i}").as_bytes(), &format!("m{i}")).await;
+    }
+    t.consume(&q, 6).await.unwrap();
+    let mut got = Vec::new();
+    for _ in 0..6 {
+        got.push(t.recv().await.unwrap().unwrap());
+    }
+    // Ack out of order, requeue one in the middle.
+    for i in [5, 0, 1, 3, 4] {
+        t.settle(&got[i].tag, Settlement::Ack).await.unwrap();
+    }
+    t.settle(&got[2].tag, Settlement::Requeue).await.unwrap();
+    let back = tokio::time::timeout(secs(10), t.recv())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(back.message.body(), b"m2");
+    assert!(back.facts.redelivered);
+    t.settle(&back.tag, Settlement::Ack).await.unwrap();
+    t.cancel().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(message_count(&ch, &q).await, 0, "every ack reached the broker");
+    t.teardown(&plan).await.unwrap();
+}
