@@ -111,6 +111,7 @@
 mod backoff;
 #[cfg(feature = "serde")]
 mod config;
+mod consumer;
 mod decision;
 mod engine;
 mod facts;
@@ -124,6 +125,7 @@ mod topology;
 mod transport;
 
 pub use backoff::Backoff;
+pub use consumer::{Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport};
 pub use decision::{Admission, AttemptState, DeadLetterReason, Decision, Outcome, admit, decide};
 pub use engine::{Action, Confirm, DeliveryId, Engine, EngineError, Publish, Settlement, Terminal};
 pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedRecord};

@@ -1,0 +1,206 @@
+//! `Consumer`: the async driver that runs a [`Handler`] on a [`Transport`] and carries out
+//! the [`Engine`]'s decisions.
+//!
+//! Each turn of the loop feeds the engine what happened (a delivery, a handler's outcome, a
+//! publish confirm, an in-process wait ending), starts the actions it asks for in the order
+//! it emits them, and waits for the next event. At most `prefetch` deliveries are held at
+//! once: the driver only asks the transport for another delivery while fewer are in flight.
+
+mod builder;
+mod report;
+mod run;
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::engine::{Engine, Terminal};
+use crate::handler::Handler;
+use crate::message::Message;
+use crate::policy::RetryPolicy;
+use crate::topology::TopologyPlan;
+use crate::transport::Transport;
+
+pub use builder::{ConsumerBuilder, ConsumerConfigError};
+pub use report::RunReport;
+pub use run::ConsumerError;
+
+/// A callback told where each settled delivery ended.
+type Observer = Box<dyn Fn(&Message, &Terminal) + Send + Sync>;
+
+/// The validated settings of a consumer.
+#[derive(Clone, Debug)]
+struct Config {
+    queue: String,
+    prefetch: u16,
+    handler_timeout: Duration,
+    consumer_timeout: Duration,
+    shutdown_grace: Duration,
+    provision: bool,
+}
+
+/// Runs a [`Handler`] on the deliveries of one queue of a [`Transport`], retrying failures as
+/// a [`RetryPolicy`] says. Made with [`Consumer::builder`], started with [`Consumer::run`].
+///
+/// The consumer is one future. It spawns nothing: handlers, publishes and settlements run
+/// concurrently inside it, and it reads time only through [`Transport::now`] and
+/// [`Transport::sleep`], so any executor can drive it, and a simulated transport on a virtual
+/// clock drives it deterministically. At most [`prefetch`](ConsumerBuilder::prefetch)
+/// deliveries are held, and so at most that many handlers run, at once.
+///
+/// ```
+/// # use std::collections::VecDeque;
+/// # use std::sync::Mutex;
+/// # use async_trait::async_trait;
+/// # use retry_core::*;
+/// # // A queue in memory: every publish is confirmed, every call is recorded.
+/// # #[derive(Default)]
+/// # struct VecTransport {
+/// #     inbox: Mutex<VecDeque<Delivery<u64>>>,
+/// #     published: Mutex<Vec<String>>,
+/// #     settled: Mutex<Vec<(u64, Settlement)>>,
+/// # }
+/// # #[async_trait]
+/// # impl Transport for VecTransport {
+/// #     type Tag = u64;
+/// #     fn capabilities(&self) -> Capabilities {
+/// #         Capabilities { publisher_confirms: true, ..Capabilities::default() }
+/// #     }
+/// #     async fn provision(&self, _: &TopologyPlan) -> Result<(), TransportError> { Ok(()) }
+/// #     async fn consume(&self, _: &str, _: u16) -> Result<(), TransportError> { Ok(()) }
+/// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> {
+/// #         Ok(self.inbox.lock().unwrap().pop_front())
+/// #     }
+/// #     async fn publish(&self, _: &Message, p: &Publish) -> PublishResult {
+/// #         self.published.lock().unwrap().push(p.route.routing_key.to_string());
+/// #         PublishResult::Confirmed
+/// #     }
+/// #     async fn settle(&self, tag: &u64, s: Settlement) -> Result<(), TransportError> {
+/// #         self.settled.lock().unwrap().push((*tag, s));
+/// #         Ok(())
+/// #     }
+/// #     async fn cancel(&self) -> Result<(), TransportError> { Ok(()) }
+/// # }
+/// # fn delivery(tag: u64, body: &[u8]) -> Delivery<u64> {
+/// #     let message = Message::new(MessageParts {
+/// #         queue: "comments".into(),
+/// #         routing_key: "comments".into(),
+/// #         body: body.to_vec(),
+/// #         ..MessageParts::default()
+/// #     });
+/// #     let identity = message_identity(None, message.body());
+/// #     let facts = DeliveryFacts::decode(message.headers(), BrokerSignals::default(), identity);
+/// #     Delivery { tag, message, facts }
+/// # }
+/// use retry_core::{Consumer, HandlerError, Message, RetryPolicy, Settlement};
+/// use std::time::Duration;
+///
+/// async fn handle(msg: Message) -> Result<(), HandlerError> {
+///     match msg.body() {
+///         b"ok" => Ok(()),
+///         _ => Err(HandlerError::transient("downstream unavailable")),
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // A transport holding two deliveries; a real one talks to a broker.
+/// let transport = VecTransport::default();
+/// transport.inbox.lock().unwrap().extend([delivery(1, b"ok"), delivery(2, b"fails")]);
+///
+/// let policy = RetryPolicy::delays([Duration::from_secs(30), Duration::from_secs(600)]).build()?;
+/// let consumer = Consumer::builder(transport, policy, handle)
+///     .queue("comments")
+///     .prefetch(50)
+///     .build()?;
+///
+/// // Runs until the transport stops delivering or the shutdown future resolves.
+/// let report = consumer.run(std::future::pending()).await?;
+/// assert_eq!((report.received, report.handled, report.retried), (2, 1, 1));
+/// # Ok(())
+/// # }
+/// ```
+pub struct Consumer<T: Transport, H: Handler> {
+    transport: T,
+    handler: H,
+    engine: Engine,
+    config: Config,
+    observer: Option<Observer>,
+}
+
+impl<T: Transport, H: Handler> Consumer<T, H> {
+    /// A builder for a consumer that runs `handler` on `transport` under `policy`. The queue
+    /// must be set with [`ConsumerBuilder::queue`]; the other settings have defaults.
+    pub fn builder(transport: T, policy: RetryPolicy, handler: H) -> ConsumerBuilder<T, H> {
+        ConsumerBuilder::new(transport, policy, handler)
+    }
+
+    /// The topology the consumer needs; with [`ConsumerBuilder::provision`] left on, `run`
+    /// declares it before consuming.
+    pub fn plan(&self) -> &TopologyPlan {
+        self.engine.plan()
+    }
+
+    /// The retry policy.
+    pub fn policy(&self) -> &RetryPolicy {
+        self.engine.policy()
+    }
+
+    /// The work queue.
+    pub fn queue(&self) -> &str {
+        &self.config.queue
+    }
+
+    /// The most deliveries held at once, and so the most handlers running at once.
+    pub fn prefetch(&self) -> u16 {
+        self.config.prefetch
+    }
+
+    /// How long one handler run may take before it is cancelled.
+    pub fn handler_timeout(&self) -> Duration {
+        self.config.handler_timeout
+    }
+
+    /// The broker's `consumer_timeout` the configuration was checked against.
+    pub fn consumer_timeout(&self) -> Duration {
+        self.config.consumer_timeout
+    }
+
+    /// How long in-flight work may continue after shutdown is requested.
+    pub fn shutdown_grace(&self) -> Duration {
+        self.config.shutdown_grace
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// Provisions the topology (unless turned off), starts consuming, and runs until the
+    /// transport has no more deliveries and every held one is settled, or until `shutdown`
+    /// resolves.
+    ///
+    /// On shutdown the consumer stops receiving and lets in-flight handlers, publishes and
+    /// settlements continue for the [shutdown grace](ConsumerBuilder::shutdown_grace).
+    /// Deliveries still unfinished then are left unsettled: the broker redelivers them. Nothing
+    /// is acknowledged that was not handled.
+    ///
+    /// If `shutdown` resolves before consuming has started, `run` returns an empty report.
+    ///
+    /// A lost connection while receiving is retried after a short backoff; settlement
+    /// failures are logged and counted in the report, since the broker redelivers what it did
+    /// not see settled.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunReport, ConsumerError> {
+        run::run(self, shutdown).await
+    }
+}
+
+impl<T: Transport, H: Handler> fmt::Debug for Consumer<T, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("config", &self.config)
+            .field("plan", self.engine.plan())
+            .field("observer", &self.observer.is_some())
+            .finish_non_exhaustive()
+    }
+}

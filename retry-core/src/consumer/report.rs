@@ -1,0 +1,72 @@
+//! `RunReport`: what a consumer run did, counted.
+
+use crate::engine::Terminal;
+
+/// Counts of what happened during [`Consumer::run`](super::Consumer::run).
+///
+/// Every received delivery ends in exactly one of `handled`, `retried`, `diverted`,
+/// `dead_lettered`, `dropped`, `requeued` (settled on the broker), `left_unsettled` (still
+/// held at shutdown) or `settle_errors` (its settlement failed; the broker redelivers it).
+///
+/// ```
+/// use retry_core::RunReport;
+///
+/// let report = RunReport::default();
+/// assert_eq!(report.accounted(), report.received);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunReport {
+    /// Deliveries received from the transport.
+    pub received: u64,
+    /// Acknowledged after the handler succeeded.
+    pub handled: u64,
+    /// Acknowledged after a clone was confirmed on a delay route.
+    pub retried: u64,
+    /// Redelivered after a crash, and acknowledged after a clone was confirmed on a delay
+    /// route without running the handler.
+    pub diverted: u64,
+    /// Acknowledged after a clone was confirmed in the parking queue.
+    pub dead_lettered: u64,
+    /// Acknowledged without a copy, as the policy allows.
+    pub dropped: u64,
+    /// Returned to the queue because the clone's publish did not succeed.
+    pub requeued: u64,
+    /// Still held when the shutdown grace ran out, left for the broker to redeliver.
+    pub left_unsettled: u64,
+    /// Deliveries whose settlement failed; the broker redelivers them.
+    pub settle_errors: u64,
+    /// Handler runs that panicked (each counted as a transient failure).
+    pub handler_panics: u64,
+    /// Handler runs cancelled at the handler timeout (each counted as a transient failure).
+    pub handler_timeouts: u64,
+    /// Receive errors the consumer recovered from by trying again.
+    pub receive_errors: u64,
+}
+
+impl RunReport {
+    /// The deliveries whose fate is counted: every terminal, plus those left unsettled and
+    /// those whose settlement failed. Equal to `received` once a run has returned.
+    pub fn accounted(&self) -> u64 {
+        self.handled
+            + self.retried
+            + self.diverted
+            + self.dead_lettered
+            + self.dropped
+            + self.requeued
+            + self.left_unsettled
+            + self.settle_errors
+    }
+
+    pub(super) fn count(&mut self, terminal: &Terminal) {
+        let counter = match terminal {
+            Terminal::Handled { .. } => &mut self.handled,
+            Terminal::Retried { .. } => &mut self.retried,
+            Terminal::Diverted { .. } => &mut self.diverted,
+            Terminal::DeadLettered { .. } => &mut self.dead_lettered,
+            Terminal::Dropped { .. } => &mut self.dropped,
+            Terminal::Requeued { .. } => &mut self.requeued,
+        };
+        *counter += 1;
+    }
+}
