@@ -1,0 +1,391 @@
+//! `Amqp10Config`: where to connect and how long to wait, with the password kept out of
+//! every log line, error and `Debug` output.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::profile::BrokerProfile;
+
+/// Settings of an [`Amqp10Transport`](crate::Amqp10Transport). Built with `with_*` methods;
+/// each documents its default.
+///
+/// The URL is `amqp://user:password@host:port[/vhost]`, or `amqps://` for TLS (port 5671 by
+/// default). On the RabbitMQ profile a path selects the virtual host (`/%2f` or none is the
+/// default one).
+///
+/// ```
+/// use std::time::Duration;
+/// use transport_amqp10::{Amqp10Config, BrokerProfile};
+///
+/// let config = Amqp10Config::new("amqp://guest:s3cret@127.0.0.1:5672")
+///     .with_profile(BrokerProfile::RabbitMq3)
+///     .with_publish_timeout(Duration::from_secs(2));
+/// assert_eq!(config.publish_timeout(), Duration::from_secs(2));
+/// assert!(!format!("{config:?}").contains("s3cret"));
+/// assert_eq!(config.redacted_url(), "amqp://guest:***@127.0.0.1:5672");
+/// ```
+#[derive(Clone)]
+pub struct Amqp10Config {
+    url: String,
+    profile: BrokerProfile,
+    container_id: Option<String>,
+    connect_timeout: Duration,
+    publish_timeout: Duration,
+    operation_timeout: Duration,
+    idle_timeout: Option<Duration>,
+    tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl Amqp10Config {
+    /// Settings for `url`, with the defaults below.
+    pub fn new(url: impl Into<String>) -> Self {
+        Amqp10Config {
+            url: url.into(),
+            profile: BrokerProfile::RabbitMq3,
+            container_id: None,
+            connect_timeout: Duration::from_secs(10),
+            publish_timeout: Duration::from_secs(5),
+            operation_timeout: Duration::from_secs(10),
+            idle_timeout: Some(Duration::from_secs(60)),
+            tls: None,
+        }
+    }
+
+    /// The broker profile. Default: [`BrokerProfile::RabbitMq3`].
+    pub fn with_profile(mut self, profile: BrokerProfile) -> Self {
+        self.profile = profile;
+        self
+    }
+
+    /// The AMQP container id this client announces. Default: `retry-engine-<pid>`.
+    pub fn with_container_id(mut self, id: impl Into<String>) -> Self {
+        self.container_id = Some(id.into());
+        self
+    }
+
+    /// How long opening a connection (TCP, TLS, SASL, open) may take. Default: 10 s.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long a publish may wait for the broker's outcome before it counts as failed and
+    /// the original is requeued. Default: 5 s. Every send has this bound: on RabbitMQ 3.x a
+    /// send refused by a full `reject-publish` queue never resolves (the broker's session
+    /// process fails and the connection closes).
+    pub fn with_publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// How long attaching or detaching a link, verifying an address or settling a delivery
+    /// may take. Default: 10 s.
+    pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
+        self
+    }
+
+    /// The idle timeout announced to the broker, which makes both ends send heartbeats and
+    /// notice a dead peer; `None` announces none. Default: 60 s.
+    pub fn with_idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// The TLS client configuration for `amqps://` URLs. Default: the `webpki-roots`
+    /// certificate authorities with rustls' `ring` provider.
+    pub fn with_tls_config(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// The broker profile.
+    pub fn profile(&self) -> BrokerProfile {
+        self.profile
+    }
+
+    /// The container id, if one was set.
+    pub fn container_id(&self) -> Option<&str> {
+        self.container_id.as_deref()
+    }
+
+    /// The connect timeout.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The publish timeout.
+    pub fn publish_timeout(&self) -> Duration {
+        self.publish_timeout
+    }
+
+    /// The operation timeout.
+    pub fn operation_timeout(&self) -> Duration {
+        self.operation_timeout
+    }
+
+    /// The idle timeout.
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        self.idle_timeout
+    }
+
+    /// The TLS configuration, if one was set.
+    pub fn tls_config(&self) -> Option<&Arc<rustls::ClientConfig>> {
+        self.tls.as_ref()
+    }
+
+    /// The URL with its password replaced by `***`, for logs.
+    pub fn redacted_url(&self) -> String {
+        redact(&self.url)
+    }
+
+    pub(crate) fn endpoint(&self) -> Result<Endpoint, ConfigError> {
+        Endpoint::parse(&self.url, &self.profile)
+    }
+}
+
+impl fmt::Debug for Amqp10Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Amqp10Config")
+            .field("url", &self.redacted_url())
+            .field("profile", &self.profile)
+            .field("container_id", &self.container_id)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("publish_timeout", &self.publish_timeout)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+/// A URL that cannot be used. Its messages never contain the password.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// Not a URL.
+    #[error("{url} is not a valid URL: {reason}")]
+    InvalidUrl {
+        /// The URL, redacted.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Neither `amqp` nor `amqps`.
+    #[error("{url}: the scheme must be amqp or amqps, not {scheme:?}")]
+    UnsupportedScheme {
+        /// The URL, redacted.
+        url: String,
+        /// The scheme given.
+        scheme: String,
+    },
+    /// No host.
+    #[error("{url} names no host")]
+    MissingHost {
+        /// The URL, redacted.
+        url: String,
+    },
+}
+
+/// A password that prints as `***`.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct Secret(String);
+
+impl Secret {
+    pub(crate) fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// Where and how to connect, parsed from the URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    pub(crate) tls: bool,
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    /// `None` connects with SASL ANONYMOUS.
+    pub(crate) credentials: Option<(String, Secret)>,
+    /// The `hostname` of the AMQP open frame: RabbitMQ selects a virtual host with
+    /// `vhost:NAME`.
+    pub(crate) open_hostname: String,
+    pub(crate) redacted: String,
+}
+
+impl Endpoint {
+    fn parse(raw: &str, profile: &BrokerProfile) -> Result<Self, ConfigError> {
+        let redacted = redact(raw);
+        let url = url::Url::parse(raw).map_err(|e| ConfigError::InvalidUrl {
+            url: redacted.clone(),
+            reason: e.to_string(),
+        })?;
+        let tls = match url.scheme() {
+            "amqp" => false,
+            "amqps" => true,
+            other => {
+                return Err(ConfigError::UnsupportedScheme {
+                    url: redacted,
+                    scheme: other.to_owned(),
+                });
+            }
+        };
+        let host = match url.host_str() {
+            Some(h) if !h.is_empty() => h.trim_start_matches('[').trim_end_matches(']'),
+            _ => return Err(ConfigError::MissingHost { url: redacted }),
+        }
+        .to_owned();
+        let port = url.port().unwrap_or(if tls { 5671 } else { 5672 });
+        let decode = |s: &str| {
+            percent_decode(s).ok_or_else(|| ConfigError::InvalidUrl {
+                url: redacted.clone(),
+                reason: "user name or password is not valid percent-encoded UTF-8".into(),
+            })
+        };
+        let credentials = match (url.username(), url.password()) {
+            ("", None) => None,
+            (user, password) => Some((decode(user)?, Secret(decode(password.unwrap_or(""))?))),
+        };
+        let vhost = percent_decode(url.path().trim_start_matches('/')).unwrap_or_default();
+        let open_hostname = match profile {
+            BrokerProfile::RabbitMq3 if !vhost.is_empty() && vhost != "/" => {
+                format!("vhost:{vhost}")
+            }
+            _ => host.clone(),
+        };
+        Ok(Endpoint {
+            tls,
+            host,
+            port,
+            credentials,
+            open_hostname,
+            redacted,
+        })
+    }
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The URL with the password replaced, without parsing it (so a URL that does not parse is
+/// redacted too): everything between the first `:` after `//` and the last `@` before the
+/// path.
+fn redact(raw: &str) -> String {
+    let Some(scheme_end) = raw.find("//") else {
+        return raw.to_owned();
+    };
+    let rest_start = scheme_end + 2;
+    let rest = &raw[rest_start..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    let Some(at) = authority.rfind('@') else {
+        return raw.to_owned();
+    };
+    let userinfo = &authority[..at];
+    let Some(colon) = userinfo.find(':') else {
+        return raw.to_owned();
+    };
+    format!(
+        "{}{}:***{}",
+        &raw[..rest_start],
+        &userinfo[..colon],
+        &raw[rest_start + at..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GenericProfile;
+
+    #[test]
+    fn parses_plain_and_tls_urls() {
+        let e = Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672")
+            .endpoint()
+            .expect("valid");
+        assert!(!e.tls);
+        assert_eq!((e.host.as_str(), e.port), ("127.0.0.1", 5672));
+        assert_eq!(e.open_hostname, "127.0.0.1");
+        let e = Amqp10Config::new("amqps://u:p@broker.example")
+            .endpoint()
+            .expect("valid");
+        assert!(e.tls);
+        assert_eq!(e.port, 5671);
+        let e = Amqp10Config::new("amqp://broker")
+            .endpoint()
+            .expect("valid");
+        assert_eq!(e.credentials, None, "anonymous");
+    }
+
+    #[test]
+    fn rabbitmq_vhosts_go_into_the_open_hostname() {
+        let e = Amqp10Config::new("amqp://u:p@h/prod%2Fa")
+            .endpoint()
+            .expect("valid");
+        assert_eq!(e.open_hostname, "vhost:prod/a");
+        let e = Amqp10Config::new("amqp://u:p@h/%2f")
+            .endpoint()
+            .expect("valid");
+        assert_eq!(e.open_hostname, "h", "the default vhost needs no selection");
+        let generic = Amqp10Config::new("amqp://u:p@h/ns")
+            .with_profile(BrokerProfile::Generic(GenericProfile::new()))
+            .endpoint()
+            .expect("valid");
+        assert_eq!(generic.open_hostname, "h");
+    }
+
+    #[test]
+    fn credentials_are_percent_decoded_and_never_printed() {
+        let config = Amqp10Config::new("amqp://al%40ice:p%3Ass%2Fw0rd@h:1234");
+        let e = config.endpoint().expect("valid");
+        let (user, password) = e.credentials.clone().expect("credentials");
+        assert_eq!(user, "al@ice");
+        assert_eq!(password.expose(), "p:ss/w0rd");
+        for shown in [
+            format!("{config:?}"),
+            format!("{e:?}"),
+            config.redacted_url(),
+            e.redacted.clone(),
+        ] {
+            assert!(!shown.contains("p%3Ass"), "{shown}");
+            assert!(!shown.contains("p:ss"), "{shown}");
+        }
+        assert_eq!(config.redacted_url(), "amqp://al%40ice:***@h:1234");
+    }
+
+    #[test]
+    fn bad_urls_are_refused_without_the_password() {
+        let err = Amqp10Config::new("http://u:hunter2@h")
+            .endpoint()
+            .expect_err("scheme");
+        assert!(matches!(err, ConfigError::UnsupportedScheme { .. }));
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        let err = Amqp10Config::new("amqp://u:hunter2@[::1")
+            .endpoint()
+            .expect_err("invalid");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        assert_eq!(redact("no-scheme"), "no-scheme");
+        assert_eq!(redact("amqp://h/v"), "amqp://h/v");
+        assert_eq!(redact("amqp://u@h"), "amqp://u@h");
+        assert_eq!(redact("amqp://u:p:q@h/x@y"), "amqp://u:***@h/x@y");
+    }
+}

@@ -1,0 +1,226 @@
+//! Opening connections (TCP or TLS, SASL PLAIN) and probing addresses.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use fe2o3_amqp::connection::ConnectionHandle;
+use fe2o3_amqp::link::receiver::CreditMode;
+use fe2o3_amqp::link::{ReceiverAttachError, SenderAttachError, SessionStopReason};
+use fe2o3_amqp::sasl_profile::SaslProfile;
+use fe2o3_amqp::session::SessionHandle;
+use fe2o3_amqp::types::definitions::{AmqpError, ErrorCondition};
+use fe2o3_amqp::{Connection, Receiver, Sender, Session};
+use retry_core::TransportError;
+use tokio::net::TcpStream;
+use tokio::time::timeout;
+
+use crate::config::{Amqp10Config, Endpoint};
+
+static LINK_NAMES: AtomicU64 = AtomicU64::new(0);
+
+/// A link name unique in this process; RabbitMQ refuses a duplicate on one session.
+pub(crate) fn link_name(role: &str) -> String {
+    let n = LINK_NAMES.fetch_add(1, Ordering::Relaxed);
+    format!("retry-{role}-{}-{n}", std::process::id())
+}
+
+/// Opens a connection; `role` tells the broker's connection list which one this is.
+pub(crate) async fn open(
+    endpoint: &Endpoint,
+    config: &Amqp10Config,
+    role: &str,
+) -> Result<ConnectionHandle<()>, TransportError> {
+    let after = config.connect_timeout();
+    match timeout(after, open_inner(endpoint, config, role)).await {
+        Ok(result) => result,
+        Err(_) => Err(TransportError::Timeout {
+            operation: "opening an AMQP 1.0 connection",
+            after,
+        }),
+    }
+}
+
+async fn open_inner(
+    endpoint: &Endpoint,
+    config: &Amqp10Config,
+    role: &str,
+) -> Result<ConnectionHandle<()>, TransportError> {
+    let failed = |what: &str, e: &dyn std::fmt::Display| {
+        TransportError::Connection(format!("{what} {}: {e}", endpoint.redacted))
+    };
+    let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
+        .await
+        .map_err(|e| failed("connecting to", &e))?;
+    // Settlements and confirms are small frames that must not wait for Nagle.
+    let _ = tcp.set_nodelay(true);
+
+    let container_id = match config.container_id() {
+        Some(id) => format!("{id}-{role}"),
+        None => format!("retry-engine-{}-{role}", std::process::id()),
+    };
+    let sasl = match &endpoint.credentials {
+        Some((user, password)) => SaslProfile::Plain {
+            username: user.clone(),
+            password: password.expose().to_owned(),
+        },
+        None => SaslProfile::Anonymous,
+    };
+    // The scheme stays "amqp" for TLS too: the stream is already encrypted here, and
+    // RabbitMQ's TLS port expects TLS first, not AMQP's TLS protocol header.
+    let mut builder = Connection::builder()
+        .container_id(container_id)
+        .scheme("amqp")
+        .hostname(endpoint.open_hostname.as_str())
+        .sasl_hostname(endpoint.host.as_str())
+        .sasl_profile(sasl);
+    if let Some(idle) = config.idle_timeout() {
+        builder = builder.idle_time_out(u32::try_from(idle.as_millis()).unwrap_or(u32::MAX));
+    }
+    let opened = if endpoint.tls {
+        let tls = match config.tls_config() {
+            Some(tls) => Arc::clone(tls),
+            None => default_tls().map_err(|e| failed("TLS setup for", &e))?,
+        };
+        let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
+            .map_err(|e| failed("TLS server name for", &e))?;
+        let stream = tokio_rustls::TlsConnector::from(tls)
+            .connect(name, tcp)
+            .await
+            .map_err(|e| failed("TLS handshake with", &e))?;
+        builder.open_with_stream(stream).await
+    } else {
+        builder.open_with_stream(tcp).await
+    };
+    opened.map_err(|e| failed("opening AMQP 1.0 on", &e))
+}
+
+/// The `webpki-roots` authorities with rustls' `ring` provider, chosen explicitly so that no
+/// process-wide default provider is needed.
+fn default_tls() -> Result<Arc<rustls::ClientConfig>, rustls::Error> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// How an address is checked for existence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// Attach a receiver with no credit, then detach. On RabbitMQ `/amq/queue/NAME` never
+    /// declares and fails NOT_FOUND on a missing queue; with no credit nothing is delivered.
+    Receiver,
+    /// Attach a sender, then detach. RabbitMQ fails a missing exchange NOT_FOUND (but accepts
+    /// a sender to a missing queue, which is why queues are probed with a receiver).
+    Sender,
+}
+
+/// Why a probe failed.
+#[derive(Debug)]
+pub(crate) enum ProbeError {
+    /// The broker says the address does not exist.
+    Missing(String),
+    /// Anything else: the connection, a timeout.
+    Failed(TransportError),
+}
+
+/// Checks that `address` exists. A refused attach ends the whole session on RabbitMQ, so
+/// each probe gets a session of its own.
+pub(crate) async fn probe(
+    connection: &mut ConnectionHandle<()>,
+    address: &str,
+    how: Probe,
+    after: Duration,
+) -> Result<(), ProbeError> {
+    let work = async {
+        let mut session = Session::begin(connection)
+            .await
+            .map_err(|e| ProbeError::Failed(TransportError::Connection(e.to_string())))?;
+        let outcome = match how {
+            Probe::Receiver => match Receiver::builder()
+                .name(link_name("probe"))
+                .source(address)
+                .credit_mode(CreditMode::Manual)
+                .attach(&mut session)
+                .await
+            {
+                Ok(receiver) => {
+                    let _ = receiver.detach().await;
+                    Ok(())
+                }
+                Err(e) => Err(classify_receiver(e)),
+            },
+            Probe::Sender => match Sender::builder()
+                .name(link_name("probe"))
+                .target(address)
+                .attach(&mut session)
+                .await
+            {
+                Ok(sender) => {
+                    let _ = sender.detach().await;
+                    Ok(())
+                }
+                Err(e) => Err(classify_sender(e)),
+            },
+        };
+        end_session(&mut session).await;
+        outcome
+    };
+    match timeout(after, work).await {
+        Ok(outcome) => outcome,
+        Err(_) => Err(ProbeError::Failed(TransportError::Timeout {
+            operation: "verifying an address",
+            after,
+        })),
+    }
+}
+
+/// Ends a session unless the broker already has.
+pub(crate) async fn end_session(session: &mut SessionHandle<()>) {
+    if !session.is_ended() {
+        let _ = session.end().await;
+    }
+}
+
+fn not_found(reason: &SessionStopReason) -> Option<String> {
+    match reason {
+        SessionStopReason::RemoteEndedWithError(e)
+            if e.condition == ErrorCondition::AmqpError(AmqpError::NotFound) =>
+        {
+            Some(e.description.clone().unwrap_or_else(|| "not found".into()))
+        }
+        _ => None,
+    }
+}
+
+/// A refused attach: RabbitMQ ends the session with `amqp:not-found`; brokers that follow the
+/// specification answer with a null source or target and detach.
+pub(crate) fn classify_receiver(e: ReceiverAttachError) -> ProbeError {
+    match &e {
+        ReceiverAttachError::SessionStopped(reason) => match not_found(reason) {
+            Some(why) => ProbeError::Missing(why),
+            None => ProbeError::Failed(TransportError::Connection(e.to_string())),
+        },
+        ReceiverAttachError::IncomingSourceIsNone => {
+            ProbeError::Missing("the broker refused the link".into())
+        }
+        _ => ProbeError::Failed(TransportError::Connection(e.to_string())),
+    }
+}
+
+fn classify_sender(e: SenderAttachError) -> ProbeError {
+    match &e {
+        SenderAttachError::SessionStopped(reason) => match not_found(reason) {
+            Some(why) => ProbeError::Missing(why),
+            None => ProbeError::Failed(TransportError::Connection(e.to_string())),
+        },
+        SenderAttachError::IncomingTargetIsNone => {
+            ProbeError::Missing("the broker refused the link".into())
+        }
+        _ => ProbeError::Failed(TransportError::Connection(e.to_string())),
+    }
+}

@@ -1,0 +1,348 @@
+//! The consuming link: a task that owns the receiver, hands deliveries out and settles them,
+//! keeping the link's credit so that no more than `prefetch` deliveries are ever held.
+//!
+//! One task owns the link because receiving and settling both need it, and settling must
+//! also adjust the credit. Credit is manual: fe2o3's automatic mode refills to the full amount
+//! once half is settled, which would let more than `prefetch` deliveries be unsettled.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use fe2o3_amqp::connection::ConnectionHandle;
+use fe2o3_amqp::link::delivery::DeliveryInfo;
+use fe2o3_amqp::link::receiver::CreditMode;
+use fe2o3_amqp::session::SessionHandle;
+use fe2o3_amqp::types::messaging::{Body, Modified};
+use fe2o3_amqp::types::primitives::Value;
+use fe2o3_amqp::{Receiver, Session};
+use retry_core::{Delivery, Settlement, TransportError};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::timeout;
+use tracing::warn;
+
+use crate::codec::read_message;
+use crate::config::{Amqp10Config, Endpoint};
+use crate::connection::{self, ProbeError, classify_receiver, end_session, link_name};
+use crate::profile::BrokerProfile;
+
+/// The handle that settles one delivery of an [`Amqp10Transport`](crate::Amqp10Transport).
+///
+/// It names the link that received the delivery: after a reconnection, a tag of the old link
+/// can no longer settle (the broker has already put its delivery back in the queue).
+#[derive(Clone, Debug)]
+pub struct Amqp10Tag {
+    link: mpsc::Sender<Command>,
+    info: DeliveryInfo,
+    generation: u64,
+}
+
+impl Amqp10Tag {
+    /// Which consuming link, counted from 0 and incremented by every reconnection, received
+    /// the delivery.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The delivery id the broker gave the transfer.
+    pub fn delivery_id(&self) -> u32 {
+        self.info.delivery_id()
+    }
+}
+
+pub(crate) enum Command {
+    Settle {
+        info: DeliveryInfo,
+        settlement: Settlement,
+        done: oneshot::Sender<Result<(), TransportError>>,
+    },
+    /// Stop the flow of deliveries but keep the link, so held ones can still be settled.
+    Cancel { done: oneshot::Sender<()> },
+    /// Detach and close.
+    Close { done: oneshot::Sender<()> },
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Command::Settle { .. } => "Settle",
+            Command::Cancel { .. } => "Cancel",
+            Command::Close { .. } => "Close",
+        })
+    }
+}
+
+/// What the link task hands to [`recv`](retry_core::Transport::recv).
+pub(crate) enum Incoming {
+    Delivery(Box<Delivery<Amqp10Tag>>),
+    /// The link is gone; the consumer may attach again.
+    Lost(TransportError),
+    /// Cancelled: no more deliveries.
+    Cancelled,
+}
+
+/// A running consuming link.
+pub(crate) struct Link {
+    pub(crate) commands: mpsc::Sender<Command>,
+    pub(crate) incoming: mpsc::Receiver<Incoming>,
+}
+
+/// Opens a connection, attaches a receiver on `queue` and starts its task.
+pub(crate) async fn start(
+    endpoint: &Endpoint,
+    config: &Amqp10Config,
+    queue: &str,
+    prefetch: u16,
+    generation: u64,
+) -> Result<Link, TransportError> {
+    let profile = config.profile();
+    let address = profile.queue_address(queue);
+    let after = config.operation_timeout();
+    let mut connection = connection::open(endpoint, config, "consumer").await?;
+    let attached = timeout(after, async {
+        let mut session = Session::begin(&mut connection)
+            .await
+            .map_err(|e| TransportError::Connection(e.to_string()))?;
+        let receiver = Receiver::builder()
+            .name(link_name("consumer"))
+            .source(address.as_str())
+            .credit_mode(CreditMode::Manual)
+            .attach(&mut session)
+            .await
+            .map_err(|e| match classify_receiver(e) {
+                ProbeError::Missing(why) => TransportError::MissingAddress {
+                    address: address.clone(),
+                    hint: format!("{why}; {}", crate::transport::provision_hint(&profile)),
+                },
+                ProbeError::Failed(e) => e,
+            })?;
+        Ok::<_, TransportError>((session, receiver))
+    })
+    .await;
+    let (session, mut receiver) = match attached {
+        Ok(Ok(parts)) => parts,
+        Ok(Err(e)) => {
+            let _ = timeout(after, connection.close()).await;
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = timeout(after, connection.close()).await;
+            return Err(TransportError::Timeout {
+                operation: "attaching the consumer",
+                after,
+            });
+        }
+    };
+    let credit = u32::from(prefetch);
+    if let Err(e) = receiver.set_credit(credit).await {
+        return Err(TransportError::Connection(e.to_string()));
+    }
+    let (commands, command_rx) = mpsc::channel(usize::from(prefetch).max(16));
+    // Credit bounds what is undelivered in the channel to `prefetch`, plus one final marker.
+    let (incoming_tx, incoming) = mpsc::channel(usize::from(prefetch) + 2);
+    let task = LinkTask {
+        connection,
+        session,
+        receiver,
+        queue: queue.to_owned(),
+        profile,
+        prefetch: credit,
+        credit,
+        held: HashSet::new(),
+        cancelled: false,
+        generation,
+        own: commands.downgrade(),
+        settle_timeout: after,
+    };
+    tokio::spawn(task.run(command_rx, incoming_tx));
+    Ok(Link { commands, incoming })
+}
+
+struct LinkTask {
+    connection: ConnectionHandle<()>,
+    session: SessionHandle<()>,
+    receiver: Receiver,
+    queue: String,
+    profile: BrokerProfile,
+    prefetch: u32,
+    /// The credit the broker has left, as far as this side knows.
+    credit: u32,
+    /// Delivery ids handed out and not yet settled.
+    held: HashSet<u32>,
+    cancelled: bool,
+    generation: u64,
+    /// For tags; weak, so that the task ends once the transport and every tag are gone.
+    own: mpsc::WeakSender<Command>,
+    settle_timeout: Duration,
+}
+
+impl LinkTask {
+    async fn run(mut self, mut commands: mpsc::Receiver<Command>, out: mpsc::Sender<Incoming>) {
+        let mut close_done = None;
+        loop {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(Command::Settle { info, settlement, done }) => {
+                        let result = self.settle(info, settlement).await;
+                        let _ = done.send(result);
+                    }
+                    Some(Command::Cancel { done }) => {
+                        self.cancel();
+                        let _ = out.try_send(Incoming::Cancelled);
+                        let _ = done.send(());
+                    }
+                    Some(Command::Close { done }) => {
+                        close_done = Some(done);
+                        break;
+                    }
+                    None => break,
+                },
+                received = self.receiver.recv::<Body<Value>>() => match received {
+                    Ok(delivery) => {
+                        self.credit = self.credit.saturating_sub(1);
+                        if self.cancelled {
+                            // Nobody will take it now: back to the queue for other consumers.
+                            let _ = self.receiver.release(&delivery).await;
+                            continue;
+                        }
+                        let Some(tag_link) = self.own.upgrade() else { break };
+                        let (info, message) = delivery.into_parts();
+                        self.held.insert(info.delivery_id());
+                        let received = read_message(message, &self.queue, &self.profile);
+                        let tag = Amqp10Tag { link: tag_link, info, generation: self.generation };
+                        let delivery = Delivery { tag, message: received.message, facts: received.facts };
+                        if out.send(Incoming::Delivery(Box::new(delivery))).await.is_err() {
+                            break;
+                        }
+                        if let Err(e) = self.refill().await {
+                            let _ = out.try_send(Incoming::Lost(e));
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        warn!(queue = %self.queue, error = %e, "consuming link lost");
+                        let _ = out.try_send(Incoming::Lost(TransportError::Connection(format!(
+                            "consuming {}: {e}", self.queue
+                        ))));
+                        break;
+                    }
+                },
+            }
+        }
+        self.shut_down().await;
+        if let Some(done) = close_done {
+            let _ = done.send(());
+        }
+    }
+
+    async fn settle(
+        &mut self,
+        info: DeliveryInfo,
+        settlement: Settlement,
+    ) -> Result<(), TransportError> {
+        if !self.held.remove(&info.delivery_id()) {
+            return Err(TransportError::Other(
+                format!("delivery {} is already settled", info.delivery_id()).into(),
+            ));
+        }
+        let receiver = &self.receiver;
+        let disposed = match settlement {
+            Settlement::Ack => receiver.accept(info).await,
+            Settlement::Reject => receiver.reject(info, None).await,
+            Settlement::Requeue if self.profile.supports_modified() => {
+                let modified = Modified {
+                    delivery_failed: Some(true),
+                    undeliverable_here: None,
+                    message_annotations: None,
+                };
+                receiver.modify(info, modified).await
+            }
+            // RabbitMQ 3.x ends the session on `modified`.
+            Settlement::Requeue => receiver.release(info).await,
+        };
+        disposed.map_err(|e| TransportError::Connection(format!("settling: {e}")))?;
+        self.refill().await
+    }
+
+    /// Grants `prefetch - held` once the previous grant is used up, never earlier.
+    ///
+    /// RabbitMQ 3.10 applies a flow's link-credit as new credit without subtracting transfers
+    /// already on the way, and fe2o3 tears the link down (`TransferLimitExceeded`) on a
+    /// transfer beyond the credit it granted. Once this side has counted the whole grant in,
+    /// nothing can be on the way, so a new grant cannot be overrun.
+    async fn refill(&mut self) -> Result<(), TransportError> {
+        if self.cancelled || self.credit > 0 {
+            return Ok(());
+        }
+        let held = u32::try_from(self.held.len()).unwrap_or(u32::MAX);
+        let target = self.prefetch.saturating_sub(held);
+        if target > 0 {
+            timeout(self.settle_timeout, self.receiver.set_credit(target))
+                .await
+                .map_err(|_| TransportError::Timeout {
+                    operation: "granting credit",
+                    after: self.settle_timeout,
+                })?
+                .map_err(|e| TransportError::Connection(format!("granting credit: {e}")))?;
+            self.credit = target;
+        }
+        Ok(())
+    }
+
+    /// Stops handing deliveries out and granting credit. The credit is not taken back:
+    /// fe2o3 counts a transfer the broker sent before it saw a lowered credit as a violation
+    /// and tears the link down, and the held deliveries could then no longer be settled. What
+    /// the remaining credit still brings is released at once.
+    fn cancel(&mut self) {
+        self.cancelled = true;
+    }
+
+    /// Detach, never close: closing a link misbehaves on RabbitMQ 3.10. Unsettled deliveries
+    /// go back to the queue.
+    async fn shut_down(self) {
+        let LinkTask {
+            mut connection,
+            mut session,
+            receiver,
+            settle_timeout,
+            ..
+        } = self;
+        let _ = timeout(settle_timeout, async {
+            let _ = receiver.detach().await;
+            end_session(&mut session).await;
+            let _ = connection.close().await;
+        })
+        .await;
+    }
+}
+
+/// Settles through the link task that received the delivery.
+pub(crate) async fn settle(
+    tag: &Amqp10Tag,
+    settlement: Settlement,
+    after: Duration,
+) -> Result<(), TransportError> {
+    let (done, answer) = oneshot::channel();
+    let gone = || {
+        TransportError::Connection(format!(
+            "the link that received delivery {} is gone; the broker has put it back",
+            tag.delivery_id()
+        ))
+    };
+    let command = Command::Settle {
+        info: tag.info.clone(),
+        settlement,
+        done,
+    };
+    match timeout(after, async {
+        tag.link.send(command).await.map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    })
+    .await
+    {
+        Ok(result) => result,
+        Err(_) => Err(TransportError::Timeout {
+            operation: "settling a delivery",
+            after,
+        }),
+    }
+}

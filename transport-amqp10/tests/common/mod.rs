@@ -1,0 +1,322 @@
+//! Shared setup for the broker tests: finding the broker, naming and provisioning topology
+//! over AMQP 0-9-1, and a small loop that drives the engine over a transport.
+
+#![allow(dead_code)]
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel};
+use retry_core::{Action, Delivery, Engine, Message, Outcome, Terminal, TopologyPlan, Transport};
+use transport_amqp10::{Amqp10Config, Amqp10Transport};
+use transport_amqp091::{AmqpConfig, AmqpTransport, table_from_headers};
+
+/// The AMQP 1.0 URL of the broker under test.
+pub fn url10() -> String {
+    std::env::var("AMQP10_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into())
+}
+
+/// The AMQP 0-9-1 URL of the same broker, for setup.
+pub fn url091() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// The one place that decides whether a broker test runs: with a broker it runs; without
+/// one it is skipped loudly, unless `REQUIRE_BROKER` is set (CI), where it fails.
+pub async fn broker() -> Option<Broker> {
+    let required = std::env::var("REQUIRE_BROKER").is_ok_and(|v| !v.is_empty() && v != "0");
+    let attempt = async {
+        let setup = AmqpTransport::connect(AmqpConfig::new(url091()))
+            .await
+            .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
+        let channel = setup
+            .connection()
+            .create_channel()
+            .await
+            .map_err(|e| format!("channel: {e}"))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| format!("confirm_select: {e}"))?;
+        let probe = Amqp10Transport::connect(Amqp10Config::new(url10()))
+            .await
+            .map_err(|e| format!("AMQP 1.0: {e} (is rabbitmq_amqp1_0 enabled?)"))?;
+        probe.close().await;
+        Ok::<_, String>(Broker { setup, channel })
+    };
+    match tokio::time::timeout(Duration::from_secs(15), attempt).await {
+        Ok(Ok(broker)) => Some(broker),
+        outcome => {
+            let why = match outcome {
+                Ok(Err(e)) => e,
+                _ => "no answer within 15 s".into(),
+            };
+            if required {
+                panic!("REQUIRE_BROKER is set but no broker answers: {why}");
+            }
+            eprintln!(
+                "\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\
+                 !!! SKIPPING a RabbitMQ test: {why}\n\
+                 !!! Start RabbitMQ with `rabbitmq-plugins enable rabbitmq_amqp1_0`, or set\n\
+                 !!! REQUIRE_BROKER=1 to make this a failure.\n\
+                 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n"
+            );
+            None
+        }
+    }
+}
+
+/// A name no other test run uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "t10-{prefix}-{}-{nanos:x}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The broker seen over AMQP 0-9-1: the 0-9-1 transport provisions, a raw channel inspects.
+pub struct Broker {
+    setup: AmqpTransport,
+    pub channel: Channel,
+}
+
+/// Extra queue arguments a test adds to one queue of a plan: (queue, argument, value).
+pub type Extra = Vec<(String, String, AMQPValue)>;
+
+impl Broker {
+    /// Provisions `plan` through the AMQP 0-9-1 transport, then removes the queues in `skip`
+    /// and redeclares any queue named in `extra` with those arguments added. The returned
+    /// guard deletes the plan's objects when dropped.
+    pub async fn declare(&self, plan: &TopologyPlan, skip: &[&str], extra: Extra) -> Cleanup {
+        let cleanup = Cleanup { plan: plan.clone() };
+        self.setup.provision(plan).await.expect("0-9-1 provision");
+        for queue in plan.queues() {
+            let skipped = skip.contains(&queue.name.as_str());
+            let tweaks: Vec<_> = extra.iter().filter(|(q, _, _)| *q == queue.name).collect();
+            if !skipped && tweaks.is_empty() {
+                continue;
+            }
+            self.channel
+                .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
+                .await
+                .expect("queue_delete");
+            if skipped {
+                continue;
+            }
+            let mut args = table_from_headers(&queue.arguments.to_headers());
+            for (_, arg, value) in tweaks {
+                args.insert(ShortString::from(arg.as_str()), value.clone());
+            }
+            self.channel
+                .queue_declare(
+                    queue.name.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: queue.durable,
+                        ..QueueDeclareOptions::default()
+                    },
+                    args,
+                )
+                .await
+                .expect("queue_declare");
+            for binding in plan.bindings().iter().filter(|b| b.queue == queue.name) {
+                self.channel
+                    .queue_bind(
+                        binding.queue.as_str().into(),
+                        binding.exchange.as_str().into(),
+                        binding.routing_key.as_str().into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .expect("queue_bind");
+            }
+        }
+        cleanup
+    }
+
+    /// Publishes over AMQP 0-9-1 to `queue` through the default exchange, with a confirm.
+    pub async fn publish(&self, queue: &str, body: &[u8], properties: BasicProperties) {
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                body,
+                properties,
+            )
+            .await
+            .expect("basic_publish")
+            .await
+            .expect("confirm");
+        assert!(confirm.is_ack(), "publish to {queue} not confirmed");
+    }
+
+    /// Messages ready in `queue`.
+    pub async fn ready(&self, queue: &str) -> u32 {
+        self.channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map(|q| q.message_count())
+            .expect("passive declare")
+    }
+
+    /// Waits until `queue` holds `n` ready messages, at most `within`.
+    pub async fn wait_ready(&self, queue: &str, n: u32, within: Duration) -> u32 {
+        let deadline = Instant::now() + within;
+        loop {
+            let count = self.ready(queue).await;
+            if count == n || Instant::now() >= deadline {
+                return count;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Takes one message from `queue` over AMQP 0-9-1: body and redelivered flag.
+    pub async fn get(&self, queue: &str) -> Option<(Vec<u8>, bool)> {
+        self.channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .expect("basic_get")
+            .map(|m| (m.delivery.data.clone(), m.delivery.redelivered))
+    }
+}
+
+/// Deletes what a test declared, even when the test panics.
+pub struct Cleanup {
+    plan: TopologyPlan,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let plan = self.plan.clone();
+        // Drop is synchronous and may run inside the test's runtime: tear down from a thread
+        // of its own with a runtime of its own.
+        let deleting = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let connecting = AmqpTransport::connect(AmqpConfig::new(url091()));
+                if let Ok(Ok(setup)) =
+                    tokio::time::timeout(Duration::from_secs(10), connecting).await
+                {
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(10), setup.teardown(&plan)).await;
+                }
+            });
+        });
+        let _ = deleting.join();
+    }
+}
+
+/// A transport with short timeouts, for tests.
+pub async fn transport() -> Amqp10Transport {
+    Amqp10Transport::connect(
+        Amqp10Config::new(url10())
+            .with_publish_timeout(Duration::from_secs(2))
+            .with_operation_timeout(Duration::from_secs(10)),
+    )
+    .await
+    .expect("AMQP 1.0 connect")
+}
+
+/// Drives `engine` over `transport` until `terminals` deliveries have ended or `within`
+/// passes, running `handler` inline. Returns how each delivery ended, with its message.
+pub async fn drive<T: Transport>(
+    transport: &T,
+    engine: &mut Engine,
+    handler: &impl Fn(&Message) -> Outcome,
+    terminals: usize,
+    within: Duration,
+) -> Vec<(Terminal, Message)> {
+    let deadline = Instant::now() + within;
+    let mut held: Vec<(retry_core::DeliveryId, Delivery<T::Tag>)> = Vec::new();
+    let mut ended = Vec::new();
+    let mut pending: VecDeque<Action> = VecDeque::new();
+    while ended.len() < terminals {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let delivery = match tokio::time::timeout(left, transport.recv()).await {
+            Ok(Ok(Some(d))) => d,
+            Ok(Ok(None)) => break,
+            Ok(Err(e)) => panic!("recv failed: {e}"),
+            Err(_) => break,
+        };
+        let id = engine.handle_delivery(transport.now(), delivery.facts);
+        held.push((id, delivery));
+        loop {
+            let now = transport.now();
+            while let Some(a) = engine.poll_action(now) {
+                pending.push_back(a);
+            }
+            let Some(action) = pending.pop_front() else {
+                match engine.poll_timeout(now) {
+                    Some(wait) => {
+                        tokio::time::sleep(wait).await;
+                        continue;
+                    }
+                    None => break,
+                }
+            };
+            let find = |id| {
+                held.iter()
+                    .position(|(h, _)| *h == id)
+                    .expect("action for a held delivery")
+            };
+            match action {
+                Action::RunHandler { delivery, attempt } => {
+                    let i = find(delivery);
+                    let msg = held[i].1.message.with_attempt(attempt);
+                    let outcome = handler(&msg);
+                    engine
+                        .handle_outcome(transport.now(), delivery, outcome)
+                        .expect("outcome");
+                }
+                Action::Publish { delivery, publish } => {
+                    let i = find(delivery);
+                    let result = transport.publish(&held[i].1.message, &publish).await;
+                    engine
+                        .handle_confirm(transport.now(), delivery, result.confirm())
+                        .expect("confirm");
+                }
+                Action::Settle {
+                    delivery,
+                    settlement,
+                    terminal,
+                } => {
+                    let i = find(delivery);
+                    let (_, d) = held.swap_remove(i);
+                    transport.settle(&d.tag, settlement).await.expect("settle");
+                    ended.push((terminal, d.message));
+                }
+            }
+        }
+    }
+    ended
+}

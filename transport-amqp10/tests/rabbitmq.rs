@@ -1,0 +1,593 @@
+//! The transport against the local RabbitMQ 3.x through its AMQP 1.0 plugin. The topology of
+//! each test is declared over AMQP 0-9-1 under unique names and deleted afterwards.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::BasicProperties;
+use lapin::types::AMQPValue;
+use retry_core::headers::{ATTEMPTS, DELAY, EngineHeaders};
+use retry_core::{
+    Confirm, DeadLetterReason, Engine, HeaderValue, Outcome, ParkedRecord, Publish, PublishResult,
+    RetryPolicy, Route, Settlement, Terminal, TopologyPlan, Transport, TransportError,
+};
+use transport_amqp10::Amqp10Transport;
+
+use common::{broker, drive, transport, unique};
+
+fn plan(queue: &str, delays: &[u64]) -> (RetryPolicy, TopologyPlan) {
+    let policy = RetryPolicy::delays(delays.iter().map(|ms| Duration::from_millis(*ms)))
+        .build()
+        .expect("policy");
+    let plan = TopologyPlan::new(queue, &policy).expect("plan");
+    (policy, plan)
+}
+
+/// Takes one message from `queue` over AMQP 1.0 with a transport of its own.
+async fn take(queue: &str, within: Duration) -> Option<retry_core::Message> {
+    let reader = transport().await;
+    reader.consume(queue, 1).await.expect("consume");
+    let got = match tokio::time::timeout(within, reader.recv()).await {
+        Ok(Ok(Some(d))) => {
+            reader.settle(&d.tag, Settlement::Ack).await.expect("ack");
+            Some(d.message)
+        }
+        _ => None,
+    };
+    reader.close().await;
+    got
+}
+
+#[tokio::test]
+async fn a_successful_message_is_accepted_once() {
+    let Some(b) = broker().await else { return };
+    let q = unique("ok");
+    let (policy, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"hello", BasicProperties::default()).await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("topology verified");
+    t.consume(&q, 4).await.expect("consume");
+    let mut engine = Engine::new(policy, &plan).expect("engine");
+    let ended = drive(
+        &t,
+        &mut engine,
+        &|_| Outcome::Success,
+        1,
+        Duration::from_secs(10),
+    )
+    .await;
+    t.close().await;
+
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].0, Terminal::Handled { attempt: 1 });
+    assert_eq!(ended[0].1.body(), b"hello");
+    assert_eq!(b.wait_ready(&q, 0, Duration::from_secs(2)).await, 0);
+    assert_eq!(b.ready(plan.parking_queue()).await, 0);
+}
+
+#[tokio::test]
+async fn a_transient_failure_comes_back_after_the_ttl_and_succeeds() {
+    let Some(b) = broker().await else { return };
+    let q = unique("transient");
+    let (policy, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"flaky", BasicProperties::default()).await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("verified");
+    t.consume(&q, 4).await.expect("consume");
+    let mut engine = Engine::new(policy, &plan).expect("engine");
+    let failed_at = std::sync::Mutex::new(None::<Instant>);
+    let seen_at = std::sync::Mutex::new(None::<Instant>);
+    let handler = |msg: &retry_core::Message| {
+        if msg.headers().get(ATTEMPTS).is_none() {
+            *failed_at.lock().unwrap() = Some(Instant::now());
+            Outcome::Transient("downstream timeout".into())
+        } else {
+            *seen_at.lock().unwrap() = Some(Instant::now());
+            Outcome::Success
+        }
+    };
+    let ended = drive(&t, &mut engine, &handler, 2, Duration::from_secs(15)).await;
+    t.close().await;
+
+    assert_eq!(ended.len(), 2, "{ended:?}");
+    assert!(
+        matches!(ended[0].0, Terminal::Retried { attempts: 1, .. }),
+        "{ended:?}"
+    );
+    assert_eq!(ended[1].0, Terminal::Handled { attempt: 2 });
+    let back = &ended[1].1;
+    assert_eq!(back.body(), b"flaky");
+    assert_eq!(back.headers().get(ATTEMPTS), Some(&HeaderValue::Int(1)));
+    assert_eq!(back.headers().get(DELAY), Some(&HeaderValue::Int(1_000)));
+    let waited = seen_at.lock().unwrap().unwrap() - failed_at.lock().unwrap().unwrap();
+    assert!(
+        waited >= Duration::from_millis(950),
+        "came back after {waited:?}, before the 1 s TTL"
+    );
+    assert_eq!(b.ready(plan.parking_queue()).await, 0);
+}
+
+#[tokio::test]
+async fn used_up_attempts_park_the_message_with_its_diagnostics() {
+    let Some(b) = broker().await else { return };
+    let q = unique("exhausted");
+    let (policy, plan) = plan(&q, &[200, 400]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(
+        &q,
+        b"poison",
+        BasicProperties::default().with_message_id("m-1".into()),
+    )
+    .await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("verified");
+    t.consume(&q, 4).await.expect("consume");
+    let mut engine = Engine::new(policy.clone(), &plan).expect("engine");
+    let ended = drive(
+        &t,
+        &mut engine,
+        &|_| Outcome::Transient("still broken".into()),
+        3,
+        Duration::from_secs(15),
+    )
+    .await;
+    t.close().await;
+
+    let kinds: Vec<_> = ended.iter().map(|(t, _)| *t).collect();
+    assert_eq!(kinds.len(), 3, "{kinds:?}");
+    assert!(matches!(kinds[0], Terminal::Retried { attempts: 1, .. }));
+    assert!(matches!(kinds[1], Terminal::Retried { attempts: 2, .. }));
+    assert_eq!(
+        kinds[2],
+        Terminal::DeadLettered {
+            reason: DeadLetterReason::AttemptsExhausted
+        }
+    );
+    assert_eq!(policy.max_attempts(), 3);
+
+    let parked = take(plan.parking_queue(), Duration::from_secs(5))
+        .await
+        .expect("parked message");
+    assert_eq!(parked.body(), b"poison");
+    assert_eq!(parked.properties().message_id.as_deref(), Some("m-1"));
+    let record = ParkedRecord::decode(parked.headers());
+    assert_eq!(record.reason, Some(DeadLetterReason::AttemptsExhausted));
+    assert_eq!(record.attempts, 3);
+    assert_eq!(record.last_error, Some("still broken"));
+    assert_eq!(record.origin_queue, Some(q.as_str()));
+    assert!(record.first_failure.is_some() && record.last_failure >= record.first_failure);
+    assert!(record.malformed.is_empty(), "{:?}", record.malformed);
+    assert_eq!(b.ready(&q).await, 0);
+}
+
+#[tokio::test]
+async fn a_permanent_failure_is_parked_at_once() {
+    let Some(b) = broker().await else { return };
+    let q = unique("permanent");
+    let (policy, plan) = plan(&q, &[60_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"bad input", BasicProperties::default())
+        .await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("verified");
+    t.consume(&q, 4).await.expect("consume");
+    let mut engine = Engine::new(policy, &plan).expect("engine");
+    let ended = drive(
+        &t,
+        &mut engine,
+        &|_| Outcome::Permanent("schema violation".into()),
+        1,
+        Duration::from_secs(10),
+    )
+    .await;
+    t.close().await;
+
+    assert_eq!(
+        ended[0].0,
+        Terminal::DeadLettered {
+            reason: DeadLetterReason::Permanent
+        }
+    );
+    let delay_queue = &plan.queues()[1].name;
+    assert_eq!(b.ready(delay_queue).await, 0, "no detour through a delay");
+    let parked = take(plan.parking_queue(), Duration::from_secs(5))
+        .await
+        .expect("parked");
+    let record = ParkedRecord::decode(parked.headers());
+    assert_eq!(record.reason, Some(DeadLetterReason::Permanent));
+    assert_eq!(record.last_error, Some("schema violation"));
+}
+
+#[tokio::test]
+async fn a_released_delivery_comes_back_redelivered_and_is_diverted() {
+    let Some(b) = broker().await else { return };
+    let q = unique("released");
+    let (policy, plan) = plan(&q, &[60_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"crashy", BasicProperties::default()).await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("verified");
+    t.consume(&q, 1).await.expect("consume");
+    let first = t.recv().await.expect("recv").expect("delivery");
+    assert!(!first.facts.redelivered);
+    t.settle(&first.tag, Settlement::Requeue)
+        .await
+        .expect("release");
+    let again = t.recv().await.expect("recv").expect("delivery");
+    assert!(again.facts.redelivered, "released ⇒ first-acquirer false");
+    assert_eq!(again.facts.delivery_count, 0, "RabbitMQ 3.x keeps no count");
+
+    let mut engine = Engine::new(policy, &plan).expect("engine");
+    let id = engine.handle_delivery(t.now(), again.facts);
+    let Some(retry_core::Action::Publish { publish, .. }) = engine.poll_action(t.now()) else {
+        panic!("a redelivered message is diverted without running the handler")
+    };
+    let result = t.publish(&again.message, &publish).await;
+    assert!(matches!(result, PublishResult::Confirmed), "{result:?}");
+    engine
+        .handle_confirm(t.now(), id, Confirm::Ack)
+        .expect("confirm");
+    let Some(retry_core::Action::Settle {
+        settlement,
+        terminal,
+        ..
+    }) = engine.poll_action(t.now())
+    else {
+        panic!("settle expected")
+    };
+    assert!(matches!(terminal, Terminal::Diverted { crashes: 1, .. }));
+    t.settle(&again.tag, settlement).await.expect("ack");
+    t.close().await;
+    assert_eq!(
+        b.wait_ready(&plan.queues()[1].name, 1, Duration::from_secs(3))
+            .await,
+        1
+    );
+    assert_eq!(b.ready(&q).await, 0);
+}
+
+#[tokio::test]
+async fn a_delivery_held_by_a_dropped_connection_is_diverted_by_the_next_consumer() {
+    let Some(b) = broker().await else { return };
+    let q = unique("dropped");
+    let (policy, plan) = plan(&q, &[60_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"kills its consumer", BasicProperties::default())
+        .await;
+
+    // The first consumer takes the message and goes away mid-handler.
+    let crashed = transport().await;
+    crashed.consume(&q, 1).await.expect("consume");
+    let held = crashed.recv().await.expect("recv").expect("delivery");
+    assert!(!held.facts.redelivered);
+    drop(held);
+    crashed.close().await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("verified");
+    t.consume(&q, 1).await.expect("consume");
+    let mut engine = Engine::new(policy, &plan).expect("engine");
+    let ran = std::sync::atomic::AtomicBool::new(false);
+    let handler = |_: &retry_core::Message| {
+        ran.store(true, std::sync::atomic::Ordering::SeqCst);
+        Outcome::Success
+    };
+    let ended = drive(&t, &mut engine, &handler, 1, Duration::from_secs(10)).await;
+    t.close().await;
+    assert!(
+        matches!(ended[0].0, Terminal::Diverted { crashes: 1, .. }),
+        "{ended:?}"
+    );
+    assert!(
+        !ran.load(std::sync::atomic::Ordering::SeqCst),
+        "handler not run"
+    );
+    assert_eq!(
+        b.wait_ready(&plan.queues()[1].name, 1, Duration::from_secs(3))
+            .await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
+    let Some(b) = broker().await else { return };
+    let q = unique("refused");
+    let (policy, plan) = plan(&q, &[60_000]);
+    let delay_queue = plan.queues()[1].name.clone();
+    // The delay queue refuses everything: a full queue with reject-publish.
+    let extra = vec![
+        (
+            delay_queue.clone(),
+            "x-max-length".into(),
+            AMQPValue::LongLongInt(0),
+        ),
+        (
+            delay_queue.clone(),
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        ),
+    ];
+    let _cleanup = b.declare(&plan, &[], extra).await;
+    b.publish(&q, b"must not be lost", BasicProperties::default())
+        .await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("verified");
+    t.consume(&q, 1).await.expect("consume");
+    let mut engine = Engine::new(policy, &plan).expect("engine");
+    let ended = drive(
+        &t,
+        &mut engine,
+        &|_| Outcome::Transient("try later".into()),
+        1,
+        Duration::from_secs(20),
+    )
+    .await;
+    assert_eq!(
+        ended[0].0,
+        Terminal::Requeued {
+            cause: Confirm::Failed
+        },
+        "{ended:?}"
+    );
+
+    // The consuming link survived and the original came back, redelivered.
+    let back = tokio::time::timeout(Duration::from_secs(10), t.recv())
+        .await
+        .expect("redelivered in time")
+        .expect("recv")
+        .expect("delivery");
+    assert_eq!(back.message.body(), b"must not be lost");
+    assert!(back.facts.redelivered);
+
+    // The publishing side reconnects: a clone to a healthy queue goes through.
+    let to_parking = Publish {
+        route: plan.parking_route().clone(),
+        expiration: None,
+        headers: EngineHeaders {
+            attempts: 1,
+            crashes: 0,
+            first_failure: t.now(),
+            last_failure: t.now(),
+            last_error: None,
+            reason: Some(DeadLetterReason::Permanent),
+            delay: None,
+        },
+    };
+    let result = t.publish(&back.message, &to_parking).await;
+    assert!(matches!(result, PublishResult::Confirmed), "{result:?}");
+    t.settle(&back.tag, Settlement::Ack).await.expect("ack");
+    t.close().await;
+    assert_eq!(
+        b.wait_ready(plan.parking_queue(), 1, Duration::from_secs(3))
+            .await,
+        1
+    );
+    assert_eq!(b.ready(&q).await, 0);
+}
+
+#[tokio::test]
+async fn a_body_published_over_091_keeps_every_byte_through_retries_over_10() {
+    let Some(b) = broker().await else { return };
+    let q = unique("bytes");
+    let (policy, plan) = plan(&q, &[200]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    let body: Vec<u8> = (0..=255u8).chain((0..=255u8).rev()).collect();
+    b.publish(
+        &q,
+        &body,
+        BasicProperties::default().with_content_type("application/octet-stream".into()),
+    )
+    .await;
+
+    let t = transport().await;
+    t.provision(&plan).await.expect("verified");
+    t.consume(&q, 2).await.expect("consume");
+    let mut engine = Engine::new(policy, &plan).expect("engine");
+    let ended = drive(
+        &t,
+        &mut engine,
+        &|_| Outcome::Transient("no".into()),
+        2,
+        Duration::from_secs(15),
+    )
+    .await;
+    t.close().await;
+    assert_eq!(ended.len(), 2, "{ended:?}");
+    for (_, msg) in &ended {
+        assert_eq!(msg.body(), &body[..], "body changed on the way");
+        assert_eq!(
+            msg.properties().content_type.as_deref(),
+            Some("application/octet-stream")
+        );
+    }
+    // And the parked copy, read back over AMQP 0-9-1, is the same bytes.
+    assert_eq!(
+        b.wait_ready(plan.parking_queue(), 1, Duration::from_secs(3))
+            .await,
+        1
+    );
+    let (parked, _) = b.get(plan.parking_queue()).await.expect("parked");
+    assert_eq!(parked, body);
+}
+
+#[tokio::test]
+async fn a_missing_delay_queue_is_reported_before_anything_is_consumed() {
+    let Some(b) = broker().await else { return };
+    let q = unique("missing");
+    let (_, plan) = plan(&q, &[1_000, 5_000]);
+    let missing = plan.queues()[2].name.clone();
+    let _cleanup = b.declare(&plan, &[&missing], vec![]).await;
+    b.publish(&q, b"waiting", BasicProperties::default()).await;
+
+    let t = transport().await;
+    let err = t.provision(&plan).await.expect_err("a queue is missing");
+    let TransportError::MissingAddress { address, hint } = &err else {
+        panic!("{err:?}")
+    };
+    assert!(address.contains(&missing), "{address}");
+    assert!(
+        !address.contains(&plan.queues()[1].name),
+        "only the missing one: {address}"
+    );
+    assert!(hint.contains("0-9-1"), "says how to provision: {hint}");
+    t.close().await;
+
+    // Nothing was consumed: the message was never delivered to anyone.
+    assert_eq!(b.ready(&q).await, 1);
+    let (body, redelivered) = b.get(&q).await.expect("still there");
+    assert_eq!(body, b"waiting");
+    assert!(!redelivered);
+}
+
+#[tokio::test]
+async fn a_send_to_an_unverified_missing_queue_fails_instead_of_vanishing() {
+    let Some(b) = broker().await else { return };
+    let q = unique("unverified");
+    let (_, plan) = plan(&q, &[1_000]);
+    let missing_delay = plan.queues()[1].name.clone();
+    let _cleanup = b.declare(&plan, &[&missing_delay], vec![]).await;
+    b.publish(&q, b"x", BasicProperties::default()).await;
+
+    let t = transport().await;
+    t.consume(&q, 1).await.expect("consume");
+    let d = t.recv().await.expect("recv").expect("delivery");
+    // No plan was provisioned: the route's queue is found by its name, and checked first.
+    let publish = Publish {
+        route: Route {
+            exchange: Arc::from(""),
+            routing_key: Arc::from(missing_delay.as_str()),
+        },
+        expiration: None,
+        headers: EngineHeaders {
+            attempts: 1,
+            crashes: 0,
+            first_failure: t.now(),
+            last_failure: t.now(),
+            last_error: None,
+            reason: None,
+            delay: Some(Duration::from_secs(1)),
+        },
+    };
+    let result = t.publish(&d.message, &publish).await;
+    let PublishResult::Failed(TransportError::MissingAddress { address, .. }) = &result else {
+        panic!("{result:?}")
+    };
+    assert!(address.contains(&missing_delay));
+    t.settle(&d.tag, Settlement::Requeue)
+        .await
+        .expect("release");
+    t.close().await;
+    assert_eq!(b.wait_ready(&q, 1, Duration::from_secs(3)).await, 1);
+}
+
+#[tokio::test]
+async fn credit_never_exceeds_the_prefetch() {
+    let Some(b) = broker().await else { return };
+    let q = unique("credit");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    for i in 0..8u8 {
+        b.publish(&q, &[i], BasicProperties::default()).await;
+    }
+    let t = transport().await;
+    t.consume(&q, 3).await.expect("consume");
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(t.recv().await.expect("recv").expect("delivery"));
+    }
+    let fourth = tokio::time::timeout(Duration::from_millis(700), t.recv()).await;
+    assert!(fourth.is_err(), "a fourth delivery arrived with prefetch 3");
+    for d in held.drain(..) {
+        t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+    }
+    let mut rest = 0;
+    while rest < 5 {
+        let d = tokio::time::timeout(Duration::from_secs(5), t.recv())
+            .await
+            .expect("more deliveries after settling")
+            .expect("recv")
+            .expect("delivery");
+        t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+        rest += 1;
+    }
+    let settled_twice = t.settle(&held_tag(&t, &q, &b).await, Settlement::Ack).await;
+    assert!(
+        settled_twice.is_err(),
+        "a settled delivery cannot be settled again"
+    );
+    t.close().await;
+    assert_eq!(b.ready(&q).await, 0);
+}
+
+/// Publishes, receives and acks one more message, returning its (now settled) tag.
+async fn held_tag(t: &Amqp10Transport, q: &str, b: &common::Broker) -> transport_amqp10::Amqp10Tag {
+    b.publish(q, b"once", BasicProperties::default()).await;
+    let d = t.recv().await.expect("recv").expect("delivery");
+    t.settle(&d.tag, Settlement::Ack).await.expect("first ack");
+    d.tag
+}
+
+#[tokio::test]
+async fn cancel_stops_deliveries_but_held_ones_can_still_be_settled() {
+    let Some(b) = broker().await else { return };
+    let q = unique("cancel");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    for i in 0..4u8 {
+        b.publish(&q, &[i], BasicProperties::default()).await;
+    }
+    let t = transport().await;
+    t.consume(&q, 2).await.expect("consume");
+    let d = t.recv().await.expect("recv").expect("delivery");
+    t.cancel().await.expect("cancel");
+    assert!(
+        t.recv().await.expect("recv").is_none(),
+        "no more after cancel"
+    );
+    t.settle(&d.tag, Settlement::Ack)
+        .await
+        .expect("settle after cancel");
+    t.close().await;
+    assert_eq!(b.wait_ready(&q, 3, Duration::from_secs(3)).await, 3);
+}
+
+#[tokio::test]
+async fn reject_dead_letters_through_the_work_queues_exchange() {
+    let Some(b) = broker().await else { return };
+    let q = unique("reject");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"rejected", BasicProperties::default()).await;
+    let t = transport().await;
+    t.consume(&q, 1).await.expect("consume");
+    let d = t.recv().await.expect("recv").expect("delivery");
+    t.settle(&d.tag, Settlement::Reject).await.expect("reject");
+    t.close().await;
+    assert_eq!(
+        b.wait_ready(plan.parking_queue(), 1, Duration::from_secs(3))
+            .await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_password_fails_without_showing_it() {
+    let Some(_b) = broker().await else { return };
+    let url = common::url10().replace("guest:guest@", "guest:Wr0ngPassw0rd@");
+    let err = Amqp10Transport::connect(transport_amqp10::Amqp10Config::new(url))
+        .await
+        .expect_err("refused");
+    let shown = format!("{err} {err:?}");
+    assert!(!shown.contains("Wr0ngPassw0rd"), "{shown}");
+}
