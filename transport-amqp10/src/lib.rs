@@ -59,44 +59,33 @@
 //!
 //! ## Example
 //!
-//! The engine decides, the transport carries it out; `retry_core`'s consumer loop runs both.
-//! By hand, one turn of that loop looks like this:
-//!
 //! ```no_run
-//! use retry_core::{Action, Engine, Outcome, RetryPolicy, TopologyPlan, Transport};
+//! use retry_core::{Consumer, HandlerError, Message, RetryPolicy};
 //! use std::time::Duration;
 //! use transport_amqp10::{Amqp10Config, Amqp10Transport};
 //!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
-//! let plan = TopologyPlan::new("comments", &policy)?;
-//! let transport = Amqp10Transport::connect(Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672")).await?;
-//! transport.provision(&plan).await?; // verifies: declared beforehand over AMQP 0-9-1
-//! transport.consume("comments", 20).await?;
-//!
-//! let mut engine = Engine::new(policy, &plan)?;
-//! if let Some(delivery) = transport.recv().await? {
-//!     let id = engine.handle_delivery(transport.now(), delivery.facts);
-//!     while let Some(action) = engine.poll_action(transport.now()) {
-//!         match action {
-//!             Action::RunHandler { .. } => {
-//!                 let outcome = Outcome::Transient("downstream unavailable".into());
-//!                 engine.handle_outcome(transport.now(), id, outcome)?;
-//!             }
-//!             Action::Publish { publish, .. } => {
-//!                 let result = transport.publish(&delivery.message, &publish).await;
-//!                 engine.handle_confirm(transport.now(), id, result.confirm())?;
-//!             }
-//!             Action::Settle { settlement, .. } => {
-//!                 transport.settle(&delivery.tag, settlement).await?;
-//!             }
-//!         }
+//! async fn handle(msg: Message) -> Result<(), HandlerError> {
+//!     if msg.body().is_empty() {
+//!         return Err(HandlerError::permanent("empty body"));
 //!     }
+//!     Ok(())
 //! }
-//! transport.close().await;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! // The topology of "comments" was declared over AMQP 0-9-1; `run` verifies it first.
+//! let transport = Amqp10Transport::connect(Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672")).await?;
+//! let policy = RetryPolicy::delays([Duration::from_secs(30), Duration::from_secs(600)]).build()?;
+//! let consumer = Consumer::builder(transport, policy, handle)
+//!     .queue("comments")
+//!     .prefetch(20)
+//!     .build()?;
+//! let report = consumer.run(std::future::pending()).await?;
+//! println!("{report:?}");
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! `examples/consumer.rs` runs the whole path against a local RabbitMQ and exits.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
