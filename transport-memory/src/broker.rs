@@ -1,6 +1,7 @@
 //! The broker: exchanges, queues, connections and the virtual clock behind one lock.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::Duration;
@@ -135,6 +136,7 @@ impl BrokerBuilder {
             dirty: VecDeque::new(),
             live: HashMap::new(),
             scratch: Vec::new(),
+            deliveries: 0,
         };
         for (name, kind) in [
             ("amq.direct", ExchangeKind::Direct),
@@ -145,6 +147,7 @@ impl BrokerBuilder {
         }
         Broker {
             shared: Arc::new(Shared {
+                clock: AtomicU64::new(self.start.as_millis()),
                 state: Mutex::new(state),
             }),
         }
@@ -152,10 +155,25 @@ impl BrokerBuilder {
 }
 
 pub(crate) struct Shared {
+    /// The virtual time, readable without the lock: the driver asks for it on every turn.
+    clock: AtomicU64,
     state: Mutex<State>,
 }
 
 impl Shared {
+    pub(crate) fn now(&self) -> Timestamp {
+        Timestamp::from_millis(self.clock.load(Ordering::Acquire))
+    }
+
+    /// Moves the clock to `t` and fires what is due; the only way time moves.
+    pub(crate) fn fire_due(&self, t: Timestamp) -> Timestamp {
+        self.with(|s| {
+            s.fire_due(t);
+            self.clock.store(s.now.as_millis(), Ordering::Release);
+            s.now
+        })
+    }
+
     /// The state. A panic elsewhere while holding the lock leaves the state consistent
     /// enough to inspect, so poisoning is ignored rather than spread.
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -183,15 +201,50 @@ pub(crate) struct ConsumerState {
     pub(crate) active: bool,
 }
 
-/// A delivery the broker waits to hear about.
+/// A delivery the broker waits to hear about. The message's content moved into the
+/// delivered [`Message`] rather than being copied: most deliveries are acknowledged and
+/// never needed again, and the rare return to the queue rebuilds it from the message.
 #[derive(Debug)]
 pub(crate) struct Unacked {
     pub(crate) queue: QueueIndex,
     pub(crate) consumer: usize,
-    pub(crate) stored: Stored,
+    pub(crate) key: MessageKey,
+    pub(crate) label: Arc<str>,
+    seq: u64,
+    exchange: Arc<str>,
+    routing_key: Arc<str>,
+    expiration: Option<Duration>,
+    expires_at: Option<Timestamp>,
+    delivery_count: u32,
     /// Keeps the delivered message alive, so its address identifies it while it is in flight.
     pub(crate) message: Message,
     pub(crate) delivered_at: Timestamp,
+}
+
+impl Unacked {
+    /// The message as the queue held it before delivery.
+    fn restore(self) -> Stored {
+        let parts = self.message.parts();
+        let mut headers = parts.headers.clone();
+        if self.delivery_count > 0 {
+            // Added at delivery by a quorum queue; the count itself is kept apart.
+            headers.remove("x-delivery-count");
+        }
+        Stored {
+            key: self.key,
+            label: self.label,
+            seq: self.seq,
+            exchange: self.exchange,
+            routing_key: self.routing_key,
+            body: parts.body.clone(),
+            properties: parts.properties.clone(),
+            headers,
+            expiration: self.expiration,
+            expires_at: self.expires_at,
+            redelivered: true,
+            delivery_count: self.delivery_count,
+        }
+    }
 }
 
 /// A client connection with one channel.
@@ -231,6 +284,7 @@ pub(crate) struct State {
     /// delivery keeps its identity.
     pub(crate) live: HashMap<usize, (MessageKey, Arc<str>)>,
     scratch: Vec<QueueIndex>,
+    pub(crate) deliveries: u64,
 }
 
 /// What a publish carries into the broker.
@@ -238,11 +292,26 @@ pub(crate) struct Publishing {
     pub(crate) identity: Option<(MessageKey, Arc<str>)>,
     pub(crate) exchange: Arc<str>,
     pub(crate) routing_key: Arc<str>,
-    pub(crate) body: Arc<[u8]>,
+    pub(crate) body: Vec<u8>,
     pub(crate) properties: Properties,
     pub(crate) headers: Headers,
     pub(crate) expiration: Option<Duration>,
     pub(crate) mandatory: bool,
+}
+
+impl From<Outgoing> for Publishing {
+    fn from(m: Outgoing) -> Self {
+        Publishing {
+            identity: None,
+            exchange: Arc::from(m.exchange),
+            routing_key: Arc::from(m.routing_key),
+            body: m.body,
+            properties: m.properties,
+            headers: m.headers,
+            expiration: m.expiration,
+            mandatory: m.mandatory,
+        }
+    }
 }
 
 /// The address that identifies a delivered message while it is in flight.
@@ -391,6 +460,11 @@ impl State {
             self.exchanges[x].route(routing_key, &mut out);
         }
         Some(out)
+    }
+
+    /// The key given to the latest new message.
+    pub(crate) fn last_key(&self) -> MessageKey {
+        MessageKey(self.next_key)
     }
 
     fn new_identity(&mut self, properties: &Properties) -> (MessageKey, Arc<str>) {
@@ -590,6 +664,7 @@ impl State {
     }
 
     fn deliver(&mut self, q: QueueIndex, conn: usize, consumer: usize, m: Stored) {
+        self.deliveries += 1;
         let queue = &mut self.queues[q];
         queue.unacked += 1;
         let quorum = queue.is_quorum();
@@ -608,17 +683,30 @@ impl State {
                 description: Arc::from(format!("duplicate of {} queued in {queue}", message.label)),
             });
         }
-        let mut headers = m.headers.clone();
-        if quorum && m.delivery_count > 0 {
-            headers.insert("x-delivery-count", i64::from(m.delivery_count));
+        let Stored {
+            key,
+            label,
+            seq,
+            exchange,
+            routing_key,
+            body,
+            properties,
+            mut headers,
+            expiration,
+            expires_at,
+            redelivered,
+            delivery_count,
+        } = m;
+        if quorum && delivery_count > 0 {
+            headers.insert("x-delivery-count", i64::from(delivery_count));
         }
-        let redelivered = m.redelivered || (quorum && m.delivery_count > 0);
+        let redelivered = redelivered || (quorum && delivery_count > 0);
         let parts = MessageParts {
             queue: queue_name.to_string(),
-            exchange: m.exchange.to_string(),
-            routing_key: m.routing_key.to_string(),
-            body: m.body.to_vec(),
-            properties: m.properties.clone(),
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+            body,
+            properties,
             headers,
         };
         let identity = message_identity(parts.properties.message_id.as_deref(), &parts.body);
@@ -647,28 +735,37 @@ impl State {
             self.wakes.push(w);
         }
         self.live
-            .insert(message_address(&message), (m.key, m.label.clone()));
-        let message_ref = MessageRef {
-            key: m.key,
-            label: m.label.clone(),
-        };
+            .insert(message_address(&message), (key, label.clone()));
+        let message_ref = self.tracing.then(|| MessageRef {
+            key,
+            label: label.clone(),
+        });
         connection.unacked.insert(
             tag,
             Unacked {
                 queue: q,
                 consumer,
-                stored: m,
+                key,
+                label,
+                seq,
+                exchange,
+                routing_key,
+                expiration,
+                expires_at,
+                delivery_count: if quorum { delivery_count } else { 0 },
                 message,
                 delivered_at: self.now,
             },
         );
-        self.record(|| EventKind::Delivered {
-            message: message_ref,
-            queue: queue_name,
-            connection: conn as u64,
-            tag,
-            redelivered,
-        });
+        if let Some(message) = message_ref {
+            self.record(|| EventKind::Delivered {
+                message,
+                queue: queue_name,
+                connection: conn as u64,
+                tag,
+                redelivered,
+            });
+        }
     }
 
     /// Settles a delivery on `conn`. An unknown tag closes the channel, as on RabbitMQ.
@@ -691,8 +788,8 @@ impl State {
         let q = u.queue;
         self.queues[q].unacked -= 1;
         let message = MessageRef {
-            key: u.stored.key,
-            label: u.stored.label.clone(),
+            key: u.key,
+            label: u.label.clone(),
         };
         let queue = self.queues[q].name.clone();
         match settlement {
@@ -710,9 +807,13 @@ impl State {
                     tag,
                     by_consumer: true,
                 });
-                self.return_to_queue(q, u.stored);
+                self.return_to_queue(q, u.restore());
             }
-            Settlement::Reject => self.dead_letter(q, u.stored, DeathReason::Rejected),
+            Settlement::Reject => {
+                let mut m = u.restore();
+                m.redelivered = false;
+                self.dead_letter(q, m, DeathReason::Rejected);
+            }
         }
         // The consumer has room again.
         self.dirty.push_back(q);
@@ -745,7 +846,7 @@ impl State {
     fn dead_letter(&mut self, q: QueueIndex, mut m: Stored, reason: DeathReason) {
         let queue = &self.queues[q];
         let queue_name = queue.name.clone();
-        let Some(dlx) = queue.options.dead_letter_exchange.clone() else {
+        let Some(dlx) = queue.dead_letter_exchange.clone() else {
             let message = MessageRef {
                 key: m.key,
                 label: m.label,
@@ -763,8 +864,8 @@ impl State {
             return;
         };
         let at_least_once = queue.options.effective_at_least_once();
-        let new_key: Arc<str> = match &queue.options.dead_letter_routing_key {
-            Some(k) => Arc::from(k.as_str()),
+        let new_key = match &queue.dead_letter_routing_key {
+            Some(k) => k.clone(),
             None => m.routing_key.clone(),
         };
         record_death(
@@ -778,53 +879,85 @@ impl State {
                 original_expiration: m.expiration,
             },
         );
-        m.exchange = Arc::from(dlx.as_str());
+        m.exchange = dlx;
         m.routing_key = new_key;
         m.expiration = None;
         m.redelivered = false;
         m.delivery_count = 0;
-        if !self.route_dead_letter(q, &m, reason) && at_least_once {
+        if let Some(m) = self.route_dead_letter(q, m, reason)
+            && at_least_once
+        {
             self.queues[q].stuck_dead_letters.push((m, reason));
         }
     }
 
-    /// Routes a dead letter already marked with its death; `false` when it reached no queue.
-    fn route_dead_letter(&mut self, from: QueueIndex, m: &Stored, reason: DeathReason) -> bool {
+    /// Routes a dead letter already marked with its death; gives it back when it reached
+    /// no queue.
+    fn route_dead_letter(
+        &mut self,
+        from: QueueIndex,
+        m: Stored,
+        reason: DeathReason,
+    ) -> Option<Stored> {
         let queue_name = self.queues[from].name.clone();
-        let message = MessageRef {
+        let message = self.tracing.then(|| MessageRef {
             key: m.key,
             label: m.label.clone(),
-        };
+        });
         let Some(mut targets) = self.route(&m.exchange, &m.routing_key) else {
-            self.record(|| EventKind::Discarded {
-                message,
-                queue: queue_name,
-                why: "dead-letter exchange does not exist",
-            });
-            return false;
+            if let Some(message) = message {
+                self.record(|| EventKind::Discarded {
+                    message,
+                    queue: queue_name,
+                    why: "dead-letter exchange does not exist",
+                });
+            }
+            return Some(m);
         };
         if reason != DeathReason::Rejected {
             let queues = &self.queues;
             targets.retain(|&t| !is_cycle(&m.headers, &queues[t].name));
         }
+        if targets.is_empty() {
+            self.scratch = targets;
+            if let Some(message) = message {
+                let (exchange, routing_key) = (m.exchange.clone(), m.routing_key.clone());
+                self.record(|| EventKind::DeadLettered {
+                    message,
+                    queue: queue_name,
+                    reason,
+                    exchange,
+                    routing_key,
+                    routed: Vec::new(),
+                });
+            }
+            return Some(m);
+        }
+        let names = message
+            .as_ref()
+            .map(|_| (m.exchange.clone(), m.routing_key.clone()));
         let mut routed = Vec::new();
-        for &t in &targets {
-            if self.enqueue(t, m.clone()) && self.tracing {
+        let mut m = Some(m);
+        let last = targets.len() - 1;
+        for (i, &t) in targets.iter().enumerate() {
+            let copy = if i == last { m.take() } else { m.clone() };
+            let Some(copy) = copy else { break };
+            if self.enqueue(t, copy) && self.tracing {
                 routed.push(self.queues[t].name.clone());
             }
         }
-        let reached = !targets.is_empty();
         self.scratch = targets;
-        let (exchange, routing_key) = (m.exchange.clone(), m.routing_key.clone());
-        self.record(|| EventKind::DeadLettered {
-            message,
-            queue: queue_name,
-            reason,
-            exchange,
-            routing_key,
-            routed,
-        });
-        reached
+        if let (Some(message), Some((exchange, routing_key))) = (message, names) {
+            self.record(|| EventKind::DeadLettered {
+                message,
+                queue: queue_name,
+                reason,
+                exchange,
+                routing_key,
+                routed,
+            });
+        }
+        None
     }
 
     fn retry_stuck_dead_letters(&mut self) {
@@ -834,7 +967,7 @@ impl State {
             }
             let stuck = std::mem::take(&mut self.queues[q].stuck_dead_letters);
             for (m, reason) in stuck {
-                if !self.route_dead_letter(q, &m, reason) {
+                if let Some(m) = self.route_dead_letter(q, m, reason) {
                     self.queues[q].stuck_dead_letters.push((m, reason));
                 }
             }
@@ -929,8 +1062,8 @@ impl State {
             let q = u.queue;
             self.queues[q].unacked -= 1;
             let message = MessageRef {
-                key: u.stored.key,
-                label: u.stored.label.clone(),
+                key: u.key,
+                label: u.label.clone(),
             };
             let queue = self.queues[q].name.clone();
             self.record(|| EventKind::Requeued {
@@ -939,7 +1072,7 @@ impl State {
                 tag,
                 by_consumer: false,
             });
-            self.return_to_queue(q, u.stored);
+            self.return_to_queue(q, u.restore());
         }
         self.pump();
         true
@@ -961,8 +1094,9 @@ impl State {
         [timer, expiry, timeout].into_iter().flatten().min()
     }
 
-    /// Moves the clock to `t` (never backwards) and fires everything due by then.
-    pub(crate) fn fire_due(&mut self, t: Timestamp) {
+    /// Moves the clock to `t` (never backwards) and fires everything due by then. Only
+    /// [`Shared::fire_due`] calls it, keeping the lock-free clock in step.
+    fn fire_due(&mut self, t: Timestamp) {
         if t > self.now {
             self.now = t;
         }
@@ -998,6 +1132,30 @@ impl State {
         }
     }
 
+    /// Where each message has copies: the queues holding it ready, and whether a consumer
+    /// holds one.
+    pub(crate) fn copies(&self) -> HashMap<Arc<str>, (Vec<Arc<str>>, bool)> {
+        let mut out: HashMap<Arc<str>, (Vec<Arc<str>>, bool)> = HashMap::new();
+        for q in &self.queues {
+            for m in q
+                .ready
+                .iter()
+                .chain(q.stuck_dead_letters.iter().map(|(m, _)| m))
+            {
+                out.entry(m.label.clone())
+                    .or_default()
+                    .0
+                    .push(q.name.clone());
+            }
+        }
+        for c in &self.connections {
+            for u in c.unacked.values() {
+                out.entry(u.label.clone()).or_default().1 = true;
+            }
+        }
+        out
+    }
+
     pub(crate) fn snapshot(&self, q: QueueIndex) -> Vec<QueuedMessage> {
         self.queues[q]
             .ready
@@ -1007,7 +1165,7 @@ impl State {
                 label: m.label.clone(),
                 exchange: m.exchange.to_string(),
                 routing_key: m.routing_key.to_string(),
-                body: m.body.to_vec(),
+                body: m.body.clone(),
                 properties: m.properties.clone(),
                 headers: m.headers.clone(),
                 expiration: m.expiration,
@@ -1052,7 +1210,7 @@ impl Broker {
 
     /// The virtual time.
     pub fn now(&self) -> Timestamp {
-        self.shared.lock().now
+        self.shared.now()
     }
 
     /// Declares an exchange; redeclaring with the same type is a no-op.
@@ -1094,21 +1252,8 @@ impl Broker {
     /// `mandatory` and unroutable. Injected faults do not apply to the producer. An unknown
     /// exchange is an error.
     pub fn publish(&self, message: Outgoing) -> Result<Confirm, BrokerError> {
-        self.shared.with(|s| {
-            s.publish(
-                Publisher::Producer,
-                Publishing {
-                    identity: None,
-                    exchange: Arc::from(message.exchange),
-                    routing_key: Arc::from(message.routing_key),
-                    body: Arc::from(message.body),
-                    properties: message.properties,
-                    headers: message.headers,
-                    expiration: message.expiration,
-                    mandatory: message.mandatory,
-                },
-            )
-        })
+        self.shared
+            .with(|s| s.publish(Publisher::Producer, Publishing::from(message)))
     }
 
     /// Opens a client connection: a [`MemoryTransport`] for the retry engine's driver.
@@ -1138,30 +1283,22 @@ impl Broker {
 
     /// Moves the clock to the next deadline and fires it; `None` when nothing is due.
     pub fn step(&self) -> Option<Timestamp> {
-        self.shared.with(|s| {
-            let t = s.next_deadline()?;
-            s.fire_due(t);
-            Some(s.now)
-        })
+        let t = self.shared.lock().next_deadline()?;
+        Some(self.shared.fire_due(t))
     }
 
     /// Moves the clock to `t`, firing every deadline on the way at its own time. A time in
     /// the past does nothing.
     pub fn advance_to(&self, t: Timestamp) {
         loop {
-            let fired = self.shared.with(|s| match s.next_deadline() {
-                Some(d) if d <= t => {
-                    s.fire_due(d);
-                    true
-                }
+            let next = self.shared.lock().next_deadline();
+            match next {
+                Some(d) if d <= t => self.shared.fire_due(d),
                 _ => {
-                    s.fire_due(t);
-                    false
+                    self.shared.fire_due(t);
+                    return;
                 }
-            });
-            if !fired {
-                return;
-            }
+            };
         }
     }
 
@@ -1214,6 +1351,11 @@ impl Broker {
             .ok()
             .and_then(|i| s.connections.get(i))
             .is_some_and(|c| c.closed.is_none())
+    }
+
+    /// Deliveries to consumers so far, redeliveries included.
+    pub fn deliveries(&self) -> u64 {
+        self.shared.lock().deliveries
     }
 
     /// A copy of the event trace so far.

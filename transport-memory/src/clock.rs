@@ -47,6 +47,9 @@ impl Future for Sleep {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = self.get_mut();
+        if this.timer.is_none() && this.shared.now() >= this.deadline {
+            return Poll::Ready(());
+        }
         let mut state = this.shared.lock();
         if state.now >= this.deadline {
             if let Some(key) = this.timer.take() {

@@ -310,7 +310,7 @@ pub(crate) struct Stored {
     pub(crate) seq: u64,
     pub(crate) exchange: Arc<str>,
     pub(crate) routing_key: Arc<str>,
-    pub(crate) body: Arc<[u8]>,
+    pub(crate) body: Vec<u8>,
     pub(crate) properties: Properties,
     pub(crate) headers: Headers,
     /// The per-message TTL (`expiration` property).
@@ -326,6 +326,9 @@ pub(crate) struct Stored {
 pub(crate) struct Queue {
     pub(crate) name: Arc<str>,
     pub(crate) options: QueueOptions,
+    /// The options' dead-letter exchange and key, shared by every dead letter.
+    pub(crate) dead_letter_exchange: Option<Arc<str>>,
+    pub(crate) dead_letter_routing_key: Option<Arc<str>>,
     pub(crate) ready: VecDeque<Stored>,
     /// Consumers as (connection, consumer index), served round-robin.
     pub(crate) consumers: Vec<(usize, usize)>,
@@ -340,6 +343,8 @@ impl Queue {
     pub(crate) fn new(name: Arc<str>, options: QueueOptions) -> Self {
         Queue {
             name,
+            dead_letter_exchange: options.dead_letter_exchange.as_deref().map(Arc::from),
+            dead_letter_routing_key: options.dead_letter_routing_key.as_deref().map(Arc::from),
             options,
             ready: VecDeque::new(),
             consumers: Vec::new(),

@@ -63,7 +63,18 @@ pub struct DeliveryTag {
 /// [`without_recovery`]: MemoryTransport::without_recovery
 pub struct MemoryTransport {
     broker: Broker,
-    link: Mutex<Link>,
+    link: Arc<Mutex<Link>>,
+}
+
+/// A view of which connection a transport is using, kept by whoever watches it from outside
+/// (the simulation, to crash or disconnect the consumer that owns the transport).
+#[derive(Clone, Debug)]
+pub(crate) struct LinkHandle(Arc<Mutex<Link>>);
+
+impl LinkHandle {
+    pub(crate) fn connection(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).id
+    }
 }
 
 /// The connection currently in use, and what to redo on a new one.
@@ -88,12 +99,12 @@ impl MemoryTransport {
     pub(crate) fn new(broker: Broker, id: usize) -> Self {
         MemoryTransport {
             broker,
-            link: Mutex::new(Link {
+            link: Arc::new(Mutex::new(Link {
                 id,
                 consumes: Vec::new(),
                 recover: true,
                 close_reported: false,
-            }),
+            })),
         }
     }
 
@@ -103,6 +114,10 @@ impl MemoryTransport {
 
     fn id(&self) -> usize {
         self.link().id
+    }
+
+    pub(crate) fn link_handle(&self) -> LinkHandle {
+        LinkHandle(self.link.clone())
     }
 
     /// The same connection, without automatic recovery: once closed, it stays closed and
@@ -143,16 +158,7 @@ impl MemoryTransport {
 
     /// Publishes a message through this connection, with confirms; injected faults apply.
     pub fn publish_message(&self, message: Outgoing) -> PublishResult {
-        self.publish_inner(Publishing {
-            identity: None,
-            exchange: Arc::from(message.exchange),
-            routing_key: Arc::from(message.routing_key),
-            body: Arc::from(message.body),
-            properties: message.properties,
-            headers: message.headers,
-            expiration: message.expiration,
-            mandatory: message.mandatory,
-        })
+        self.publish_inner(Publishing::from(message))
     }
 
     /// Settles a delivery without awaiting: for tests that drive the broker by hand.
@@ -210,7 +216,35 @@ impl MemoryTransport {
         })
     }
 
-    /// Polls for a delivery, recovering a closed connection once its close was reported.
+    /// Reopens a closed connection and consumes again, as automatic recovery does.
+    fn recover(link: &mut Link, s: &mut crate::broker::State) -> Result<(), TransportError> {
+        let old = link.id;
+        link.id = s.open_connection();
+        link.close_reported = false;
+        let description = Arc::from(format!("conn {old} recovered as conn {}", link.id));
+        s.record(|| EventKind::Fault { description });
+        for (queue, prefetch) in &link.consumes {
+            s.consume(link.id, queue, *prefetch)?;
+        }
+        Ok(())
+    }
+
+    /// The open connection to use for a new operation: a closed one is recovered first
+    /// (unless recovery is off).
+    fn ensure_open(&self) -> Result<usize, TransportError> {
+        let mut link = self.link();
+        self.broker.shared.with(|s| {
+            if let Some(reason) = &s.connections[link.id].closed {
+                if !link.recover {
+                    return Err(TransportError::Connection(reason.to_string()));
+                }
+                Self::recover(&mut link, s)?;
+            }
+            Ok(link.id)
+        })
+    }
+
+    /// Polls for a delivery. A closed connection is reported once, then recovered.
     fn poll_recv(
         &self,
         cx: &mut std::task::Context<'_>,
@@ -222,15 +256,8 @@ impl MemoryTransport {
                     link.close_reported = true;
                     return Poll::Ready(Err(TransportError::Connection(reason.to_string())));
                 }
-                let old = link.id;
-                link.id = s.open_connection();
-                link.close_reported = false;
-                let description = Arc::from(format!("conn {old} recovered as conn {}", link.id));
-                s.record(|| EventKind::Fault { description });
-                for (queue, prefetch) in &link.consumes {
-                    if let Err(e) = s.consume(link.id, queue, *prefetch) {
-                        return Poll::Ready(Err(e.into()));
-                    }
+                if let Err(e) = Self::recover(&mut link, s) {
+                    return Poll::Ready(Err(e));
                 }
             }
             let c = &mut s.connections[link.id];
@@ -272,21 +299,17 @@ impl Transport for MemoryTransport {
     }
 
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        let id = self.id();
-        if let Some(reason) = &self.broker.shared.lock().connections[id].closed {
-            return Err(TransportError::Connection(reason.to_string()));
-        }
+        self.ensure_open()?;
         self.broker.provision(plan).map_err(TransportError::from)
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError> {
-        let mut link = self.link();
-        let id = link.id;
+        let id = self.ensure_open()?;
         self.broker
             .shared
             .with(|s| s.consume(id, queue, prefetch))
             .map_err(TransportError::from)?;
-        link.consumes.push((queue.to_owned(), prefetch));
+        self.link().consumes.push((queue.to_owned(), prefetch));
         Ok(())
     }
 
@@ -312,7 +335,7 @@ impl Transport for MemoryTransport {
             identity,
             exchange: publish.route.exchange.clone(),
             routing_key: publish.route.routing_key.clone(),
-            body: Arc::from(original.body()),
+            body: original.body().to_vec(),
             properties: original.properties().clone(),
             headers,
             expiration: publish.expiration,

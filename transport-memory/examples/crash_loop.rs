@@ -1,0 +1,140 @@
+//! A poison message that kills its consumer every time, next to a message that recovers
+//! after two failures, on the in-memory broker in virtual time.
+//!
+//! ```text
+//! cargo run -p transport-memory --example crash_loop            # timeline and summary
+//! cargo run -p transport-memory --example crash_loop -- --trace # plus the broker's trace
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use retry_core::{ParkedRecord, RetryPolicy, Terminal, Timestamp, format_delay};
+use transport_memory::{MessageReport, Report, Script, Simulation, Step};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let policy = RetryPolicy::delays([60, 600, 3600].map(Duration::from_secs)).build()?;
+    println!(
+        "queue \"comments\": delays 1m, 10m, 1h; crash limit {}; a crashed consumer restarts after 5s",
+        policy.crash_limit()
+    );
+    let mut sim = Simulation::builder("comments", policy)
+        .prefetch(1)
+        .restart_delay(Duration::from_secs(5))
+        .build()?;
+    sim.publish("poison", Script::always(Step::Crash))?;
+    sim.publish("flaky", Script::fail_times(2))?;
+    let report = sim.run_until_quiet();
+
+    print_timeline(&report, ["poison", "flaky"]);
+    println!();
+    print!("{}", report.summary());
+    println!();
+    if let Some(parked) = sim.broker().messages(sim.plan().parking_queue())?.first() {
+        let record = ParkedRecord::decode(&parked.headers);
+        println!(
+            "in {}: {} (reason {}, crashes {}, failed attempts {}, from queue {})",
+            sim.plan().parking_queue(),
+            parked.label,
+            record.reason.map_or("?", |r| r.as_str()),
+            record.crashes,
+            record.attempts,
+            record.origin_queue.unwrap_or("?"),
+        );
+    }
+    let t = report.totals();
+    println!(
+        "published {} = handled {} + parked {}; {} deliveries, {} handler runs, {} of virtual time",
+        t.published,
+        t.handled,
+        t.parked,
+        t.deliveries,
+        t.runs,
+        format_delay(report.elapsed())
+    );
+    if std::env::args().any(|a| a == "--trace") {
+        println!("\nbroker trace:\n{}", report.trace);
+    }
+    Ok(())
+}
+
+/// One column per message, one row per instant something happened to either.
+fn print_timeline<const N: usize>(report: &Report, ids: [&str; N]) {
+    const WIDTH: usize = 46;
+    let mut rows: BTreeMap<Timestamp, [Vec<String>; N]> = BTreeMap::new();
+    for (column, id) in ids.iter().enumerate() {
+        let Some(m) = report.message(id) else {
+            continue;
+        };
+        for (at, text) in story(m) {
+            rows.entry(at)
+                .or_insert_with(|| std::array::from_fn(|_| Vec::new()))[column]
+                .push(text);
+        }
+    }
+    let mut header = format!("{:<14}", "time");
+    for id in ids {
+        header.push_str(&format!("{id:<WIDTH$}"));
+    }
+    println!("\n{}", header.trim_end());
+    for (at, columns) in rows {
+        let lines = columns.iter().map(Vec::len).max().unwrap_or(0);
+        for line in 0..lines {
+            let time = if line == 0 {
+                elapsed(at.saturating_duration_since(report.started_at))
+            } else {
+                String::new()
+            };
+            let mut row = format!("{time:<14}");
+            for column in &columns {
+                let text = column.get(line).map_or("", String::as_str);
+                row.push_str(&format!("{text:<WIDTH$}"));
+            }
+            println!("{}", row.trim_end());
+        }
+    }
+}
+
+/// What happened to a message, in order: its runs and how each delivery ended.
+fn story(m: &MessageReport) -> Vec<(Timestamp, String)> {
+    let mut out: Vec<(Timestamp, u8, String)> = Vec::new();
+    for (i, run) in m.runs.iter().enumerate() {
+        let what = match &run.step {
+            Step::Crash => "CRASH, consumer dies".to_owned(),
+            other => other.to_string(),
+        };
+        out.push((
+            run.at,
+            0,
+            format!(
+                "run {} (attempt {}) on #{}: {what}",
+                i + 1,
+                run.attempt,
+                run.consumer
+            ),
+        ));
+    }
+    for (at, t) in &m.terminals {
+        let text = match *t {
+            Terminal::Handled { attempt } => format!("handled on attempt {attempt}"),
+            Terminal::Retried { delay, .. } => format!("-> retry in {}", format_delay(delay)),
+            Terminal::Diverted { crashes, delay } => {
+                format!(
+                    "redelivered: crash {crashes}, diverted {}",
+                    format_delay(delay)
+                )
+            }
+            Terminal::DeadLettered { reason } => format!("redelivered: PARKED ({reason})"),
+            Terminal::Dropped { reason } => format!("dropped ({reason})"),
+            Terminal::Requeued { cause } => format!("requeued ({cause:?})"),
+        };
+        out.push((*at, 1, text));
+    }
+    out.sort_by_key(|(at, order, _)| (*at, *order));
+    out.into_iter().map(|(at, _, text)| (at, text)).collect()
+}
+
+fn elapsed(d: Duration) -> String {
+    let s = d.as_secs();
+    format!("+{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}

@@ -1,0 +1,430 @@
+//! The real consumer driver on the simulated broker: scripted handlers, crash loops, and
+//! the virtual times at which things happen.
+
+use std::time::Duration;
+
+use retry_core::{
+    CrashAction, DeadLetterReason, Exhausted, HandlerError, Message, ParkedRecord, QueueType,
+    RetryPolicy, Terminal,
+};
+use transport_memory::{ConsumerState, Fate, Report, Script, SimEvent, Simulation, Step, Stop};
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn mins(n: u64) -> Duration {
+    Duration::from_secs(60 * n)
+}
+
+/// 1 min, 10 min, 1 h: four runs at most.
+fn policy() -> RetryPolicy {
+    RetryPolicy::delays([mins(1), mins(10), mins(60)])
+        .build()
+        .unwrap()
+}
+
+fn since_start(report: &Report, at: retry_core::Timestamp) -> Duration {
+    at.saturating_duration_since(report.started_at)
+}
+
+fn run_times(report: &Report, id: &str) -> Vec<Duration> {
+    report
+        .message(id)
+        .unwrap()
+        .runs
+        .iter()
+        .map(|r| since_start(report, r.at))
+        .collect()
+}
+
+#[test]
+fn a_poison_message_is_parked_after_exactly_the_crash_limit() {
+    for limit in [0, 1, 3, 5] {
+        let policy = RetryPolicy::delays([mins(1), mins(10)])
+            .with_crash_limit(limit)
+            .build()
+            .unwrap();
+        let mut sim = Simulation::builder("comments", policy)
+            .prefetch(1)
+            .build()
+            .unwrap();
+        sim.publish("poison", Script::always(Step::Crash)).unwrap();
+        let report = sim.run_until_quiet();
+        assert_eq!(report.stop, Stop::Quiet);
+
+        let poison = report.message("poison").unwrap();
+        assert_eq!(
+            poison.fate,
+            Fate::Parked {
+                reason: "crash-loop".into()
+            },
+            "crash limit {limit}"
+        );
+        // The crash limit is how many crashes a message survives: each is diverted through
+        // one delay, and the next one parks it.
+        assert_eq!(poison.runs.len() as u32, limit + 1, "crash limit {limit}");
+        assert!(poison.runs.iter().all(|r| r.step == Step::Crash));
+        assert_eq!(poison.delays, vec![mins(1); limit as usize]);
+        assert_eq!(poison.crashes, limit + 1);
+        let diverted = poison
+            .terminals
+            .iter()
+            .filter(|(_, t)| matches!(t, Terminal::Diverted { .. }))
+            .count();
+        assert_eq!(diverted as u32, limit);
+        let crashed = report
+            .consumers
+            .iter()
+            .filter(|c| c.state == ConsumerState::Crashed)
+            .count();
+        assert_eq!(crashed as u32, limit + 1, "one process died per crash");
+
+        let parked = sim.broker().messages("comments.parking").unwrap();
+        let record = ParkedRecord::decode(&parked[0].headers);
+        assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
+        assert_eq!(record.crashes, limit + 1);
+        assert_eq!(
+            record.attempts, 0,
+            "crashes are not counted as failed attempts"
+        );
+    }
+}
+
+#[test]
+fn a_poison_message_next_to_a_flaky_one_with_exact_virtual_times() {
+    let mut sim = Simulation::builder("comments", policy())
+        .prefetch(1)
+        .restart_delay(secs(5))
+        .build()
+        .unwrap();
+    sim.publish("poison", Script::always(Step::Crash)).unwrap();
+    sim.publish("flaky", Script::fail_times(2)).unwrap();
+    let report = sim.run_until_quiet();
+
+    // The poison message crashes consumer 1 at once; the replacement starts 5 s later, sees
+    // it redelivered and diverts it through the 1 min delay without running it. Every later
+    // crash costs a 5 s restart plus the 1 min diversion.
+    assert_eq!(
+        run_times(&report, "poison"),
+        [Duration::ZERO, secs(65), secs(65 + 65), secs(65 + 65 + 65),]
+    );
+    assert_eq!(
+        report.fate("poison"),
+        Some(&Fate::Parked {
+            reason: "crash-loop".into()
+        })
+    );
+    // The flaky one waits behind the poison message (prefetch 1), then follows its
+    // schedule: fail, 1 min, fail, 10 min, success.
+    // At 65 s both come back from the 1 min queue; the poison message is first, kills
+    // consumer 2, and the flaky one runs on consumer 3 after its 5 s restart.
+    let flaky = report.message("flaky").unwrap();
+    assert_eq!(flaky.delays, [mins(1), mins(10)]);
+    assert!(matches!(flaky.fate, Fate::Handled { attempt: 3, .. }));
+    assert_eq!(
+        run_times(&report, "flaky"),
+        [secs(5), secs(70), secs(70) + mins(10)]
+    );
+    let consumers: Vec<u32> = flaky.runs.iter().map(|r| r.consumer).collect();
+    assert_eq!(consumers, [2, 3, 5]);
+    let totals = report.totals();
+    assert_eq!((totals.published, totals.handled, totals.parked), (2, 1, 1));
+}
+
+#[test]
+fn fail_three_times_then_succeed_follows_the_delays_exactly() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.publish("m", Script::fail_times(3)).unwrap();
+    let report = sim.run_until_quiet();
+    let m = report.message("m").unwrap();
+    assert_eq!(m.delays, [mins(1), mins(10), mins(60)]);
+    assert_eq!(
+        run_times(&report, "m"),
+        [Duration::ZERO, mins(1), mins(11), mins(71)]
+    );
+    let attempts: Vec<u32> = m.runs.iter().map(|r| r.attempt).collect();
+    assert_eq!(attempts, [1, 2, 3, 4]);
+    assert!(matches!(m.fate, Fate::Handled { attempt: 4, .. }));
+    assert_eq!(report.elapsed(), mins(71));
+}
+
+#[test]
+fn attempts_run_out_and_the_message_is_parked_with_its_record() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.publish("doomed", Script::always(Step::fail("db down")))
+        .unwrap();
+    let report = sim.run_until_quiet();
+    let m = report.message("doomed").unwrap();
+    assert_eq!(m.runs.len(), 4);
+    assert_eq!(
+        m.fate,
+        Fate::Parked {
+            reason: "attempts-exhausted".into()
+        }
+    );
+    let parked = sim.broker().messages("orders.parking").unwrap();
+    let record = ParkedRecord::decode(&parked[0].headers);
+    assert_eq!(record.attempts, 4);
+    assert_eq!(record.last_error, Some("db down"));
+    assert_eq!(record.origin_queue, Some("orders"));
+}
+
+#[test]
+fn crash_on_attempt_two_is_diverted_then_recovers() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.publish(
+        "m",
+        Script::steps([Step::fail("timeout"), Step::Crash, Step::Succeed]),
+    )
+    .unwrap();
+    let report = sim.run_until_quiet();
+    let m = report.message("m").unwrap();
+    let steps: Vec<&Step> = m.runs.iter().map(|r| &r.step).collect();
+    assert_eq!(
+        steps,
+        [&Step::fail("timeout"), &Step::Crash, &Step::Succeed]
+    );
+    // The crash does not use up an attempt: the run after the diversion is attempt 2 again.
+    let attempts: Vec<u32> = m.runs.iter().map(|r| r.attempt).collect();
+    assert_eq!(attempts, [1, 2, 2]);
+    assert_eq!(m.delays, [mins(1), mins(1)]);
+    assert_eq!(m.crashes, 1);
+    assert!(matches!(m.fate, Fate::Handled { attempt: 2, .. }));
+}
+
+#[test]
+fn a_handler_that_always_panics_is_retried_then_parked() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.publish("m", Script::always(Step::panic("index out of bounds")))
+        .unwrap();
+    let report = sim.run_until_quiet();
+    let m = report.message("m").unwrap();
+    assert_eq!(m.runs.len(), 4);
+    assert_eq!(
+        m.fate,
+        Fate::Parked {
+            reason: "attempts-exhausted".into()
+        }
+    );
+    let parked = sim.broker().messages("orders.parking").unwrap();
+    assert_eq!(
+        ParkedRecord::decode(&parked[0].headers).last_error,
+        Some("index out of bounds"),
+        "the panic message is the recorded cause"
+    );
+    let report = sim.shutdown();
+    let ConsumerState::Finished(run) = &report.consumers[0].state else {
+        panic!("consumer did not finish: {:?}", report.consumers[0].state)
+    };
+    assert_eq!(run.handler_panics, 4);
+}
+
+#[test]
+fn a_permanent_error_is_parked_at_once() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.publish("m", Script::always(Step::permanent("schema mismatch")))
+        .unwrap();
+    let report = sim.run_until_quiet();
+    let m = report.message("m").unwrap();
+    assert_eq!(m.runs.len(), 1);
+    assert!(m.delays.is_empty());
+    assert_eq!(
+        m.fate,
+        Fate::Parked {
+            reason: "permanent".into()
+        }
+    );
+    assert_eq!(report.elapsed(), Duration::ZERO);
+}
+
+#[test]
+fn a_hanging_handler_is_cancelled_at_the_handler_timeout() {
+    let mut sim = Simulation::builder("orders", policy())
+        .handler_timeout(secs(20))
+        .build()
+        .unwrap();
+    sim.publish("m", Script::steps([Step::Hang, Step::Succeed]))
+        .unwrap();
+    let report = sim.run_until_quiet();
+    assert_eq!(
+        run_times(&report, "m"),
+        [Duration::ZERO, secs(20) + mins(1)]
+    );
+    assert!(matches!(
+        report.fate("m"),
+        Some(Fate::Handled { attempt: 2, .. })
+    ));
+}
+
+#[test]
+fn retry_after_and_slow_handlers_take_virtual_time() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.publish(
+        "m",
+        Script::steps([Step::retry_after(mins(10), "429"), Step::Succeed]).taking(secs(3)),
+    )
+    .unwrap();
+    let report = sim.run_until_quiet();
+    assert_eq!(report.message("m").unwrap().delays, [mins(10)]);
+    // Each run takes 3 s: the retry is scheduled at 3 s and runs at 10 min 3 s.
+    assert_eq!(
+        run_times(&report, "m"),
+        [Duration::ZERO, mins(10) + secs(3)]
+    );
+    assert_eq!(report.elapsed(), mins(10) + secs(6));
+}
+
+#[test]
+fn bystanders_of_a_crash_are_redelivered_and_never_lost() {
+    let mut sim = Simulation::builder("orders", policy())
+        .prefetch(10)
+        .build()
+        .unwrap();
+    sim.publish("poison", Script::always(Step::Crash)).unwrap();
+    for i in 0..3 {
+        // Slow enough to be in flight when the poison message kills the process.
+        sim.publish(format!("ok{i}"), Script::succeed().taking(secs(1)))
+            .unwrap();
+    }
+    let report = sim.run_until_quiet();
+    assert_eq!(
+        report.fate("poison"),
+        Some(&Fate::Parked {
+            reason: "crash-loop".into()
+        })
+    );
+    for i in 0..3 {
+        let m = report.message(&format!("ok{i}")).unwrap();
+        assert!(
+            m.crashes >= 1,
+            "held when the process died, so redelivered and counted as a crash"
+        );
+        assert!(m.runs.iter().all(|r| r.step == Step::Succeed));
+        // Bystanders go through the same crash delay as the poison message and come back
+        // in the same batch, so with prefetch above one they can be held again at its next
+        // crash: whether they end handled or parked, they end somewhere.
+        assert!(
+            matches!(m.fate, Fate::Handled { .. } | Fate::Parked { .. }),
+            "{:?}",
+            m.fate
+        );
+    }
+    let totals = report.totals();
+    assert_eq!(totals.handled + totals.parked, 4);
+    assert_eq!((totals.pending, totals.lost), (0, 0));
+}
+
+#[test]
+fn a_quorum_delivery_limit_backs_up_the_crash_limit() {
+    // The handler runs on redeliveries, so only the broker's delivery limit stops the loop.
+    let policy = RetryPolicy::delays([mins(1)])
+        .with_on_crash(CrashAction::RunHandler)
+        .with_crash_limit(100)
+        .build()
+        .unwrap();
+    let mut sim = Simulation::builder("orders", policy)
+        .queue_type(QueueType::Quorum)
+        .delivery_limit(2)
+        .prefetch(1)
+        .build()
+        .unwrap();
+    sim.publish("poison", Script::always(Step::Crash)).unwrap();
+    let report = sim.run_until_quiet();
+    let m = report.message("poison").unwrap();
+    assert_eq!(m.runs.len(), 3, "the first delivery and two redeliveries");
+    assert_eq!(
+        m.fate,
+        Fate::Parked {
+            reason: "delivery_limit".into()
+        }
+    );
+}
+
+#[test]
+fn dropping_on_exhaustion_is_reported_as_dropped() {
+    let policy = RetryPolicy::delays([mins(1)])
+        .with_on_exhausted(Exhausted::Drop)
+        .build()
+        .unwrap();
+    let mut sim = Simulation::builder("orders", policy).build().unwrap();
+    sim.publish("m", Script::always(Step::fail("nope")))
+        .unwrap();
+    let report = sim.run_until_quiet();
+    assert_eq!(
+        report.fate("m"),
+        Some(&Fate::Dropped {
+            reason: DeadLetterReason::AttemptsExhausted
+        })
+    );
+}
+
+#[test]
+fn your_own_handler_runs_under_simulated_crashes() {
+    async fn handle(msg: Message) -> Result<(), HandlerError> {
+        if msg.attempt() < 2 {
+            return Err(HandlerError::transient("cold cache"));
+        }
+        Ok(())
+    }
+    let mut sim = Simulation::builder("orders", policy())
+        .handler(handle)
+        .build()
+        .unwrap();
+    sim.publish("a", Script::succeed()).unwrap();
+    sim.publish("b", Script::steps([Step::Crash, Step::Succeed]))
+        .unwrap();
+    let report = sim.run_until_quiet();
+    let a = report.message("a").unwrap();
+    assert_eq!(a.runs[0].step, Step::fail("cold cache"));
+    assert!(matches!(a.fate, Fate::Handled { attempt: 2, .. }));
+    let b = report.message("b").unwrap();
+    assert_eq!(b.runs[0].step, Step::Crash);
+    assert_eq!(b.crashes, 1);
+    assert!(matches!(b.fate, Fate::Handled { .. }));
+}
+
+#[test]
+fn scheduled_events_happen_at_their_virtual_time() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.schedule(
+        mins(5),
+        SimEvent::Publish {
+            id: "late".into(),
+            script: Script::succeed(),
+        },
+    );
+    let report = sim.run_until_quiet();
+    assert_eq!(run_times(&report, "late"), [mins(5)]);
+
+    let report = sim.run_for(mins(30));
+    assert_eq!(
+        report.elapsed(),
+        mins(35),
+        "run_for ends exactly 30 min later"
+    );
+}
+
+#[test]
+fn a_simulation_without_consumers_work_stops_at_the_horizon() {
+    let mut sim = Simulation::builder("orders", policy())
+        .horizon(mins(30))
+        .build()
+        .unwrap();
+    sim.publish("m", Script::always(Step::fail("x"))).unwrap();
+    let report = sim.run_until_quiet();
+    assert_eq!(report.stop, Stop::Horizon);
+    assert_eq!(
+        report.fate("m"),
+        Some(&Fate::Pending {
+            queue: Some("orders.retry.1h".into())
+        })
+    );
+}
+
+#[test]
+fn duplicate_ids_are_refused() {
+    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    sim.publish("m", Script::succeed()).unwrap();
+    assert!(sim.publish("m", Script::succeed()).is_err());
+}
