@@ -179,10 +179,12 @@ pub(crate) async fn probe(
     }
 }
 
-/// Ends a session unless the broker already has.
+/// Ends a session unless the broker already has, waiting a second at most: RabbitMQ 3.10
+/// now and then never answers an `end`, and nothing depends on the answer (dropping the
+/// handle ends the session on this side anyway).
 pub(crate) async fn end_session(session: &mut SessionHandle<()>) {
     if !session.is_ended() {
-        let _ = session.end().await;
+        let _ = timeout(Duration::from_secs(1), session.end()).await;
     }
 }
 

@@ -591,3 +591,52 @@ async fn a_wrong_password_fails_without_showing_it() {
     let shown = format!("{err} {err:?}");
     assert!(!shown.contains("Wr0ngPassw0rd"), "{shown}");
 }
+
+#[tokio::test]
+async fn a_lost_consuming_link_is_reported_and_attached_again() {
+    let Some(b) = broker().await else { return };
+    let q = unique("relink");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    let t = transport().await;
+    t.consume(&q, 2).await.expect("consume");
+    // A delivery first, so the broker has surely registered the consumer.
+    b.publish(&q, b"before", BasicProperties::default()).await;
+    let d = t.recv().await.expect("recv").expect("delivery");
+    t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+
+    // Deleting the queue under the consumer takes its link away.
+    b.channel
+        .queue_delete(q.as_str().into(), Default::default())
+        .await
+        .expect("delete");
+    let lost = tokio::time::timeout(Duration::from_secs(10), t.recv())
+        .await
+        .expect("reported in time");
+    assert!(
+        matches!(lost, Err(TransportError::Connection(_))),
+        "{:?}",
+        lost.map(|d| d.is_some())
+    );
+
+    // While the queue is gone, attaching again says so.
+    let missing = t.recv().await;
+    assert!(
+        matches!(missing, Err(TransportError::MissingAddress { .. })),
+        "{:?}",
+        missing.map(|d| d.is_some())
+    );
+
+    // Once it is back, the next recv attaches a new link and delivers.
+    let _again = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"after", BasicProperties::default()).await;
+    let d = tokio::time::timeout(Duration::from_secs(10), t.recv())
+        .await
+        .expect("delivered in time")
+        .expect("recv")
+        .expect("delivery");
+    assert_eq!(d.message.body(), b"after");
+    assert_eq!(d.tag.generation(), 2, "the third link of this transport");
+    t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+    t.close().await;
+}
