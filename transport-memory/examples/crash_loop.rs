@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use retry_core::{ParkedRecord, RetryPolicy, Terminal, Timestamp, format_delay};
-use transport_memory::{MessageReport, Report, Script, Simulation, Step};
+use transport_memory::{MessageEvent, MessageReport, Report, Script, Simulation, Step};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let policy = RetryPolicy::delays([60, 600, 3600].map(Duration::from_secs)).build()?;
@@ -97,41 +97,40 @@ fn print_timeline<const N: usize>(report: &Report, ids: [&str; N]) {
 
 /// What happened to a message, in order: its runs and how each delivery ended.
 fn story(m: &MessageReport) -> Vec<(Timestamp, String)> {
-    let mut out: Vec<(Timestamp, u8, String)> = Vec::new();
-    for (i, run) in m.runs.iter().enumerate() {
-        let what = match &run.step {
-            Step::Crash => "CRASH, consumer dies".to_owned(),
-            other => other.to_string(),
-        };
-        out.push((
-            run.at,
-            0,
-            format!(
-                "run {} (attempt {}) on #{}: {what}",
-                i + 1,
-                run.attempt,
-                run.consumer
-            ),
-        ));
-    }
-    for (at, t) in &m.terminals {
-        let text = match *t {
-            Terminal::Handled { attempt } => format!("handled on attempt {attempt}"),
-            Terminal::Retried { delay, .. } => format!("-> retry in {}", format_delay(delay)),
-            Terminal::Diverted { crashes, delay } => {
-                format!(
-                    "redelivered: crash {crashes}, diverted {}",
-                    format_delay(delay)
-                )
-            }
-            Terminal::DeadLettered { reason } => format!("redelivered: PARKED ({reason})"),
-            Terminal::Dropped { reason } => format!("dropped ({reason})"),
-            Terminal::Requeued { cause } => format!("requeued ({cause:?})"),
-        };
-        out.push((*at, 1, text));
-    }
-    out.sort_by_key(|(at, order, _)| (*at, *order));
-    out.into_iter().map(|(at, _, text)| (at, text)).collect()
+    let mut runs = 0;
+    m.events()
+        .map(|e| {
+            let text = match e {
+                MessageEvent::Run(run) => {
+                    runs += 1;
+                    let what = match &run.step {
+                        Step::Crash => "CRASH, consumer dies".to_owned(),
+                        other => other.to_string(),
+                    };
+                    format!(
+                        "run {runs} (attempt {}) on #{}: {what}",
+                        run.attempt, run.consumer
+                    )
+                }
+                MessageEvent::Ended(_, t) => match *t {
+                    Terminal::Handled { attempt } => format!("handled on attempt {attempt}"),
+                    Terminal::Retried { delay, .. } => {
+                        format!("-> retry in {}", format_delay(delay))
+                    }
+                    Terminal::Diverted { crashes, delay } => {
+                        format!(
+                            "redelivered: crash {crashes}, diverted {}",
+                            format_delay(delay)
+                        )
+                    }
+                    Terminal::DeadLettered { reason } => format!("redelivered: PARKED ({reason})"),
+                    Terminal::Dropped { reason } => format!("dropped ({reason})"),
+                    Terminal::Requeued { cause } => format!("requeued ({cause:?})"),
+                },
+            };
+            (e.at(), text)
+        })
+        .collect()
 }
 
 fn elapsed(d: Duration) -> String {

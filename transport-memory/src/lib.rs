@@ -1,6 +1,140 @@
 //! # transport-memory
 //!
-//! A deterministic in-memory model of RabbitMQ 3.10 with a virtual clock.
+//! A deterministic in-memory model of the RabbitMQ 3.10 behaviour the retry engine relies
+//! on, with a virtual clock and fault injection, and a simulation API that runs the real
+//! consumer driver ([`retry_core::Consumer`]) on it. A day of retries runs in
+//! milliseconds, and the same script gives the same trace, byte for byte.
+//!
+//! ## Design
+//!
+//! Three layers, each usable on its own:
+//!
+//! * [`Broker`]: exchanges (direct, fanout, topic, the default exchange), bindings, queues
+//!   with the arguments a [`TopologyPlan`](retry_core::TopologyPlan) uses, publisher
+//!   confirms, consumers with prefetch, and a virtual clock. All state sits behind one
+//!   mutex; time moves only when [`Broker::step`], [`Broker::advance`] or a [`Simulation`]
+//!   moves it, and every deadline (a message expiring, a sleep ending, a consumer timeout)
+//!   fires at its exact virtual time.
+//! * [`MemoryTransport`]: one client connection, implementing
+//!   [`Transport`](retry_core::Transport). Its [`now`](retry_core::Transport::now) and
+//!   [`sleep`](retry_core::Transport::sleep) are the broker's virtual clock, `recv` is a
+//!   future woken when a delivery arrives, and it recovers a closed connection the way
+//!   lapin's automatic recovery does.
+//! * [`Simulation`]: a single-threaded executor that polls consumer futures until none can
+//!   make progress, then moves the clock to the earliest deadline and fires it, until
+//!   nothing is left (or a virtual-time horizon is reached). Handlers follow per-message
+//!   [`Script`]s; a [`Step::Crash`] kills the consumer process, dropping its future with its
+//!   deliveries unsettled, and a new process starts after a restart delay. The [`Report`]
+//!   says where every message ended, what each run did and when, and carries the [`Trace`].
+//!
+//! ## A crash loop in a unit test
+//!
+//! ```
+//! use retry_core::RetryPolicy;
+//! use transport_memory::{Fate, Script, Simulation, Step};
+//! use std::time::Duration;
+//!
+//! let policy = RetryPolicy::delays([60, 600, 3600].map(Duration::from_secs)).build()?;
+//! let mut sim = Simulation::builder("comments", policy).prefetch(1).build()?;
+//! sim.publish("poison", Script::always(Step::Crash))?;       // kills its consumer every time
+//! sim.publish("flaky", Script::fail_times(2))?;              // fails twice, then succeeds
+//!
+//! let report = sim.run_until_quiet();
+//! // Three crashes are survived (the default crash limit); the fourth parks the message.
+//! let poison = report.message("poison").unwrap();
+//! assert_eq!(poison.fate, Fate::Parked { reason: "crash-loop".into() });
+//! assert_eq!(poison.runs.len(), 4);
+//! assert!(matches!(report.fate("flaky"), Some(Fate::Handled { attempt: 3, .. })));
+//! let totals = report.totals();
+//! assert_eq!(totals.published, totals.handled + totals.parked);
+//! println!("{}", report.trace); // every publish, delivery, ack, expiry and crash, timed
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## The run loop, by hand
+//!
+//! The simulation's loop is small enough to write out: poll the consumer until it stalls,
+//! then move the clock to the next deadline. Here with a no-op waker, polling again after
+//! every step:
+//!
+//! ```
+//! use std::pin::pin;
+//! use std::task::{Context, Poll, Waker};
+//! use std::time::Duration;
+//! use retry_core::{Consumer, HandlerError, Message, RetryPolicy};
+//! use transport_memory::{Broker, Outgoing};
+//!
+//! async fn handle(msg: Message) -> Result<(), HandlerError> {
+//!     match msg.attempt() {
+//!         1 => Err(HandlerError::transient("cold start")),
+//!         _ => Ok(()),
+//!     }
+//! }
+//!
+//! let broker = Broker::new();
+//! let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+//! let consumer = Consumer::builder(broker.connect(), policy, handle)
+//!     .queue("comments")
+//!     .build()?;
+//! broker.provision(consumer.plan())?;
+//! broker.publish(Outgoing::to_queue("comments", b"hello".to_vec()))?;
+//!
+//! let stop = broker.sleep(Duration::from_secs(3600)); // shut down after an hour
+//! let mut run = pin!(consumer.run(stop));
+//! let mut cx = Context::from_waker(Waker::noop());
+//! let report = loop {
+//!     if let Poll::Ready(report) = run.as_mut().poll(&mut cx) {
+//!         break report?;
+//!     }
+//!     broker.step().expect("the shutdown timer is always pending");
+//! };
+//! assert_eq!((report.retried, report.handled), (1, 1));
+//! // The retry came back after exactly 30 s of virtual time.
+//! let trace = broker.trace().render();
+//! assert!(trace.contains("00:00:30.000  dead-ltr"));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## RabbitMQ behaviour modelled
+//!
+//! * `x-message-ttl` and per-message `expiration`, the lower winning; only the head of a
+//!   queue expires, so a long TTL at the head holds back shorter ones behind it (which is
+//!   why the engine uses one queue per delay). A zero TTL delivers to a waiting consumer or
+//!   expires at once. The expiration property is removed on dead-lettering and kept in
+//!   `x-death` as `original-expiration`.
+//! * `x-dead-letter-exchange` (`""` is the default exchange) and
+//!   `x-dead-letter-routing-key`; `x-death` as an array of tables, one per {queue, reason},
+//!   with `count`, `reason` (`expired`, `rejected`, `maxlen`, `delivery_limit`), `queue`,
+//!   `exchange`, `routing-keys` and `time` (whole seconds), the latest death moved to the
+//!   front with its count grown and its other fields kept from the first such death;
+//!   `x-first-death-queue`, `-reason` and `-exchange`; dead-letter cycles without a
+//!   rejection are dropped.
+//! * `x-max-length` with `x-overflow` `drop-head` (dead-letter the oldest, reason `maxlen`)
+//!   or `reject-publish` (nack the publish); only ready messages count.
+//! * Quorum queues: `x-delivery-count` (absent on the first delivery, counting returns),
+//!   `x-delivery-limit` (dead-letter with reason `delivery_limit`), at-least-once
+//!   dead-lettering (kept until routable) where RabbitMQ honours it.
+//! * Publisher confirms: ack, nack when a queue refuses, a return for an unroutable
+//!   `mandatory` publish (the engine's clones are mandatory), a channel error for a
+//!   missing exchange.
+//! * Consumers: prefetch, round-robin between consumers of a queue, unacknowledged deliveries
+//!   returned to their place in the queue flagged redelivered when their connection closes,
+//!   an unknown delivery tag closing the channel, and `consumer_timeout` (30 min by default)
+//!   closing the channel of a consumer that holds a delivery too long.
+//!
+//! Not modelled: exchange-to-exchange bindings, headers exchanges, alternate exchanges,
+//! priorities, `x-max-length-bytes`, `reject-publish-dlx`, queue expiry (`x-expires`),
+//! lazy or stream queues, server-named queues, multiple channels per connection, broker
+//! restarts and durability, transactions, and flow control.
+//!
+//! ## Faults
+//!
+//! [`Broker::lose_publishes`], [`Broker::refuse_publishes`], [`Broker::lose_confirms`] and
+//! [`Broker::duplicate_deliveries`] affect the next N operations; [`Broker::random_faults`]
+//! draws them from a seeded generator; [`Broker::close_connection`] drops a connection. In a
+//! simulation, [`SimEvent`]s schedule them at virtual times, and
+//! [`SimulationBuilder::crash_rate`] and [`SimulationBuilder::connection_drop_rate`] add
+//! seeded crashes and disconnections to handler runs.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -27,7 +161,9 @@ pub use exchange::topic_matches;
 pub use fault::FaultRates;
 pub use message::{MessageKey, Outgoing, QueuedMessage};
 pub use queue::{Overflow, QueueOptions};
-pub use report::{ConsumerReport, ConsumerState, Fate, MessageReport, Report, Run, Stop, Totals};
+pub use report::{
+    ConsumerReport, ConsumerState, Fate, MessageEvent, MessageReport, Report, Run, Stop, Totals,
+};
 pub use script::{Script, Step};
 pub use simulation::{DEFAULT_HORIZON, SimEvent, Simulation, SimulationBuilder, SimulationError};
 pub use trace::{DeathReason, Event, EventKind, MessageRef, PublishOutcome, Publisher, Trace};

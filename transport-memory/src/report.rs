@@ -68,6 +68,32 @@ pub struct Run {
     pub step: Step,
 }
 
+/// One thing that happened to a message, in [`MessageReport::events`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MessageEvent<'a> {
+    /// A handler run started.
+    Run(&'a Run),
+    /// The driver reported how a delivery ended.
+    Ended(Timestamp, &'a Terminal),
+}
+
+impl MessageEvent<'_> {
+    /// When it happened.
+    pub fn at(&self) -> Timestamp {
+        match self {
+            MessageEvent::Run(r) => r.at,
+            MessageEvent::Ended(at, _) => *at,
+        }
+    }
+}
+
+/// Which list an event of a message is in, in the order things happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Happened {
+    Run(usize),
+    Ended(usize),
+}
+
 /// One message's story.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
@@ -89,6 +115,7 @@ pub struct MessageReport {
     /// Copies that ended beyond the first (handled, parked or dropped again): the
     /// duplicates that at-least-once delivery allows.
     pub duplicates: u32,
+    pub(crate) order: Vec<Happened>,
 }
 
 impl MessageReport {
@@ -97,29 +124,34 @@ impl MessageReport {
         self.runs.iter().map(|r| r.attempt).max().unwrap_or(0)
     }
 
+    /// Its runs and outcomes interleaved as they happened (copies of one message can run at
+    /// the same instant).
+    pub fn events(&self) -> impl Iterator<Item = MessageEvent<'_>> + '_ {
+        self.order.iter().filter_map(|h| match *h {
+            Happened::Run(i) => self.runs.get(i).map(MessageEvent::Run),
+            Happened::Ended(i) => self
+                .terminals
+                .get(i)
+                .map(|(at, t)| MessageEvent::Ended(*at, t)),
+        })
+    }
+
     /// A readable timeline of the message: runs and outcomes with times since `start`.
     pub fn timeline(&self, start: Timestamp) -> String {
-        let mut lines: Vec<(Timestamp, u8, String)> = Vec::new();
-        lines.push((self.published_at, 0, "published".to_owned()));
-        for r in &self.runs {
-            lines.push((
-                r.at,
-                1,
-                format!(
+        let line = |at: Timestamp, text: &str| {
+            let since = at.as_millis().saturating_sub(start.as_millis());
+            format!("{:>15}  {text}\n", Elapsed(since).to_string())
+        };
+        let mut out = line(self.published_at, "published");
+        for e in self.events() {
+            let text = match e {
+                MessageEvent::Run(r) => format!(
                     "run, attempt {} on consumer {}: {}",
                     r.attempt, r.consumer, r.step
                 ),
-            ));
-        }
-        for (at, t) in &self.terminals {
-            lines.push((*at, 2, describe_terminal(t)));
-        }
-        // Stable: events at the same instant keep run-before-outcome order.
-        lines.sort_by_key(|(at, order, _)| (*at, *order));
-        let mut out = String::new();
-        for (at, _, text) in lines {
-            let since = at.as_millis().saturating_sub(start.as_millis());
-            out.push_str(&format!("{:>15}  {text}\n", Elapsed(since).to_string()));
+                MessageEvent::Ended(_, t) => describe_terminal(t),
+            };
+            out.push_str(&line(e.at(), &text));
         }
         out.push_str(&format!("{:>15}  => {}\n", "", self.fate));
         out

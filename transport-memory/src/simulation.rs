@@ -21,7 +21,9 @@ use crate::error::BrokerError;
 use crate::executor::{Executor, TaskId};
 use crate::fault::{FaultRates, Rng};
 use crate::message::{MessageKey, Outgoing};
-use crate::report::{ConsumerReport, ConsumerState, Fate, MessageReport, Report, Run, Stop};
+use crate::report::{
+    ConsumerReport, ConsumerState, Fate, Happened, MessageReport, Report, Run, Stop,
+};
 use crate::script::{Script, Step};
 use crate::trace::Publisher;
 use crate::trace::{EventKind, MessageRef};
@@ -779,6 +781,7 @@ struct Entry {
     script: Script,
     runs: Vec<Run>,
     terminals: Vec<(Timestamp, Terminal)>,
+    order: Vec<Happened>,
 }
 
 impl Entry {
@@ -789,6 +792,7 @@ impl Entry {
             script,
             runs: Vec::new(),
             terminals: Vec::new(),
+            order: Vec::new(),
         }
     }
 
@@ -854,6 +858,7 @@ impl Entry {
             delays,
             crashes,
             duplicates: ended.saturating_sub(1),
+            order: self.order.clone(),
         }
     }
 }
@@ -895,6 +900,7 @@ impl Ledger {
         } else {
             entry.script.step(entry.runs.len()).clone()
         };
+        entry.order.push(Happened::Run(entry.runs.len()));
         entry.runs.push(Run {
             at: now,
             attempt,
@@ -925,6 +931,7 @@ impl Ledger {
         let i = l.index.get(id).copied();
         let key = match i.map(|i| &mut l.entries[i]) {
             Some(entry) => {
+                entry.order.push(Happened::Ended(entry.terminals.len()));
                 entry.terminals.push((now, *terminal));
                 entry.key
             }
