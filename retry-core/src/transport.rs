@@ -138,3 +138,46 @@ pub trait Transport: Send + Sync + 'static {
         Box::pin(futures_timer::Delay::new(duration))
     }
 }
+
+/// A shared transport is a transport, so a consumer can run on one while the caller keeps a
+/// handle to it (to inspect it, or to run several consumers on one connection).
+#[async_trait]
+impl<T: Transport> Transport for std::sync::Arc<T> {
+    type Tag = T::Tag;
+
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
+
+    async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        (**self).provision(plan).await
+    }
+
+    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError> {
+        (**self).consume(queue, prefetch).await
+    }
+
+    async fn recv(&self) -> Result<Option<Delivery<Self::Tag>>, TransportError> {
+        (**self).recv().await
+    }
+
+    async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
+        (**self).publish(original, publish).await
+    }
+
+    async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError> {
+        (**self).settle(tag, settlement).await
+    }
+
+    async fn cancel(&self) -> Result<(), TransportError> {
+        (**self).cancel().await
+    }
+
+    fn now(&self) -> Timestamp {
+        (**self).now()
+    }
+
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+        (**self).sleep(duration)
+    }
+}

@@ -5,6 +5,11 @@
 //! the current channel incarnation (epoch) and, when it flushes, acks the longest finished
 //! prefix with one `multiple` ack and any other finished deliveries one by one.
 //!
+//! Settlements leave in the order they are decided: a `multiple` ack sent after a later one
+//! would name a tag the broker no longer knows (and close the channel), and a `multiple` ack
+//! overtaking a requeue could acknowledge the message being requeued. [`Acks`] takes and
+//! sends under one lock.
+//!
 //! lapin recovers a dropped connection by itself and restarts delivery tags at 1. Every
 //! incarnation's ackers share one poison flag that lapin sets for good when the incarnation
 //! ends, so an acker never sends on a newer channel; the batcher watches that flag to start a
@@ -14,6 +19,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use lapin::Acker;
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use tracing::warn;
 
 /// One ack to send: the delivery tag, the acker to send it through, and whether it is a
 /// `multiple` ack.
@@ -145,6 +152,87 @@ impl AckBatcher {
             s.done = 0;
         }
         out
+    }
+}
+
+/// The batcher plus the lock that keeps settlements in order on the wire.
+#[derive(Default)]
+pub(crate) struct Acks {
+    batcher: AckBatcher,
+    wire: tokio::sync::Mutex<()>,
+}
+
+/// How to settle a delivery other than by a (batched) ack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    Requeue,
+    Reject,
+}
+
+impl Acks {
+    pub(crate) fn set_batch(&self, batch: usize) {
+        self.batcher.set_batch(batch);
+    }
+
+    pub(crate) fn received(&self, tag: u64, acker: Acker) -> u64 {
+        self.batcher.received(tag, acker)
+    }
+
+    pub(crate) fn has_done(&self) -> bool {
+        self.batcher.has_done()
+    }
+
+    /// Marks a delivery done, sending the batch if it is full. `false` if it was stale.
+    pub(crate) async fn done(&self, epoch: u64, tag: u64) -> bool {
+        let _wire = self.wire.lock().await;
+        match self.batcher.done(epoch, tag) {
+            Some(now) => {
+                send(now).await;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Requeues or rejects a delivery at once. `Ok(false)` if it was stale.
+    pub(crate) async fn refuse(
+        &self,
+        epoch: u64,
+        tag: u64,
+        how: Refusal,
+    ) -> Result<bool, lapin::Error> {
+        let _wire = self.wire.lock().await;
+        let Some(acker) = self.batcher.remove(epoch, tag) else {
+            return Ok(false);
+        };
+        match how {
+            Refusal::Requeue => {
+                acker
+                    .nack(BasicNackOptions {
+                        multiple: false,
+                        requeue: true,
+                    })
+                    .await
+            }
+            Refusal::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
+        }
+    }
+
+    /// Sends every finished delivery's ack now.
+    pub(crate) async fn flush(&self) {
+        let _wire = self.wire.lock().await;
+        send(self.batcher.flush()).await;
+    }
+}
+
+async fn send(acks: Vec<PendingAck>) {
+    for (tag, acker, multiple) in acks {
+        match acker.ack(BasicAckOptions { multiple }).await {
+            Ok(true) => {}
+            // The channel died since: the broker redelivers these, the engine counts them.
+            Ok(false) => warn!(tag, multiple, "ack not sent: its channel is gone"),
+            Err(e) => warn!(tag, multiple, error = %e, "ack failed; the broker will redeliver"),
+        }
     }
 }
 

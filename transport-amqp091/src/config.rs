@@ -122,12 +122,7 @@ pub(crate) fn redact(url: &str) -> String {
     if !userinfo.contains(':') {
         return url.to_owned();
     }
-    format!(
-        "{}{}:****{}",
-        &url[..scheme_end],
-        user,
-        &rest[at..]
-    )
+    format!("{}{}:****{}", &url[..scheme_end], user, &rest[at..])
 }
 
 #[cfg(test)]
@@ -137,8 +132,14 @@ mod tests {
     #[test]
     fn passwords_are_redacted() {
         let table = [
-            ("amqp://guest:guest@127.0.0.1:5672/%2f", "amqp://guest:****@127.0.0.1:5672/%2f"),
-            ("amqps://u:p%40ss@host/vh?heartbeat=5", "amqps://u:****@host/vh?heartbeat=5"),
+            (
+                "amqp://guest:guest@127.0.0.1:5672/%2f",
+                "amqp://guest:****@127.0.0.1:5672/%2f",
+            ),
+            (
+                "amqps://u:p%40ss@host/vh?heartbeat=5",
+                "amqps://u:****@host/vh?heartbeat=5",
+            ),
             ("amqp://u:a@b@host", "amqp://u:****@host"),
             ("amqp://127.0.0.1", "amqp://127.0.0.1"),
             ("amqp://user@host", "amqp://user@host"),

@@ -93,9 +93,9 @@ pub fn value_to_amqp(v: &HeaderValue) -> AMQPValue {
         HeaderValue::Str(s) => AMQPValue::LongString(s.as_str().into()),
         HeaderValue::Bytes(b) => AMQPValue::ByteArray(b.clone().into()),
         HeaderValue::Timestamp(t) => AMQPValue::Timestamp(t.as_millis() / 1000),
-        HeaderValue::Array(a) => {
-            AMQPValue::FieldArray(FieldArray::from(a.iter().map(value_to_amqp).collect::<Vec<_>>()))
-        }
+        HeaderValue::Array(a) => AMQPValue::FieldArray(FieldArray::from(
+            a.iter().map(value_to_amqp).collect::<Vec<_>>(),
+        )),
         HeaderValue::Table(t) => AMQPValue::FieldTable(table_from_headers(t)),
     }
 }
@@ -123,7 +123,8 @@ pub fn properties_from_amqp(p: &BasicProperties) -> Properties {
 }
 
 fn short(s: &Option<String>) -> Option<ShortString> {
-    s.as_ref().and_then(|s| ShortString::try_new(s.as_str()).ok())
+    s.as_ref()
+        .and_then(|s| ShortString::try_new(s.as_str()).ok())
 }
 
 /// Writes basic properties for a clone: the original's, these headers, and a per-message
@@ -185,7 +186,10 @@ mod tests {
         t.insert("f".into(), AMQPValue::Float(1.5));
         t.insert(
             "dec".into(),
-            AMQPValue::DecimalValue(DecimalValue { scale: 2, value: 314 }),
+            AMQPValue::DecimalValue(DecimalValue {
+                scale: 2,
+                value: 314,
+            }),
         );
         t.insert("ss".into(), AMQPValue::ShortString("short".into()));
         t.insert(
@@ -193,7 +197,10 @@ mod tests {
             AMQPValue::LongString(vec![0xff, 0xfe, 0x00].into()),
         );
         t.insert("ts".into(), AMQPValue::Timestamp(u64::MAX));
-        t.insert("bytes".into(), AMQPValue::ByteArray(ByteArray::from(vec![1u8, 2])));
+        t.insert(
+            "bytes".into(),
+            AMQPValue::ByteArray(ByteArray::from(vec![1u8, 2])),
+        );
         t.insert("void".into(), AMQPValue::Void);
         let h = headers_from_table(&t);
         assert_eq!(h.get("b"), Some(&HeaderValue::Bool(true)));
@@ -241,9 +248,12 @@ mod tests {
     #[test]
     fn overlong_names_and_values_are_dropped_not_panicked_on() {
         let long = "k".repeat(300);
-        let h: Headers = [(long.as_str(), HeaderValue::Int(1)), ("ok", HeaderValue::Int(2))]
-            .into_iter()
-            .collect();
+        let h: Headers = [
+            (long.as_str(), HeaderValue::Int(1)),
+            ("ok", HeaderValue::Int(2)),
+        ]
+        .into_iter()
+        .collect();
         let t = table_from_headers(&h);
         assert_eq!(t.inner().len(), 1);
         let p = Properties {
@@ -254,7 +264,10 @@ mod tests {
         };
         let out = properties_to_amqp(&p, &Headers::new(), Some(Duration::from_millis(1500)));
         assert_eq!(out.message_id(), &None);
-        assert_eq!(out.content_type().as_ref().map(|s| s.as_str()), Some("text/plain"));
+        assert_eq!(
+            out.content_type().as_ref().map(|s| s.as_str()),
+            Some("text/plain")
+        );
         assert_eq!(out.delivery_mode(), &Some(2));
         assert_eq!(out.expiration().as_ref().map(|s| s.as_str()), Some("1500"));
     }

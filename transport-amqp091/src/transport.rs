@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, Event};
@@ -20,7 +20,7 @@ use retry_core::{
 use tokio::sync::Mutex;
 use tracing::{debug, info, warn};
 
-use crate::acks::{AckBatcher, PendingAck};
+use crate::acks::{Acks, Refusal};
 use crate::config::AmqpConfig;
 use crate::convert::{headers_from_table, properties_from_amqp, properties_to_amqp};
 use crate::error::{connection_error, short};
@@ -76,7 +76,7 @@ pub struct AmqpTransport {
     publish_channel: Mutex<Channel>,
     consume_channel: Channel,
     consuming: Mutex<Option<Consuming>>,
-    acks: Arc<AckBatcher>,
+    acks: Arc<Acks>,
     recoveries: Arc<AtomicU64>,
     last_report: StdMutex<Option<ProvisionReport>>,
 }
@@ -115,11 +115,8 @@ impl AmqpTransport {
             .map_err(connection_error)?;
         let recoveries = Arc::new(AtomicU64::new(0));
         watch_connection(&connection, Arc::clone(&recoveries));
-        let acks = Arc::new(AckBatcher::default());
-        spawn_flusher(
-            Arc::downgrade(&acks),
-            config.ack_flush_interval(),
-        );
+        let acks = Arc::new(Acks::default());
+        spawn_flusher(Arc::downgrade(&acks), config.ack_flush_interval());
         info!(url = %config.redacted_url(), "connected");
         Ok(AmqpTransport {
             config,
@@ -157,6 +154,17 @@ impl AmqpTransport {
         provision::teardown(&self.connection, plan).await
     }
 
+    /// Sends the batched acknowledgements and closes the connection. Deliveries left
+    /// unsettled (a consumer stopped past its shutdown grace) go back to their queue now;
+    /// while the connection stays open the broker keeps them as unacknowledged.
+    pub async fn close(&self) -> Result<(), TransportError> {
+        self.acks.flush().await;
+        self.connection
+            .close(200, "closing".into())
+            .await
+            .map_err(connection_error)
+    }
+
     /// How many times the connection has been recovered.
     pub fn recoveries(&self) -> u64 {
         self.recoveries.load(Ordering::Relaxed)
@@ -164,7 +172,7 @@ impl AmqpTransport {
 
     /// Sends every batched acknowledgement now.
     pub async fn flush_acks(&self) {
-        send_acks(self.acks.flush()).await;
+        self.acks.flush().await;
     }
 
     async fn publish_channel(&self) -> Result<Channel, TransportError> {
@@ -227,7 +235,10 @@ impl AmqpTransport {
 }
 
 async fn confirm_channel(connection: &Connection) -> Result<Channel, TransportError> {
-    let channel = connection.create_channel().await.map_err(connection_error)?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(connection_error)?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
@@ -264,7 +275,7 @@ fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>) {
 
 /// Flushes batched acks on a timer, so a quiet consumer never sits on finished deliveries.
 /// Stops when the transport is dropped.
-fn spawn_flusher(acks: Weak<AckBatcher>, every: Duration) {
+fn spawn_flusher(acks: Weak<Acks>, every: Duration) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -272,21 +283,10 @@ fn spawn_flusher(acks: Weak<AckBatcher>, every: Duration) {
             tick.tick().await;
             let Some(acks) = acks.upgrade() else { break };
             if acks.has_done() {
-                send_acks(acks.flush()).await;
+                acks.flush().await;
             }
         }
     });
-}
-
-async fn send_acks(acks: Vec<PendingAck>) {
-    for (tag, acker, multiple) in acks {
-        match acker.ack(BasicAckOptions { multiple }).await {
-            Ok(true) => {}
-            // The channel died since: the broker redelivers these, the engine counts them.
-            Ok(false) => warn!(tag, multiple, "ack not sent: its channel is gone"),
-            Err(e) => warn!(tag, multiple, error = %e, "ack failed; the broker will redeliver"),
-        }
-    }
 }
 
 #[async_trait]
@@ -315,11 +315,7 @@ impl Transport for AmqpTransport {
             .basic_qos(prefetch, BasicQosOptions::default())
             .await
             .map_err(connection_error)?;
-        let consumer_tag = format!(
-            "retry-{}-{}",
-            queue,
-            self.consume_channel.id()
-        );
+        let consumer_tag = format!("retry-{}-{}", queue, self.consume_channel.id());
         let consumer = self
             .consume_channel
             .basic_consume(
@@ -357,7 +353,9 @@ impl Transport for AmqpTransport {
             let next = match consuming.consumer.next().now_or_never() {
                 Some(next) => next,
                 None => {
-                    send_acks(self.acks.flush()).await;
+                    if self.acks.has_done() {
+                        self.acks.flush().await;
+                    }
                     consuming.consumer.next().await
                 }
             };
@@ -369,7 +367,9 @@ impl Transport for AmqpTransport {
                 }
                 Some(Ok(d)) => d,
             };
-            let epoch = self.acks.received(delivery.delivery_tag, delivery.acker.clone());
+            let epoch = self
+                .acks
+                .received(delivery.delivery_tag, delivery.acker.clone());
             let headers = delivery
                 .properties
                 .headers()
@@ -428,30 +428,17 @@ impl Transport for AmqpTransport {
 
     async fn settle(&self, tag: &AmqpTag, settlement: Settlement) -> Result<(), TransportError> {
         let sent = match settlement {
-            Settlement::Ack => match self.acks.done(tag.epoch, tag.delivery_tag) {
-                Some(now) => {
-                    send_acks(now).await;
-                    return Ok(());
-                }
-                None => false,
-            },
-            Settlement::Requeue => match self.acks.remove(tag.epoch, tag.delivery_tag) {
-                Some(acker) => acker
-                    .nack(BasicNackOptions {
-                        multiple: false,
-                        requeue: true,
-                    })
-                    .await
-                    .map_err(connection_error)?,
-                None => false,
-            },
-            Settlement::Reject => match self.acks.remove(tag.epoch, tag.delivery_tag) {
-                Some(acker) => acker
-                    .reject(BasicRejectOptions { requeue: false })
-                    .await
-                    .map_err(connection_error)?,
-                None => false,
-            },
+            Settlement::Ack => self.acks.done(tag.epoch, tag.delivery_tag).await,
+            Settlement::Requeue => self
+                .acks
+                .refuse(tag.epoch, tag.delivery_tag, Refusal::Requeue)
+                .await
+                .map_err(connection_error)?,
+            Settlement::Reject => self
+                .acks
+                .refuse(tag.epoch, tag.delivery_tag, Refusal::Reject)
+                .await
+                .map_err(connection_error)?,
         };
         if !sent {
             // The delivery belongs to a channel that has since been recovered: the broker
@@ -474,7 +461,7 @@ impl Transport for AmqpTransport {
                 .map_err(connection_error)?;
             info!(queue = c.queue, "stopped consuming");
         }
-        send_acks(self.acks.flush()).await;
+        self.acks.flush().await;
         Ok(())
     }
 }

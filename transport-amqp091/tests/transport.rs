@@ -8,8 +8,8 @@ use std::time::Duration;
 use common::*;
 use retry_core::headers::{self, EngineHeaders};
 use retry_core::{
-    HeaderValue, Message, MessageParts, Properties, Publish, PublishResult, QueueType,
-    RetryPolicy, Route, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
+    HeaderValue, Message, MessageParts, Properties, Publish, PublishResult, QueueType, RetryPolicy,
+    Route, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
 };
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
@@ -29,7 +29,9 @@ fn clone_of(queue: &str, body: &[u8]) -> Message {
             persistent: true,
             ..Properties::default()
         },
-        headers: [("tenant", HeaderValue::from("acme"))].into_iter().collect(),
+        headers: [("tenant", HeaderValue::from("acme"))]
+            .into_iter()
+            .collect(),
     })
 }
 
@@ -51,7 +53,9 @@ fn publish_to(route: Route) -> Publish {
 
 #[tokio::test]
 async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
-    let Some(config) = broker("provision").await else { return };
+    let Some(config) = broker("provision").await else {
+        return;
+    };
     let q = unique("prov");
     let policy = RetryPolicy::delays([secs(30), secs(600), secs(3600)])
         .build()
@@ -69,7 +73,10 @@ async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
     planned.sort();
     assert_eq!(names, planned);
     for spec in plan.queues() {
-        let row = queues.iter().find(|r| r["name"] == spec.name.as_str()).unwrap();
+        let row = queues
+            .iter()
+            .find(|r| r["name"] == spec.name.as_str())
+            .unwrap();
         assert_eq!(row["durable"], true);
         assert_eq!(row["type"], "classic");
         // rabbitmqctl prints arguments as [name, type, value] triples.
@@ -117,14 +124,19 @@ async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
 
 #[tokio::test]
 async fn a_conflicting_declaration_is_reported_by_queue_and_argument() {
-    let Some(config) = broker("conflict").await else { return };
+    let Some(config) = broker("conflict").await else {
+        return;
+    };
     let q = unique("conflict");
     let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
     let plan = TopologyPlan::new(&q, &policy).unwrap();
     let delay_queue = format!("{q}.retry.30s");
     let (_conn, ch) = raw().await;
     let mut args = lapin::types::FieldTable::default();
-    args.insert("x-message-ttl".into(), lapin::types::AMQPValue::LongInt(5_000));
+    args.insert(
+        "x-message-ttl".into(),
+        lapin::types::AMQPValue::LongInt(5_000),
+    );
     ch.queue_declare(
         delay_queue.as_str().into(),
         lapin::options::QueueDeclareOptions {
@@ -146,7 +158,10 @@ async fn a_conflicting_declaration_is_reported_by_queue_and_argument() {
             wanted,
         } => {
             assert!(object.contains(&delay_queue), "{err}");
-            assert!(argument == "x-dead-letter-exchange" || argument == "x-message-ttl", "{err}");
+            assert!(
+                argument == "x-dead-letter-exchange" || argument == "x-message-ttl",
+                "{err}"
+            );
             assert!(!existing.is_empty() && !wanted.is_empty(), "{err}");
         }
         other => panic!("expected a conflict, got {other}"),
@@ -163,7 +178,9 @@ async fn a_conflicting_declaration_is_reported_by_queue_and_argument() {
 
 #[tokio::test]
 async fn publish_results_are_told_apart() {
-    let Some(config) = broker("publish").await else { return };
+    let Some(config) = broker("publish").await else {
+        return;
+    };
     let q = unique("pub");
     let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
     let plan = TopologyPlan::new(&q, &policy).unwrap();
@@ -176,10 +193,15 @@ async fn publish_results_are_told_apart() {
     let r = t.publish(&msg, &publish_to(route.clone())).await;
     assert!(matches!(r, PublishResult::Confirmed), "{r:?}");
     let (_conn, ch) = raw().await;
-    let got = wait_get(&ch, &format!("{q}.retry.30s"), secs(5)).await.unwrap();
+    let got = wait_get(&ch, &format!("{q}.retry.30s"), secs(5))
+        .await
+        .unwrap();
     assert_eq!(got.body, b"\x00\xffbody");
     assert_eq!(got.message_id.as_deref(), Some("m-1"));
-    assert_eq!(got.headers.get(headers::ATTEMPTS), Some(&HeaderValue::Int(1)));
+    assert_eq!(
+        got.headers.get(headers::ATTEMPTS),
+        Some(&HeaderValue::Int(1))
+    );
     assert_eq!(got.headers.get("tenant"), Some(&HeaderValue::from("acme")));
     assert_eq!(
         got.headers.get(headers::ORIGIN_QUEUE),
@@ -210,12 +232,17 @@ async fn publish_results_are_told_apart() {
 
 #[tokio::test]
 async fn a_full_reject_publish_queue_refuses_the_clone() {
-    let Some(config) = broker("refused").await else { return };
+    let Some(config) = broker("refused").await else {
+        return;
+    };
     let q = unique("full");
     let (_conn, ch) = raw().await;
     let mut args = lapin::types::FieldTable::default();
     args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
-    args.insert("x-overflow".into(), lapin::types::AMQPValue::LongString("reject-publish".into()));
+    args.insert(
+        "x-overflow".into(),
+        lapin::types::AMQPValue::LongString("reject-publish".into()),
+    );
     ch.queue_declare(q.as_str().into(), Default::default(), args)
         .await
         .unwrap();
@@ -226,14 +253,16 @@ async fn a_full_reject_publish_queue_refuses_the_clone() {
     };
     let r = t.publish(&clone_of(&q, b"x"), &publish_to(route)).await;
     assert!(matches!(r, PublishResult::Refused), "{r:?}");
-    ch.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
+    ch.queue_delete(q.as_str().into(), Default::default())
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
 async fn passwords_stay_out_of_errors_and_debug_output() {
     // TLS to the plain port fails in the handshake; the error must not carry the password.
-    let config = AmqpConfig::new("amqps://guest:hunter2-secret@127.0.0.1:5672/%2f")
-        .with_auto_recover(false);
+    let config =
+        AmqpConfig::new("amqps://guest:hunter2-secret@127.0.0.1:5672/%2f").with_auto_recover(false);
     assert!(!format!("{config:?}").contains("hunter2"));
     let err = tokio::time::timeout(secs(20), AmqpTransport::connect(config))
         .await
@@ -243,7 +272,9 @@ async fn passwords_stay_out_of_errors_and_debug_output() {
     assert!(!text.contains("hunter2"), "{text}");
     assert!(text.contains("amqps://guest:****@127.0.0.1"), "{text}");
 
-    let Some(_) = broker("password").await else { return };
+    let Some(_) = broker("password").await else {
+        return;
+    };
     let wrong = AmqpConfig::new("amqp://guest:not-the-password@127.0.0.1:5672/%2f")
         .with_auto_recover(false);
     let err = AmqpTransport::connect(wrong).await.unwrap_err();
@@ -253,7 +284,9 @@ async fn passwords_stay_out_of_errors_and_debug_output() {
 
 #[tokio::test]
 async fn consuming_resumes_after_a_forced_close_and_stale_tags_are_not_acked() {
-    let Some(config) = broker("recovery").await else { return };
+    let Some(config) = broker("recovery").await else {
+        return;
+    };
     let name = config.connection_name().unwrap().to_owned();
     let q = unique("recover");
     let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
@@ -290,14 +323,18 @@ async fn consuming_resumes_after_a_forced_close_and_stale_tags_are_not_acked() {
 
     // And publishing works on the recovered connection.
     let (route, _) = plan.route_for(secs(30)).unwrap();
-    let r = t.publish(&clone_of(&q, b"x"), &publish_to(route.clone())).await;
+    let r = t
+        .publish(&clone_of(&q, b"x"), &publish_to(route.clone()))
+        .await;
     assert!(matches!(r, PublishResult::Confirmed), "{r:?}");
     t.teardown(&plan).await.unwrap();
 }
 
 #[tokio::test]
 async fn requeue_returns_the_delivery_and_acks_are_batched_safely() {
-    let Some(config) = broker("settle").await else { return };
+    let Some(config) = broker("settle").await else {
+        return;
+    };
     let q = unique("settle");
     let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
     let plan = TopologyPlan::new(&q, &policy).unwrap();
@@ -327,6 +364,10 @@ async fn requeue_returns_the_delivery_and_acks_are_batched_safely() {
     t.settle(&back.tag, Settlement::Ack).await.unwrap();
     t.cancel().await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(message_count(&ch, &q).await, 0, "every ack reached the broker");
+    assert_eq!(
+        message_count(&ch, &q).await,
+        0,
+        "every ack reached the broker"
+    );
     t.teardown(&plan).await.unwrap();
 }

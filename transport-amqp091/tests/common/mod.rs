@@ -36,7 +36,10 @@ pub async fn broker(test: &str) -> Option<AmqpConfig> {
                 _ => "timed out".into(),
             };
             if std::env::var_os("REQUIRE_BROKER").is_some() {
-                panic!("REQUIRE_BROKER is set but RabbitMQ at {} is not answering: {why}", url());
+                panic!(
+                    "REQUIRE_BROKER is set but RabbitMQ at {} is not answering: {why}",
+                    url()
+                );
             }
             eprintln!(
                 "\n!!! SKIPPED {test}: no RabbitMQ at {} ({why}); set REQUIRE_BROKER=1 to make this a failure\n",
@@ -247,4 +250,88 @@ pub async fn list_bindings(prefix: &str) -> Vec<(String, String, String)> {
     })
     .await
     .unwrap()
+}
+
+/// A consumer running in the background, with a record of how each delivery ended.
+pub struct Running {
+    pub terminals: std::sync::Arc<std::sync::Mutex<Vec<(String, retry_core::Terminal)>>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: tokio::task::JoinHandle<Result<retry_core::RunReport, retry_core::ConsumerError>>,
+}
+
+/// Starts a consumer of `queue` on `transport` (which it provisions), recording terminals
+/// by message id.
+pub fn start<H: retry_core::Handler>(
+    transport: std::sync::Arc<AmqpTransport>,
+    policy: retry_core::RetryPolicy,
+    handler: H,
+    queue: &str,
+    configure: impl FnOnce(
+        retry_core::ConsumerBuilder<std::sync::Arc<AmqpTransport>, H>,
+    ) -> retry_core::ConsumerBuilder<std::sync::Arc<AmqpTransport>, H>,
+) -> Running {
+    let terminals = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = std::sync::Arc::clone(&terminals);
+    let builder = retry_core::Consumer::builder(transport, policy, handler)
+        .queue(queue)
+        .prefetch(10)
+        .handler_timeout(Duration::from_secs(10))
+        .shutdown_grace(Duration::from_secs(2))
+        .on_terminal(move |msg, t| {
+            let id = msg.properties().message_id.clone().unwrap_or_default();
+            seen.lock().unwrap().push((id, *t));
+        });
+    let consumer = configure(builder).build().expect("valid consumer");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    Running {
+        terminals,
+        stop: Some(stop),
+        handle,
+    }
+}
+
+impl Running {
+    /// The terminals recorded for message `id`, in order.
+    pub fn of(&self, id: &str) -> Vec<retry_core::Terminal> {
+        self.terminals
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(m, _)| m == id)
+            .map(|(_, t)| *t)
+            .collect()
+    }
+
+    /// Waits until `done` holds for the recorded terminals, or `within` passes.
+    pub async fn until(
+        &self,
+        within: Duration,
+        done: impl Fn(&[(String, retry_core::Terminal)]) -> bool,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if done(&self.terminals.lock().unwrap()) {
+                return true;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the consumer and returns its report.
+    pub async fn stop(mut self) -> retry_core::RunReport {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(30), &mut self.handle)
+            .await
+            .expect("the consumer stops within its grace")
+            .expect("the consumer task did not panic")
+            .expect("the consumer ran without error")
+    }
 }

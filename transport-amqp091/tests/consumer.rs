@@ -1,0 +1,509 @@
+//! The whole consumer on the real RabbitMQ: the driver, the engine and this transport.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use retry_core::{
+    CrashAction, DeadLetterReason, HandlerError, HeaderValue, Message, ParkedRecord, QueueType,
+    RetryPolicy, Terminal, TopologyPlan, Transport, headers,
+};
+use transport_amqp091::AmqpTransport;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Counts runs per message id.
+#[derive(Clone, Default)]
+struct Runs(Arc<Mutex<HashMap<String, u32>>>);
+
+impl Runs {
+    fn next(&self, msg: &Message) -> u32 {
+        let id = msg.properties().message_id.clone().unwrap_or_default();
+        let mut m = self.0.lock().unwrap();
+        let n = m.entry(id).or_default();
+        *n += 1;
+        *n
+    }
+}
+
+async fn setup(
+    test: &str,
+    policy: &RetryPolicy,
+) -> Option<(
+    Arc<AmqpTransport>,
+    String,
+    TopologyPlan,
+    lapin::Connection,
+    lapin::Channel,
+)> {
+    let config = broker(test).await?;
+    let q = unique(test);
+    let plan = TopologyPlan::new(&q, policy).unwrap();
+    let t = Arc::new(transport(&config).await);
+    t.provision(&plan).await.unwrap();
+    let (conn, ch) = raw().await;
+    Some((t, q, plan, conn, ch))
+}
+
+#[tokio::test]
+async fn a_message_that_succeeds_is_acked() {
+    let policy = RetryPolicy::delays([ms(500)]).build().unwrap();
+    let Some((t, q, plan, _c, ch)) = setup("success", &policy).await else {
+        return;
+    };
+    publish(&ch, &q, b"hello", "ok-1").await;
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        |_m: Message| async { Ok::<(), HandlerError>(()) },
+        &q,
+        |b| b,
+    );
+    assert!(running.until(ms(10_000), |t| !t.is_empty()).await);
+    let report = running.stop().await;
+    assert_eq!(report.handled, 1);
+    assert_eq!(message_count(&ch, &q).await, 0);
+    assert_eq!(message_count(&ch, plan.parking_queue()).await, 0);
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_transient_failure_comes_back_after_the_real_ttl_and_succeeds() {
+    let policy = RetryPolicy::delays([ms(1_000)]).build().unwrap();
+    let Some((t, q, plan, _c, ch)) = setup("transient", &policy).await else {
+        return;
+    };
+    let runs = Runs::default();
+    let seen_at = Arc::new(Mutex::new(Vec::<(Instant, u32, u32)>::new()));
+    let (r, s) = (runs.clone(), Arc::clone(&seen_at));
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        move |m: Message| {
+            let n = r.next(&m);
+            let deaths = match m.headers().get("x-death") {
+                Some(HeaderValue::Array(a)) => a.len() as u32,
+                _ => 0,
+            };
+            s.lock().unwrap().push((Instant::now(), n, deaths));
+            async move {
+                if n == 1 {
+                    Err(HandlerError::transient("downstream timeout"))
+                } else {
+                    Ok(())
+                }
+            }
+        },
+        &q,
+        |b| b,
+    );
+    publish(&ch, &q, b"payload", "t-1").await;
+    assert!(running.until(ms(15_000), |t| t.len() == 2).await);
+    let terminals = running.of("t-1");
+    assert_eq!(
+        terminals,
+        [
+            Terminal::Retried {
+                attempts: 1,
+                delay: ms(1_000)
+            },
+            Terminal::Handled { attempt: 2 }
+        ]
+    );
+    let seen = seen_at.lock().unwrap().clone();
+    // The second run came through the delay queue (the broker's x-death says so) and not
+    // before its TTL.
+    assert_eq!(seen[1].1, 2);
+    assert_eq!(seen[1].2, 1, "one x-death entry from the delay queue");
+    assert!(
+        seen[1].0 - seen[0].0 >= ms(950),
+        "{:?}",
+        seen[1].0 - seen[0].0
+    );
+    running.stop().await;
+    assert_eq!(message_count(&ch, &q).await, 0);
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn used_up_attempts_park_the_message_with_diagnostics() {
+    let policy = RetryPolicy::delays([ms(200), ms(400)]).build().unwrap();
+    let Some((t, q, plan, _c, ch)) = setup("exhausted", &policy).await else {
+        return;
+    };
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        |m: Message| async move {
+            Err::<(), _>(HandlerError::transient(format!(
+                "attempt {} failed",
+                m.attempt()
+            )))
+        },
+        &q,
+        |b| b,
+    );
+    let before = retry_core::Timestamp::from_system_time(std::time::SystemTime::now());
+    publish(&ch, &q, b"\x00\x01poison", "x-1").await;
+    let parked = wait_get(&ch, plan.parking_queue(), ms(15_000))
+        .await
+        .unwrap();
+    running.stop().await;
+    assert_eq!(parked.body, b"\x00\x01poison");
+    assert_eq!(parked.message_id.as_deref(), Some("x-1"));
+    let record = ParkedRecord::decode(&parked.headers);
+    assert_eq!(record.reason, Some(DeadLetterReason::AttemptsExhausted));
+    assert_eq!(record.attempts, 3);
+    assert_eq!(record.crashes, 0);
+    assert_eq!(record.last_error, Some("attempt 3 failed"));
+    assert_eq!(record.origin_queue, Some(q.as_str()));
+    assert_eq!(record.origin_exchange, Some(""));
+    assert_eq!(record.origin_routing_key, Some(q.as_str()));
+    let first = record.first_failure.unwrap();
+    let last = record.last_failure.unwrap();
+    assert!(first >= before && last >= first);
+    assert!(record.malformed.is_empty());
+    assert_eq!(message_count(&ch, &q).await, 0);
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_permanent_failure_is_parked_at_once() {
+    let policy = RetryPolicy::delays([ms(200)]).build().unwrap();
+    let Some((t, q, plan, _c, ch)) = setup("permanent", &policy).await else {
+        return;
+    };
+    let runs = Runs::default();
+    let r = runs.clone();
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        move |m: Message| {
+            r.next(&m);
+            async { Err::<(), _>(HandlerError::permanent("schema mismatch")) }
+        },
+        &q,
+        |b| b,
+    );
+    publish(&ch, &q, b"{}", "p-1").await;
+    let parked = wait_get(&ch, plan.parking_queue(), ms(10_000))
+        .await
+        .unwrap();
+    running.stop().await;
+    let record = ParkedRecord::decode(&parked.headers);
+    assert_eq!(record.reason, Some(DeadLetterReason::Permanent));
+    assert_eq!(record.attempts, 1);
+    assert_eq!(record.last_error, Some("schema mismatch"));
+    assert_eq!(runs.0.lock().unwrap()["p-1"], 1);
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_delivery_held_by_a_closed_connection_is_diverted_when_it_comes_back() {
+    let policy = RetryPolicy::delays([ms(300)]).build().unwrap();
+    let Some(config) = broker("crash").await else {
+        return;
+    };
+    let name = config.connection_name().unwrap().to_owned();
+    let q = unique("crash");
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = Arc::new(transport(&config).await);
+    t.provision(&plan).await.unwrap();
+    let (_c, ch) = raw().await;
+    let runs = Runs::default();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (r, gate) = (runs.clone(), Arc::clone(&release));
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        move |m: Message| {
+            let n = r.next(&m);
+            let gate = Arc::clone(&gate);
+            async move {
+                if n == 1 {
+                    // Still handling when the connection goes away.
+                    gate.notified().await;
+                }
+                Ok::<(), HandlerError>(())
+            }
+        },
+        &q,
+        |b| b,
+    );
+    publish(&ch, &q, b"held", "c-1").await;
+    let started = {
+        let deadline = Instant::now() + ms(10_000);
+        loop {
+            if runs.0.lock().unwrap().get("c-1") == Some(&1) {
+                break true;
+            }
+            if Instant::now() > deadline {
+                break false;
+            }
+            tokio::time::sleep(ms(20)).await;
+        }
+    };
+    assert!(started);
+    assert_eq!(close_connection(&name).await, 1);
+    // The broker gives the delivery back, flagged; the engine diverts it through the delay
+    // queue (no handler run) and it is handled when it returns.
+    assert!(
+        running
+            .until(ms(20_000), |t| t.iter().any(|(_, t)| matches!(
+                t,
+                Terminal::Diverted { crashes: 1, .. }
+            )))
+            .await
+    );
+    release.notify_waiters();
+    assert!(
+        running
+            .until(ms(20_000), |t| t
+                .iter()
+                .any(|(_, t)| matches!(t, Terminal::Handled { .. })))
+            .await
+    );
+    running.stop().await;
+    assert!(t.recoveries() >= 1);
+    assert_eq!(message_count(&ch, &q).await, 0);
+    assert_eq!(message_count(&ch, plan.parking_queue()).await, 0);
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_refused_publish_requeues_the_original_and_loses_nothing() {
+    let policy = RetryPolicy::delays([ms(300)]).build().unwrap();
+    let Some((t, q, plan, _c, ch)) = setup("refused", &policy).await else {
+        return;
+    };
+    // Replace the delay queue by a full one that refuses publishes.
+    let delay_queue = format!("{q}.retry.300ms");
+    ch.queue_delete(delay_queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let spec = plan
+        .queues()
+        .iter()
+        .find(|s| s.name == delay_queue)
+        .unwrap();
+    let mut args = transport_amqp091::table_from_headers(&spec.arguments.to_headers());
+    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        lapin::types::AMQPValue::LongString("reject-publish".into()),
+    );
+    ch.queue_declare(
+        delay_queue.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    // Deleting the queue dropped its binding from the retry exchange.
+    let binding = plan
+        .bindings()
+        .iter()
+        .find(|b| b.queue == delay_queue)
+        .unwrap();
+    ch.queue_bind(
+        delay_queue.as_str().into(),
+        binding.exchange.as_str().into(),
+        binding.routing_key.as_str().into(),
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let running = start(
+        Arc::clone(&t),
+        policy.clone(),
+        |_m: Message| async { Err::<(), _>(HandlerError::transient("down")) },
+        &q,
+        |b| b.provision(false),
+    );
+    publish(&ch, &q, b"keep me", "r-1").await;
+    let requeued = running
+        .until(ms(10_000), |t| {
+            t.iter().any(|(_, t)| {
+                matches!(
+                    t,
+                    Terminal::Requeued {
+                        cause: retry_core::Confirm::Nack
+                    }
+                )
+            })
+        })
+        .await;
+    assert!(requeued, "{:?}", running.terminals.lock().unwrap());
+    let report = running.stop().await;
+    assert!(report.requeued >= 1);
+    assert_eq!(report.retried + report.diverted + report.dead_lettered, 0);
+    // Nothing was lost: once the consumer's connection closes, the message is back in the
+    // work queue, untouched.
+    t.close().await.unwrap();
+    let back = wait_get(&ch, &q, ms(5_000))
+        .await
+        .expect("the original is still in the queue");
+    assert_eq!(back.body, b"keep me");
+    assert_eq!(back.headers.get(headers::ATTEMPTS), None);
+    assert_eq!(message_count(&ch, &delay_queue).await, 0);
+    let config = broker("refused-teardown").await.unwrap();
+    transport(&config).await.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn quorum_delivery_counts_feed_the_crash_limit_and_the_broker_limit_backs_it_up() {
+    let Some(config) = broker("quorum").await else {
+        return;
+    };
+    let t = Arc::new(transport(&config).await);
+    let (_c, ch) = raw().await;
+    // Returns the message to its queue `n` times, as crashing consumers would.
+    async fn crash(ch: &lapin::Channel, q: &str, n: u32) {
+        for _ in 0..n {
+            let msg = loop {
+                if let Some(m) = ch
+                    .basic_get(q.into(), lapin::options::BasicGetOptions { no_ack: false })
+                    .await
+                    .unwrap()
+                {
+                    break m;
+                }
+                tokio::time::sleep(ms(20)).await;
+            };
+            msg.delivery
+                .nack(lapin::options::BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                })
+                .await
+                .unwrap();
+        }
+    }
+
+    // 1. The engine's crash limit (1) is reached first: x-delivery-count 2 parks it.
+    let policy = RetryPolicy::delays([ms(300)])
+        .with_on_crash(CrashAction::RunHandler)
+        .with_crash_limit(1)
+        .build()
+        .unwrap();
+    let q = unique("quorum-engine");
+    let plan = TopologyPlan::builder(&q, &policy)
+        .with_queue_type(QueueType::Quorum)
+        .with_delivery_limit(10)
+        .build()
+        .unwrap();
+    t.provision(&plan).await.unwrap();
+    publish(&ch, &q, b"q", "q-1").await;
+    crash(&ch, &q, 2).await;
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        |_m: Message| async { Ok::<(), HandlerError>(()) },
+        &q,
+        |b| {
+            b.provision(false)
+                .topology(|p| p.with_queue_type(QueueType::Quorum).with_delivery_limit(10))
+        },
+    );
+    let parked = wait_get(&ch, plan.parking_queue(), ms(10_000))
+        .await
+        .unwrap();
+    running.stop().await;
+    let record = ParkedRecord::decode(&parked.headers);
+    assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
+    assert_eq!(record.crashes, 2);
+    t.teardown(&plan).await.unwrap();
+
+    // 2. The broker's delivery limit (1) is lower: RabbitMQ itself dead-letters the message
+    // into the parking queue, and x-death says why.
+    let policy = RetryPolicy::delays([ms(300)])
+        .with_on_crash(CrashAction::RunHandler)
+        .with_crash_limit(5)
+        .build()
+        .unwrap();
+    let q = unique("quorum-broker");
+    let plan = TopologyPlan::builder(&q, &policy)
+        .with_queue_type(QueueType::Quorum)
+        .with_delivery_limit(1)
+        .build()
+        .unwrap();
+    t.provision(&plan).await.unwrap();
+    publish(&ch, &q, b"q", "q-2").await;
+    crash(&ch, &q, 2).await;
+    let parked = wait_get(&ch, plan.parking_queue(), ms(10_000))
+        .await
+        .unwrap();
+    let Some(HeaderValue::Array(deaths)) = parked.headers.get("x-death") else {
+        panic!("no x-death: {:?}", parked.headers)
+    };
+    let HeaderValue::Table(death) = &deaths[0] else {
+        panic!()
+    };
+    assert_eq!(
+        death.get("reason"),
+        Some(&HeaderValue::from("delivery_limit"))
+    );
+    assert_eq!(message_count(&ch, &q).await, 0);
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn consuming_recovers_after_a_forced_close_and_nothing_is_lost() {
+    let policy = RetryPolicy::delays([ms(300)]).build().unwrap();
+    let Some(config) = broker("recover-e2e").await else {
+        return;
+    };
+    let name = config.connection_name().unwrap().to_owned();
+    let q = unique("recover-e2e");
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = Arc::new(transport(&config).await);
+    t.provision(&plan).await.unwrap();
+    let (_c, ch) = raw().await;
+    let handled = Arc::new(AtomicU32::new(0));
+    let h = Arc::clone(&handled);
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        move |_m: Message| {
+            h.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<(), HandlerError>(()) }
+        },
+        &q,
+        |b| b,
+    );
+    for i in 0..20 {
+        publish(&ch, &q, b"before", &format!("a-{i}")).await;
+    }
+    assert!(running.until(ms(10_000), |t| t.len() >= 20).await);
+    assert_eq!(close_connection(&name).await, 1);
+    for i in 0..20 {
+        publish(&ch, &q, b"after", &format!("b-{i}")).await;
+    }
+    let all_handled = running
+        .until(ms(30_000), |t| {
+            (0..20).all(|i| {
+                t.iter()
+                    .any(|(id, t)| id == &format!("b-{i}") && matches!(t, Terminal::Handled { .. }))
+            })
+        })
+        .await;
+    running.stop().await;
+    assert!(
+        all_handled,
+        "every message published after the drop was handled"
+    );
+    assert_eq!(t.recoveries(), 1);
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(message_count(&ch, &q).await, 0);
+    t.teardown(&plan).await.unwrap();
+}
