@@ -36,6 +36,7 @@ struct Config {
     handler_timeout: Duration,
     consumer_timeout: Duration,
     shutdown_grace: Duration,
+    requeue_delay: Duration,
     provision: bool,
 }
 

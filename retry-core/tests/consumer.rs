@@ -273,6 +273,38 @@ async fn requeued_when_the_publish_answers(answer: fn() -> PublishResult, cause:
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_requeue_after_a_failed_publish_waits_the_requeue_delay() {
+    // A broker that keeps refusing the clone would otherwise get the message straight back,
+    // in a hot loop.
+    let start = tokio::time::Instant::now();
+    let mut mock = broker([delivery(7, "a")]);
+    mock.expect_publish()
+        .times(1)
+        .returning(|_, _| PublishResult::Refused);
+    let requeued_after = Arc::new(Mutex::new(None));
+    let at = requeued_after.clone();
+    mock.expect_settle()
+        .with(eq(7), eq(Settlement::Requeue))
+        .times(1)
+        .returning(move |_, _| {
+            *at.lock().unwrap() = Some(start.elapsed());
+            Ok(())
+        });
+    Consumer::builder(mock, policy(), failing)
+        .queue(QUEUE)
+        .requeue_delay(Duration::from_secs(2))
+        .build()
+        .unwrap()
+        .run(std::future::pending())
+        .await
+        .unwrap();
+    assert_eq!(
+        *requeued_after.lock().unwrap(),
+        Some(Duration::from_secs(2))
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_refused_publish_requeues_and_never_acks() {
     requeued_when_the_publish_answers(|| PublishResult::Refused, Confirm::Nack).await;
 }
@@ -638,6 +670,39 @@ fn other_invalid_settings_are_refused_by_name() {
         .build()
         .unwrap_err();
     assert!(matches!(err, ConsumerConfigError::Topology(_)));
+}
+
+#[test]
+fn run_handler_crash_mode_needs_a_transport_with_delivery_counts() {
+    let policy = RetryPolicy::delays([Duration::from_secs(30)])
+        .with_on_crash(retry_core::CrashAction::RunHandler)
+        .build()
+        .unwrap();
+    fn quorum(b: retry_core::TopologyBuilder<'_>) -> retry_core::TopologyBuilder<'_> {
+        b.with_queue_type(retry_core::QueueType::Quorum)
+    }
+    let mut blind = MockBroker::new();
+    blind
+        .expect_capabilities()
+        .return_const(Capabilities::default());
+    let err = Consumer::builder(blind, policy.clone(), succeeding)
+        .queue(QUEUE)
+        .topology(quorum)
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ConsumerConfigError::NoDeliveryCount));
+    assert!(err.to_string().contains("delivery count"));
+
+    let mut counting = MockBroker::new();
+    counting.expect_capabilities().return_const(Capabilities {
+        delivery_count: true,
+        ..Capabilities::default()
+    });
+    Consumer::builder(counting, policy, succeeding)
+        .queue(QUEUE)
+        .topology(quorum)
+        .build()
+        .unwrap();
 }
 
 #[test]

@@ -7,7 +7,7 @@ use super::{Config, Consumer, Observer};
 use crate::engine::{Engine, EngineError, Terminal};
 use crate::handler::Handler;
 use crate::message::Message;
-use crate::policy::RetryPolicy;
+use crate::policy::{CrashAction, RetryPolicy};
 use crate::time::format_delay;
 use crate::topology::{TopologyBuilder, TopologyError, TopologyPlan};
 use crate::transport::Transport;
@@ -16,6 +16,7 @@ const DEFAULT_PREFETCH: u16 = 10;
 const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
 type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> + Send>;
 
@@ -28,6 +29,7 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// | [`handler_timeout`](Self::handler_timeout) | 30 s |
 /// | [`consumer_timeout`](Self::consumer_timeout) | 30 min, RabbitMQ's default |
 /// | [`shutdown_grace`](Self::shutdown_grace) | 30 s |
+/// | [`requeue_delay`](Self::requeue_delay) | 1 s |
 /// | [`topology`](Self::topology) | classic queues, one TTL queue per delay |
 /// | [`provision`](Self::provision) | on |
 /// | [`on_terminal`](Self::on_terminal) | none |
@@ -85,6 +87,7 @@ pub struct ConsumerBuilder<T: Transport, H: Handler> {
     handler_timeout: Duration,
     consumer_timeout: Duration,
     shutdown_grace: Duration,
+    requeue_delay: Duration,
     topology: Option<Customize>,
     provision: bool,
     observer: Option<Observer>,
@@ -101,6 +104,7 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
             consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            requeue_delay: DEFAULT_REQUEUE_DELAY,
             topology: None,
             provision: true,
             observer: None,
@@ -139,6 +143,14 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
     /// the broker. Default 30 s.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
+        self
+    }
+
+    /// How long a delivery is held before it is requeued because its clone's publish failed.
+    /// A requeued delivery comes straight back; without a pause, a broker that keeps refusing
+    /// the clone (a full delay queue) would spin it in a hot loop.
+    pub fn requeue_delay(mut self, delay: Duration) -> Self {
+        self.requeue_delay = delay;
         self
     }
 
@@ -186,6 +198,11 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             topology = customize(topology);
         }
         let plan = topology.build()?;
+        if self.policy.on_crash() == CrashAction::RunHandler
+            && !self.transport.capabilities().delivery_count
+        {
+            return Err(ConsumerConfigError::NoDeliveryCount);
+        }
         let engine = Engine::new(self.policy, &plan)?;
         Ok(Consumer {
             transport: self.transport,
@@ -197,6 +214,7 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
                 handler_timeout: self.handler_timeout,
                 consumer_timeout: self.consumer_timeout,
                 shutdown_grace: self.shutdown_grace,
+                requeue_delay: self.requeue_delay,
                 provision: self.provision,
             },
             observer: self.observer,
@@ -212,6 +230,7 @@ impl<T: Transport, H: Handler> fmt::Debug for ConsumerBuilder<T, H> {
             .field("handler_timeout", &self.handler_timeout)
             .field("consumer_timeout", &self.consumer_timeout)
             .field("shutdown_grace", &self.shutdown_grace)
+            .field("requeue_delay", &self.requeue_delay)
             .field("provision", &self.provision)
             .finish_non_exhaustive()
     }
@@ -287,6 +306,12 @@ pub enum ConsumerConfigError {
         /// The broker's consumer timeout.
         consumer_timeout: Duration,
     },
+    /// The policy runs the handler on redelivered deliveries, which needs the broker's
+    /// delivery count to enforce the crash limit, and this transport has none.
+    #[error(
+        "on_crash = run-handler needs a broker delivery count to enforce the crash limit, and this transport reports none: use CrashAction::Divert"
+    )]
+    NoDeliveryCount,
     /// The topology plan could not be made for the queue.
     #[error(transparent)]
     Topology(#[from] TopologyError),

@@ -435,8 +435,17 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 log_terminal(&held.span, &terminal, settlement);
                 let tag = held.tag.clone();
                 let span = held.span.clone();
+                let pause = match terminal {
+                    Terminal::Requeued { .. } if !self.config.requeue_delay.is_zero() => {
+                        Some(transport.sleep(self.config.requeue_delay))
+                    }
+                    _ => None,
+                };
                 self.tasks.push(Box::pin(
                     async move {
+                        if let Some(pause) = pause {
+                            pause.await;
+                        }
                         let result = transport.settle(&tag, settlement).await;
                         Event::Settled {
                             id: delivery,
