@@ -1,0 +1,132 @@
+//! The harness for transport-amqp091 on the local RabbitMQ.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use retry_core::{TopologyPlan, Transport};
+use transport_amqp091::{AmqpConfig, AmqpTransport};
+
+use crate::harness::{
+    Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
+};
+use crate::rabbitmq::{Admin, BrokerEnv, unique_name};
+
+/// How far below a delay an observed wait may fall on RabbitMQ: its TTL timers fire on
+/// millisecond boundaries.
+pub const SLACK: Duration = Duration::from_millis(10);
+
+/// RabbitMQ over AMQP 0-9-1 as a harness: consumers on transport-amqp091 connections,
+/// topology, test messages and inspection through an [`Admin`] connection of its own.
+#[derive(Debug)]
+pub struct Amqp091Harness {
+    env: BrokerEnv,
+    admin: Admin,
+    started: Instant,
+}
+
+impl Amqp091Harness {
+    /// Connects the admin connection.
+    pub async fn connect(env: BrokerEnv) -> Self {
+        let admin = Admin::connect(&env.amqp091_url).await;
+        Amqp091Harness {
+            env,
+            admin,
+            started: Instant::now(),
+        }
+    }
+
+    /// The admin connection.
+    pub fn admin(&self) -> &Admin {
+        &self.admin
+    }
+}
+
+#[async_trait]
+impl Harness for Amqp091Harness {
+    type Transport = AmqpTransport;
+
+    fn name(&self) -> &'static str {
+        "transport-amqp091"
+    }
+
+    fn capabilities(&self) -> HarnessCapabilities {
+        HarnessCapabilities {
+            // The same for every connection; no need to open one to ask.
+            transport: retry_core::Capabilities {
+                publisher_confirms: true,
+                delivery_count: true,
+                native_delays: false,
+                dead_letter_exchange: true,
+                declares_topology: true,
+            },
+            crash_consumer: true,
+            refuse_publishes: true,
+            death_records: true,
+            timing: Timing::Wall { slack: SLACK },
+        }
+    }
+
+    fn stopwatch(&self) -> Stopwatch {
+        let started = self.started;
+        Stopwatch::new(move || started.elapsed())
+    }
+
+    fn unique_queue(&self, scenario: &str) -> String {
+        unique_name(scenario)
+    }
+
+    async fn transport(&self) -> Arc<AmqpTransport> {
+        let config = AmqpConfig::new(&self.env.amqp091_url)
+            .with_connection_name(unique_name("consumer"))
+            .with_confirm_timeout(Duration::from_secs(10));
+        let t = AmqpTransport::connect(config)
+            .await
+            .expect("an AMQP 0-9-1 connection");
+        debug_assert_eq!(t.capabilities(), self.capabilities().transport);
+        Arc::new(t)
+    }
+
+    async fn provision(&self, plan: &TopologyPlan, faults: &TopologyFaults) {
+        self.admin.provision(plan, faults).await;
+    }
+
+    fn track(&self, plan: &TopologyPlan) {
+        self.admin.track(plan);
+    }
+
+    async fn prepare(&self, _transport: &AmqpTransport, _plan: &TopologyPlan) {}
+
+    async fn publish(&self, queue: &str, message: &TestMessage) {
+        self.admin.publish(queue, message).await;
+    }
+
+    async fn ready(&self, queue: &str) -> usize {
+        self.admin.ready(queue).await
+    }
+
+    async fn take_parked(&self, plan: &TopologyPlan) -> Vec<ParkedMessage> {
+        self.admin.take_all(plan.parking_queue()).await
+    }
+
+    async fn crash(&self, transport: Arc<AmqpTransport>) {
+        // Straight to the connection: the transport's own close would send its batched
+        // acknowledgements first, which a crashing process never does.
+        let _ = transport
+            .connection()
+            .close(320, "consumer process crashed".into())
+            .await;
+    }
+
+    async fn close(&self, transport: Arc<AmqpTransport>) {
+        transport.close().await.expect("close the connection");
+    }
+
+    async fn sleep(&self, duration: Duration) {
+        tokio::time::sleep(duration).await;
+    }
+
+    async fn cleanup(&self) {
+        self.admin.cleanup().await;
+    }
+}

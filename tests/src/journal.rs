@@ -1,0 +1,259 @@
+//! What happened to each test message: every handler run and every terminal, timed, and a
+//! scripted handler that records into it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use retry_core::{Handler, HandlerError, Headers, Message, Terminal};
+
+use crate::harness::Stopwatch;
+
+/// What a scripted handler does on one run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Succeed.
+    Succeed,
+    /// Fail with a transient error.
+    Fail,
+    /// Fail with a permanent error.
+    Permanent,
+    /// Fail, asking to be retried after this delay.
+    RetryAfter(Duration),
+    /// Never return: the consumer is about to crash while holding the delivery.
+    Hang,
+}
+
+/// Which run a scripted handler is on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunInfo {
+    /// The message id.
+    pub id: String,
+    /// The engine's attempt number for this run (1-based).
+    pub attempt: u32,
+    /// How many times the handler has run on this message, this run included, in this
+    /// scenario (crashed runs included).
+    pub run: u32,
+}
+
+/// One handler run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunRecord {
+    /// Which run.
+    pub info: RunInfo,
+    /// When it started, on the harness's clock.
+    pub at: Duration,
+    /// What the script made it do.
+    pub step: Step,
+    /// The message's headers on this run.
+    pub headers: Headers,
+}
+
+/// How one delivery ended, as the consumer's `on_terminal` reported it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TerminalRecord {
+    /// The message id.
+    pub id: String,
+    /// How it ended.
+    pub terminal: Terminal,
+    /// When it was reported, on the harness's clock.
+    pub at: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    runs: Vec<RunRecord>,
+    run_counts: HashMap<String, u32>,
+    terminals: Vec<TerminalRecord>,
+}
+
+/// A shared, timed record of handler runs and terminals, across consumers and restarts.
+#[derive(Clone, Debug)]
+pub struct Journal {
+    inner: Arc<Mutex<Inner>>,
+    clock: Stopwatch,
+}
+
+/// Whether a terminal is a message's last: nothing of it is left on the broker to come
+/// back.
+pub fn is_final(terminal: &Terminal) -> bool {
+    matches!(
+        terminal,
+        Terminal::Handled { .. } | Terminal::DeadLettered { .. } | Terminal::Dropped { .. }
+    )
+}
+
+fn message_id(msg: &Message) -> String {
+    msg.properties().message_id.clone().unwrap_or_default()
+}
+
+impl Journal {
+    /// An empty journal timed by `clock`.
+    pub fn new(clock: Stopwatch) -> Self {
+        Journal {
+            inner: Arc::default(),
+            clock,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A callback for `ConsumerBuilder::on_terminal` that records into this journal.
+    pub fn observer(&self) -> impl Fn(&Message, &Terminal) + Send + Sync + 'static {
+        let journal = self.clone();
+        move |msg, terminal| {
+            let record = TerminalRecord {
+                id: message_id(msg),
+                terminal: *terminal,
+                at: journal.clock.elapsed(),
+            };
+            journal.lock().terminals.push(record);
+        }
+    }
+
+    /// A handler that runs `script` and records each run here.
+    pub fn handler(
+        &self,
+        script: impl Fn(&RunInfo) -> Step + Send + Sync + 'static,
+    ) -> ScriptedHandler {
+        ScriptedHandler {
+            journal: self.clone(),
+            script: Arc::new(script),
+        }
+    }
+
+    /// Every run of message `id`, in order.
+    pub fn runs_of(&self, id: &str) -> Vec<RunRecord> {
+        self.lock()
+            .runs
+            .iter()
+            .filter(|r| r.info.id == id)
+            .cloned()
+            .collect()
+    }
+
+    /// Every run, in order.
+    pub fn runs(&self) -> Vec<RunRecord> {
+        self.lock().runs.clone()
+    }
+
+    /// Every terminal of message `id`, in order.
+    pub fn terminals_of(&self, id: &str) -> Vec<Terminal> {
+        self.terminal_records_of(id)
+            .into_iter()
+            .map(|r| r.terminal)
+            .collect()
+    }
+
+    /// Every terminal record of message `id`, in order.
+    pub fn terminal_records_of(&self, id: &str) -> Vec<TerminalRecord> {
+        self.lock()
+            .terminals
+            .iter()
+            .filter(|t| t.id == id)
+            .cloned()
+            .collect()
+    }
+
+    /// Every message's terminals, in order, by message id.
+    pub fn terminals_by_message(&self) -> BTreeMap<String, Vec<Terminal>> {
+        let mut out: BTreeMap<String, Vec<Terminal>> = BTreeMap::new();
+        for t in &self.lock().terminals {
+            out.entry(t.id.clone()).or_default().push(t.terminal);
+        }
+        out
+    }
+
+    /// How many distinct messages have reached a final terminal.
+    pub fn finished(&self) -> usize {
+        let inner = self.lock();
+        let mut ids: Vec<&str> = inner
+            .terminals
+            .iter()
+            .filter(|t| is_final(&t.terminal))
+            .map(|t| t.id.as_str())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    }
+
+    /// Whether message `id` has reached a final terminal.
+    pub fn is_finished(&self, id: &str) -> bool {
+        self.lock()
+            .terminals
+            .iter()
+            .any(|t| t.id == id && is_final(&t.terminal))
+    }
+
+    fn record_run(&self, msg: &Message, script: &dyn Fn(&RunInfo) -> Step) -> Step {
+        let at = self.clock.elapsed();
+        let id = message_id(msg);
+        let mut inner = self.lock();
+        let run = {
+            let n = inner.run_counts.entry(id.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        let info = RunInfo {
+            id,
+            attempt: msg.attempt(),
+            run,
+        };
+        let step = script(&info);
+        inner.runs.push(RunRecord {
+            info,
+            at,
+            step,
+            headers: msg.headers().clone(),
+        });
+        step
+    }
+}
+
+type Script = Arc<dyn Fn(&RunInfo) -> Step + Send + Sync>;
+
+/// A [`Handler`] that does what its script says for each run and records the run in a
+/// [`Journal`]. Failure causes name the attempt, so the parked diagnostics can be checked.
+#[derive(Clone)]
+pub struct ScriptedHandler {
+    journal: Journal,
+    script: Script,
+}
+
+impl std::fmt::Debug for ScriptedHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScriptedHandler").finish_non_exhaustive()
+    }
+}
+
+/// The cause a scripted transient failure reports on `attempt`.
+pub fn transient_cause(attempt: u32) -> String {
+    format!("transient failure on attempt {attempt}")
+}
+
+/// The cause a scripted permanent failure reports on `attempt`.
+pub fn permanent_cause(attempt: u32) -> String {
+    format!("permanent failure on attempt {attempt}")
+}
+
+#[async_trait]
+impl Handler for ScriptedHandler {
+    async fn handle(&self, msg: &Message) -> Result<(), HandlerError> {
+        let step = self.journal.record_run(msg, &*self.script);
+        let attempt = msg.attempt();
+        match step {
+            Step::Succeed => Ok(()),
+            Step::Fail => Err(HandlerError::transient(transient_cause(attempt))),
+            Step::Permanent => Err(HandlerError::permanent(permanent_cause(attempt))),
+            Step::RetryAfter(d) => Err(HandlerError::retry_after(
+                d,
+                format!("retry after {d:?} on attempt {attempt}"),
+            )),
+            Step::Hang => futures::future::pending().await,
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! # conformance
+//!
+//! The proof that transports can be swapped: one suite of scenarios, the same expected
+//! outcomes, run on every transport of the retry engine.
+//!
+//! ## Design
+//!
+//! After object_store's `integration.rs`: each scenario in [`scenarios`] is a
+//! `pub async fn` generic over a [`Harness`], which gives it fresh connections of the
+//! transport under test, declares uniquely named topology, publishes test messages, reads
+//! the parking queue, injects faults (a crashed consumer, refused publishes) and tells the
+//! time. A scenario first checks the harness's [`HarnessCapabilities`] and returns
+//! [`Verdict::Skipped`] with the reason when something it needs is missing; otherwise it
+//! runs the real [`Consumer`](retry_core::Consumer) with a scripted handler and checks the
+//! terminals, the handler runs, the headers, the parked diagnostics and the queues, and
+//! panics on the first thing that is wrong.
+//!
+//! Harnesses:
+//!
+//! * [`MemoryHarness`]: transport-memory, one broker per scenario, on a virtual clock
+//!   ([`memory::block_on`]): delays are checked exactly and a 10 s delay takes no time.
+//! * [`Amqp091Harness`]: transport-amqp091 on the local RabbitMQ.
+//! * [`Amqp10Harness`]: transport-amqp10 on the local RabbitMQ's AMQP 1.0 plugin, with
+//!   topology declared over AMQP 0-9-1 (the plugin cannot declare queues with arguments).
+//!
+//! On a real broker delays are checked as lower bounds only (see [`Timing`]); an upper
+//! bound on the wall clock would flake on a loaded machine.
+//!
+//! [`suite`] lists the scenarios and runs them: one after another on the virtual clock, all
+//! at once on a real broker, each with a harness of its own that is cleaned up when the
+//! scenario ends, passed or not. The [`SuiteReport`](suite::SuiteReport) prints one line per
+//! scenario: passed (with what it observed), skipped (with why) or failed.
+//!
+//! The test targets run the suite on each transport, a differential check (the memory model
+//! and RabbitMQ make the same decisions for the same seeded storm), and a real crash loop: a
+//! consumer process (`crashing_consumer`) that aborts on a poison message, restarted until
+//! the poison is parked.
+//!
+//! ## Example
+//!
+//! One scenario on the in-memory broker:
+//!
+//! ```
+//! use conformance::{MemoryHarness, Verdict, scenarios};
+//!
+//! let h = MemoryHarness::new();
+//! let verdict = h.block_on(scenarios::crash_limit_parked(&h));
+//! assert!(matches!(verdict, Verdict::Passed { .. }));
+//! ```
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod amqp091;
+pub mod amqp10;
+pub mod drive;
+pub mod harness;
+pub mod journal;
+pub mod memory;
+pub mod rabbitmq;
+pub mod scenarios;
+pub mod storm;
+pub mod suite;
+
+pub use amqp10::Amqp10Harness;
+pub use amqp091::Amqp091Harness;
+pub use harness::{
+    Harness, HarnessCapabilities, Need, ParkedMessage, Stopwatch, TestMessage, Timing,
+    TopologyFaults,
+};
+pub use journal::{Journal, RunInfo, RunRecord, ScriptedHandler, Step, TerminalRecord};
+pub use memory::MemoryHarness;
+pub use scenarios::Verdict;

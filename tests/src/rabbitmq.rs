@@ -1,0 +1,283 @@
+//! The local RabbitMQ: finding it (or skipping loudly), unique names, and an AMQP 0-9-1
+//! side connection that declares topology, publishes test messages, inspects queues and
+//! deletes what a scenario made.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel};
+use retry_core::{TopologyPlan, Transport};
+use transport_amqp10::{Amqp10Config, Amqp10Transport};
+use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table, table_from_headers};
+
+use crate::harness::{ParkedMessage, TestMessage, TopologyFaults};
+use crate::suite::print_uncaptured;
+
+/// Where the broker is: `AMQP_URL` and `AMQP10_URL`, loopback by default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BrokerEnv {
+    /// The AMQP 0-9-1 URL.
+    pub amqp091_url: String,
+    /// The AMQP 1.0 URL (the same broker, through its plugin).
+    pub amqp10_url: String,
+}
+
+impl BrokerEnv {
+    /// The URLs from the environment, or the local broker's.
+    pub fn from_env() -> Self {
+        BrokerEnv {
+            amqp091_url: std::env::var("AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+            amqp10_url: std::env::var("AMQP10_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into()),
+        }
+    }
+
+    /// The broker, if it answers (over AMQP 1.0 too when `amqp10`). Without one, `what` is
+    /// skipped with a loud message, unless `REQUIRE_BROKER` is set (as CI sets it): then it
+    /// panics.
+    pub async fn detect(what: &str, amqp10: bool) -> Option<Self> {
+        let env = Self::from_env();
+        let probe = async {
+            let t = AmqpTransport::connect(AmqpConfig::new(&env.amqp091_url))
+                .await
+                .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
+            let _ = t.close().await;
+            if amqp10 {
+                let t = Amqp10Transport::connect(Amqp10Config::new(&env.amqp10_url))
+                    .await
+                    .map_err(|e| format!("AMQP 1.0: {e} (is rabbitmq_amqp1_0 enabled?)"))?;
+                t.close().await;
+            }
+            Ok::<(), String>(())
+        };
+        let why = match tokio::time::timeout(Duration::from_secs(15), probe).await {
+            Ok(Ok(())) => return Some(env),
+            Ok(Err(e)) => e,
+            Err(_) => "no answer within 15 s".to_owned(),
+        };
+        if broker_required() {
+            panic!("REQUIRE_BROKER is set, but RabbitMQ does not answer for {what}: {why}");
+        }
+        print_uncaptured(&format!(
+            "\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\
+             !!! SKIPPED {what}: no RabbitMQ ({why}).\n\
+             !!! Start it (with rabbitmq_amqp1_0 enabled), or set REQUIRE_BROKER=1 to make\n\
+             !!! this a failure.\n\
+             !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n"
+        ));
+        None
+    }
+}
+
+/// Whether `REQUIRE_BROKER` is set to something other than empty or `0`.
+pub fn broker_required() -> bool {
+    std::env::var("REQUIRE_BROKER").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// A name no other test, scenario or run uses: `cf-<scenario>-<pid>-<time>-<n>`, short
+/// enough that every name derived from it stays far below AMQP's 255 bytes.
+pub fn unique_name(scenario: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "cf-{scenario}-{}-{nanos:x}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// An AMQP 0-9-1 connection for everything around the transport under test: declaring and
+/// deleting topology, publishing test messages, reading queues.
+pub struct Admin {
+    transport: AmqpTransport,
+    channel: Channel,
+    plans: Mutex<Vec<TopologyPlan>>,
+}
+
+impl std::fmt::Debug for Admin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admin").finish_non_exhaustive()
+    }
+}
+
+impl Admin {
+    /// Connects, with a confirm-mode channel for publishing.
+    pub async fn connect(url: &str) -> Self {
+        let transport =
+            AmqpTransport::connect(AmqpConfig::new(url).with_connection_name(unique_name("admin")))
+                .await
+                .expect("the admin connection opens");
+        let channel = transport
+            .connection()
+            .create_channel()
+            .await
+            .expect("admin channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm mode");
+        Admin {
+            transport,
+            channel,
+            plans: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Remembers `plan` for [`cleanup`](Self::cleanup).
+    pub fn track(&self, plan: &TopologyPlan) {
+        self.plans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(plan.clone());
+    }
+
+    /// Declares `plan` through transport-amqp091, then redeclares each queue in `faults`
+    /// with the fault's arguments, and remembers the plan for cleanup.
+    pub async fn provision(&self, plan: &TopologyPlan, faults: &TopologyFaults) {
+        self.track(plan);
+        self.transport
+            .provision(plan)
+            .await
+            .expect("provision over AMQP 0-9-1");
+        for queue in plan
+            .queues()
+            .iter()
+            .filter(|q| faults.refuse_publishes_to.contains(&q.name))
+        {
+            self.channel
+                .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
+                .await
+                .expect("delete the queue to refuse publishes");
+            let mut args = table_from_headers(&queue.arguments.to_headers());
+            args.insert(ShortString::from("x-max-length"), AMQPValue::LongLongInt(0));
+            args.insert(
+                ShortString::from("x-overflow"),
+                AMQPValue::LongString("reject-publish".into()),
+            );
+            self.channel
+                .queue_declare(
+                    queue.name.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: queue.durable,
+                        ..QueueDeclareOptions::default()
+                    },
+                    args,
+                )
+                .await
+                .expect("redeclare the refusing queue");
+            for b in plan.bindings().iter().filter(|b| b.queue == queue.name) {
+                self.channel
+                    .queue_bind(
+                        b.queue.as_str().into(),
+                        b.exchange.as_str().into(),
+                        b.routing_key.as_str().into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .expect("rebind the refusing queue");
+            }
+        }
+    }
+
+    /// Publishes a persistent test message to `queue` through the default exchange and
+    /// waits for the confirm.
+    pub async fn publish(&self, queue: &str, message: &TestMessage) {
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                &message.body,
+                BasicProperties::default()
+                    .with_message_id(message.id.as_str().into())
+                    .with_delivery_mode(2),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+        assert!(
+            confirm.is_ack(),
+            "publish to {queue} not confirmed: {confirm:?}"
+        );
+    }
+
+    /// Messages ready in `queue`; panics if it does not exist.
+    pub async fn ready(&self, queue: &str) -> usize {
+        let q = self
+            .channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("queue {queue} does not exist: {e}"));
+        q.message_count() as usize
+    }
+
+    /// Takes every message out of `queue` with `basic.get`.
+    pub async fn take_all(&self, queue: &str) -> Vec<ParkedMessage> {
+        let mut out = Vec::new();
+        // Bounded: a queue someone keeps filling must not keep a scenario here.
+        for _ in 0..100_000 {
+            let got = self
+                .channel
+                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap_or_else(|e| panic!("basic.get on {queue}: {e}"));
+            let Some(msg) = got else { return out };
+            let d = msg.delivery;
+            out.push(ParkedMessage {
+                id: d.properties.message_id().as_ref().map(|s| s.to_string()),
+                headers: d
+                    .properties
+                    .headers()
+                    .as_ref()
+                    .map(headers_from_table)
+                    .unwrap_or_default(),
+                body: d.data,
+            });
+        }
+        panic!("{queue} never ran dry");
+    }
+
+    /// Deletes every tracked plan's queues and exchanges, and closes the connection.
+    pub async fn cleanup(&self) {
+        let plans = std::mem::take(&mut *self.plans.lock().unwrap_or_else(|e| e.into_inner()));
+        for plan in plans {
+            if let Err(e) = self.transport.teardown(&plan).await {
+                print_uncaptured(&format!(
+                    "warning: deleting the topology of {} failed: {e}\n",
+                    plan.work_queue()
+                ));
+            }
+        }
+        let _ = self.transport.close().await;
+    }
+}
+
+/// A multi-threaded tokio runtime for the broker tests: the lapin and fe2o3 transports
+/// spawn their IO on it.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}

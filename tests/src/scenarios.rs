@@ -1,0 +1,1081 @@
+//! The scenarios: one `pub async fn` each, generic over the [`Harness`], returning a
+//! [`Verdict`] or panicking with what went wrong.
+//!
+//! Every scenario declares its own uniquely named topology, checks the terminals the
+//! consumer reported, the handler runs (attempt numbers, the engine's headers, when they
+//! happened), what reached the parking queue, and that nothing was left behind in any queue
+//! of the plan. Delays are checked exactly on a virtual clock and as lower bounds on a real
+//! broker ([`Timing`](crate::Timing)).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use retry_core::headers::{ATTEMPTS, CRASHES, DELAY};
+use retry_core::{
+    ConsumerBuilder, CrashAction, DeadLetterReason, HeaderValue, Headers, QueueType, RetryPolicy,
+    Terminal, TopologyBuilder, TopologyPlan, Transport,
+};
+
+use crate::drive::{Ended, assert_waited, drive, human, wait_until};
+use crate::harness::{Harness, Need, ParkedMessage, TestMessage, Timing, TopologyFaults};
+use crate::journal::{Journal, ScriptedHandler, Step, permanent_cause, transient_cause};
+use crate::storm::{StormConfig, storm};
+
+/// How a scenario ended, when it did not fail.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every check held; the notes say what was observed (waits, counts).
+    Passed {
+        /// What was observed, for the report.
+        notes: Vec<String>,
+    },
+    /// The harness lacks something the scenario needs.
+    Skipped {
+        /// Why, for the report.
+        reason: String,
+    },
+}
+
+impl Verdict {
+    /// A pass with notes.
+    pub fn passed(notes: impl IntoIterator<Item = String>) -> Self {
+        Verdict::Passed {
+            notes: notes.into_iter().collect(),
+        }
+    }
+}
+
+/// The skip verdict for the first of `needs` the harness lacks, if any.
+pub fn unmet<H: Harness>(h: &H, needs: &[Need]) -> Option<Verdict> {
+    needs.iter().find_map(|need| {
+        h.unsupported(*need).map(|why| Verdict::Skipped {
+            reason: format!("needs {need}: {why}"),
+        })
+    })
+}
+
+/// Milliseconds.
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// How long a scenario waits for what should happen within a second or two. Generous,
+/// because on a real broker the whole suite runs at once on a small machine; it bounds a
+/// broken scenario, it does not measure one.
+const WITHIN: Duration = Duration::from_secs(30);
+
+/// A scenario's topology: its unique work queue, policy and plan.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// The work queue.
+    pub queue: String,
+    /// The policy.
+    pub policy: RetryPolicy,
+    /// The plan the harness declared.
+    pub plan: TopologyPlan,
+    /// Whether the plan uses quorum queues.
+    pub quorum: bool,
+}
+
+/// Names a work queue for `scenario`, makes the plan for `policy` and has the harness
+/// declare it with `faults`.
+pub async fn setup<H: Harness>(
+    h: &H,
+    scenario: &str,
+    policy: RetryPolicy,
+    quorum: bool,
+    faults: TopologyFaults,
+) -> Setup {
+    let queue = h.unique_queue(scenario);
+    let plan = customize(quorum)(TopologyPlan::builder(&queue, &policy))
+        .build()
+        .expect("the scenario's plan is valid");
+    h.provision(&plan, &faults).await;
+    Setup {
+        queue,
+        policy,
+        plan,
+        quorum,
+    }
+}
+
+fn customize(quorum: bool) -> impl for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> {
+    move |b| {
+        if quorum {
+            b.with_queue_type(QueueType::Quorum)
+        } else {
+            b
+        }
+    }
+}
+
+impl Setup {
+    /// A consumer builder for this topology on `transport`, recording terminals in
+    /// `journal`. The handler timeout is long, so a hanging handler is still running when
+    /// its consumer is killed.
+    pub fn consumer<T: Transport>(
+        &self,
+        transport: T,
+        journal: &Journal,
+        handler: ScriptedHandler,
+        prefetch: u16,
+    ) -> ConsumerBuilder<T, ScriptedHandler> {
+        retry_core::Consumer::builder(transport, self.policy.clone(), handler)
+            .queue(self.queue.clone())
+            .prefetch(prefetch)
+            .handler_timeout(Duration::from_secs(60))
+            .shutdown_grace(Duration::from_secs(5))
+            .topology(customize(self.quorum))
+            .on_terminal(journal.observer())
+    }
+
+    /// The delay queue a clone with `delay` goes to.
+    pub fn delay_queue(&self, delay: Duration) -> String {
+        let (route, _) = self
+            .plan
+            .route_for(delay)
+            .expect("the plan has delay levels");
+        route.routing_key.to_string()
+    }
+}
+
+/// An integer header, if present and an integer.
+pub fn int_header(headers: &Headers, name: &str) -> Option<i64> {
+    match headers.get(name)? {
+        HeaderValue::Int(n) => Some(*n),
+        HeaderValue::UInt(n) => i64::try_from(*n).ok(),
+        _ => None,
+    }
+}
+
+fn text(value: &HeaderValue) -> Option<String> {
+    match value {
+        HeaderValue::Str(s) => Some(s.clone()),
+        HeaderValue::Bytes(b) => String::from_utf8(b.clone()).ok(),
+        _ => None,
+    }
+}
+
+/// The `(queue, reason)` of each `x-death` entry.
+pub fn deaths(headers: &Headers) -> Vec<(String, String)> {
+    let Some(HeaderValue::Array(entries)) = headers.get("x-death") else {
+        return Vec::new();
+    };
+    entries
+        .iter()
+        .filter_map(|e| match e {
+            HeaderValue::Table(t) => Some((
+                t.get("queue").and_then(text).unwrap_or_default(),
+                t.get("reason").and_then(text).unwrap_or_default(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).expect("test delays fit")
+}
+
+/// Asserts every queue of the plan is empty: nothing left behind, nothing stuck.
+pub async fn assert_nothing_left<H: Harness>(h: &H, plan: &TopologyPlan) {
+    for q in plan.queues() {
+        assert_eq!(h.ready(&q.name).await, 0, "messages left in {}", q.name);
+    }
+}
+
+/// Publishes `messages` to the work queue.
+async fn publish_all<H: Harness>(h: &H, queue: &str, messages: &[TestMessage]) {
+    for m in messages {
+        h.publish(queue, m).await;
+    }
+}
+
+/// Runs one consumer on a fresh connection until `done` holds, then stops it and closes
+/// the connection.
+async fn run_until<H: Harness>(
+    h: &H,
+    builder: impl FnOnce(Arc<H::Transport>) -> retry_core::Consumer<Arc<H::Transport>, ScriptedHandler>,
+    what: &str,
+    done: impl Fn() -> bool,
+) -> retry_core::RunReport {
+    let t = h.transport().await;
+    let consumer = builder(Arc::clone(&t));
+    let (ended, ()) = drive(consumer, |_| {
+        wait_until(h, WITHIN, || what.to_owned(), done)
+    })
+    .await;
+    h.close(t).await;
+    ended.report()
+}
+
+/// The wait of a retry as observed: exact on a virtual clock, a lower bound on the wall.
+fn describe_wait(timing: Timing, waited: Duration, delay: Duration) -> String {
+    match timing {
+        Timing::Virtual => format!(
+            "{} delay took exactly {} of virtual time",
+            human(delay),
+            human(waited)
+        ),
+        Timing::Wall { .. } => format!("{} delay came back after {}", human(delay), human(waited)),
+    }
+}
+
+/// Three messages, each handled on its first run and acknowledged.
+pub async fn success<H: Harness>(h: &H) -> Verdict {
+    let policy = RetryPolicy::delays([ms(300)]).build().expect("policy");
+    let s = setup(h, "ok", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let messages: Vec<_> = (1..=3)
+        .map(|i| TestMessage::new(format!("ok-{i}")))
+        .collect();
+    publish_all(h, &s.queue, &messages).await;
+
+    let report = run_until(
+        h,
+        |t| {
+            s.consumer(t, &journal, journal.handler(|_| Step::Succeed), 4)
+                .build()
+                .expect("consumer")
+        },
+        "three messages handled",
+        || journal.finished() == 3,
+    )
+    .await;
+
+    for m in &messages {
+        assert_eq!(
+            journal.terminals_of(&m.id),
+            [Terminal::Handled { attempt: 1 }]
+        );
+        let runs = journal.runs_of(&m.id);
+        assert_eq!(runs.len(), 1, "{}: {runs:?}", m.id);
+        assert_eq!(int_header(&runs[0].headers, ATTEMPTS), None);
+    }
+    assert_eq!((report.received, report.handled), (3, 3), "{report:?}");
+    assert!(h.take_parked(&s.plan).await.is_empty());
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed(["3 messages handled on attempt 1, acked once".to_owned()])
+}
+
+/// Two transient failures, then success: each retry goes through the delay the policy
+/// gives, and comes back no sooner.
+pub async fn transient_then_success<H: Harness>(h: &H) -> Verdict {
+    let delays = [ms(200), ms(400), ms(600)];
+    let policy = RetryPolicy::delays(delays).build().expect("policy");
+    let s = setup(h, "transient", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let m = TestMessage::new("flaky");
+    h.publish(&s.queue, &m).await;
+
+    let report = run_until(
+        h,
+        |t| {
+            let handler = journal.handler(|r| {
+                if r.run <= 2 {
+                    Step::Fail
+                } else {
+                    Step::Succeed
+                }
+            });
+            s.consumer(t, &journal, handler, 4)
+                .build()
+                .expect("consumer")
+        },
+        "flaky handled",
+        || journal.is_finished(&m.id),
+    )
+    .await;
+
+    assert_eq!(
+        journal.terminals_of(&m.id),
+        [
+            Terminal::Retried {
+                attempts: 1,
+                delay: delays[0]
+            },
+            Terminal::Retried {
+                attempts: 2,
+                delay: delays[1]
+            },
+            Terminal::Handled { attempt: 3 },
+        ]
+    );
+    let runs = journal.runs_of(&m.id);
+    assert_eq!(runs.len(), 3, "{runs:?}");
+    let timing = h.capabilities().timing;
+    let death_records = h.capabilities().death_records;
+    let mut notes = Vec::new();
+    for i in 1..runs.len() {
+        let delay = delays[i - 1];
+        let run = &runs[i];
+        assert_eq!(run.info.attempt, i as u32 + 1);
+        assert_eq!(int_header(&run.headers, ATTEMPTS), Some(i as i64));
+        assert_eq!(int_header(&run.headers, DELAY), Some(millis(delay)));
+        if death_records {
+            let queue = s.delay_queue(delay);
+            assert!(
+                deaths(&run.headers).contains(&(queue.clone(), "expired".to_owned())),
+                "run {} did not come through {queue}: x-death {:?}",
+                i + 1,
+                deaths(&run.headers)
+            );
+        }
+        let waited = run.at - runs[i - 1].at;
+        assert_waited(timing, &format!("retry {i}"), waited, delay);
+        notes.push(describe_wait(timing, waited, delay));
+    }
+    if death_records {
+        notes.push("x-death shows each delay queue expired it".to_owned());
+    } else {
+        notes.push("x-death not visible: checked x-retry-delay only".to_owned());
+    }
+    assert_eq!((report.retried, report.handled), (2, 1), "{report:?}");
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed(notes)
+}
+
+/// Every attempt fails: after the last one the message is parked, with the engine's
+/// diagnostics and its body intact.
+pub async fn attempts_exhausted_parked<H: Harness>(h: &H) -> Verdict {
+    let delays = [ms(100), ms(200)];
+    let policy = RetryPolicy::delays(delays).build().expect("policy");
+    let s = setup(h, "exhaust", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let m = TestMessage::new("doomed");
+    h.publish(&s.queue, &m).await;
+
+    let report = run_until(
+        h,
+        |t| {
+            s.consumer(t, &journal, journal.handler(|_| Step::Fail), 4)
+                .build()
+                .expect("consumer")
+        },
+        "doomed parked",
+        || journal.is_finished(&m.id),
+    )
+    .await;
+
+    assert_eq!(
+        journal.terminals_of(&m.id),
+        [
+            Terminal::Retried {
+                attempts: 1,
+                delay: delays[0]
+            },
+            Terminal::Retried {
+                attempts: 2,
+                delay: delays[1]
+            },
+            Terminal::DeadLettered {
+                reason: DeadLetterReason::AttemptsExhausted
+            },
+        ]
+    );
+    assert_eq!(journal.runs_of(&m.id).len(), 3);
+    let parked = h.take_parked(&s.plan).await;
+    let p = only_parked(&parked, &m);
+    let record = p.record();
+    assert_eq!(record.reason, Some(DeadLetterReason::AttemptsExhausted));
+    assert_eq!((record.attempts, record.crashes), (3, 0));
+    assert_eq!(record.last_error, Some(transient_cause(3).as_str()));
+    assert_eq!(record.origin_queue, Some(s.queue.as_str()));
+    assert_eq!(record.origin_exchange, Some(""));
+    assert_eq!(record.origin_routing_key, Some(s.queue.as_str()));
+    assert_eq!(record.delay, None, "a parked copy carries no delay");
+    assert!(record.malformed.is_empty(), "{:?}", record.malformed);
+    let (first, last) = (
+        record.first_failure.expect("first failure recorded"),
+        record.last_failure.expect("last failure recorded"),
+    );
+    let span = last.saturating_duration_since(first);
+    assert_waited(
+        h.capabilities().timing,
+        "first to last failure",
+        span,
+        delays[0] + delays[1],
+    );
+    assert_eq!((report.retried, report.dead_lettered), (2, 1), "{report:?}");
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed([format!(
+        "parked after 3 attempts: reason attempts-exhausted, last error kept, origin {}, failures {} apart",
+        s.queue,
+        human(span)
+    )])
+}
+
+fn only_parked<'a>(parked: &'a [ParkedMessage], m: &TestMessage) -> &'a ParkedMessage {
+    assert_eq!(parked.len(), 1, "parking queue: {parked:?}");
+    let p = &parked[0];
+    assert_eq!(p.id.as_deref(), Some(m.id.as_str()));
+    assert_eq!(
+        p.body, m.body,
+        "the parked body is the original's, byte for byte"
+    );
+    p
+}
+
+/// A permanent failure is parked at once, without a retry.
+pub async fn permanent_parked<H: Harness>(h: &H) -> Verdict {
+    let policy = RetryPolicy::delays([ms(200), ms(400)])
+        .build()
+        .expect("policy");
+    let s = setup(h, "perm", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let m = TestMessage::new("bad-schema");
+    h.publish(&s.queue, &m).await;
+
+    let report = run_until(
+        h,
+        |t| {
+            s.consumer(t, &journal, journal.handler(|_| Step::Permanent), 4)
+                .build()
+                .expect("consumer")
+        },
+        "bad-schema parked",
+        || journal.is_finished(&m.id),
+    )
+    .await;
+
+    assert_eq!(
+        journal.terminals_of(&m.id),
+        [Terminal::DeadLettered {
+            reason: DeadLetterReason::Permanent
+        }]
+    );
+    assert_eq!(journal.runs_of(&m.id).len(), 1);
+    let parked = h.take_parked(&s.plan).await;
+    let record = only_parked(&parked, &m).record();
+    assert_eq!(record.reason, Some(DeadLetterReason::Permanent));
+    assert_eq!((record.attempts, record.crashes), (1, 0));
+    assert_eq!(record.last_error, Some(permanent_cause(1).as_str()));
+    assert_eq!(record.origin_queue, Some(s.queue.as_str()));
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed(["parked on the first run with reason permanent".to_owned()])
+}
+
+/// A handler's retry-after is honoured, clamped to the policy's delay bounds at both ends.
+pub async fn retry_after<H: Harness>(h: &H) -> Verdict {
+    let (short, long) = (ms(100), ms(2_000));
+    let policy = RetryPolicy::delays([short, long]).build().expect("policy");
+    let s = setup(h, "after", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    // (message, what the handler asks for, the delay the engine should use). The 600 ms one
+    // rides the 2 s level with a per-message TTL, so it must be ahead of the 2 s one there:
+    // prefetch 1 keeps the publish order.
+    let cases = [
+        ("ra-600ms", ms(600), ms(600)),
+        ("ra-1ms", ms(1), short),
+        ("ra-1h", Duration::from_secs(3_600), long),
+    ];
+    let messages: Vec<_> = cases
+        .iter()
+        .map(|(id, _, _)| TestMessage::new(*id))
+        .collect();
+    publish_all(h, &s.queue, &messages).await;
+
+    let asks: Vec<(String, Duration)> = cases
+        .iter()
+        .map(|(id, d, _)| ((*id).to_owned(), *d))
+        .collect();
+    let report = run_until(
+        h,
+        |t| {
+            let handler = journal.handler(move |r| {
+                if r.run > 1 {
+                    return Step::Succeed;
+                }
+                let asked = asks.iter().find(|(id, _)| *id == r.id).map(|(_, d)| *d);
+                Step::RetryAfter(asked.expect("a known message"))
+            });
+            s.consumer(t, &journal, handler, 1)
+                .build()
+                .expect("consumer")
+        },
+        "every retry-after message handled",
+        || journal.finished() == cases.len(),
+    )
+    .await;
+
+    let timing = h.capabilities().timing;
+    let mut notes = Vec::new();
+    for (id, asked, delay) in cases {
+        assert_eq!(
+            journal.terminals_of(id),
+            [
+                Terminal::Retried { attempts: 1, delay },
+                Terminal::Handled { attempt: 2 }
+            ],
+            "{id} asked for {asked:?}"
+        );
+        let runs = journal.runs_of(id);
+        assert_eq!(int_header(&runs[1].headers, DELAY), Some(millis(delay)));
+        let waited = runs[1].at - runs[0].at;
+        assert_waited(timing, id, waited, delay);
+        notes.push(format!(
+            "asked {asked:?} → {}",
+            describe_wait(timing, waited, delay)
+        ));
+    }
+    assert_eq!((report.retried, report.handled), (3, 3), "{report:?}");
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed(notes)
+}
+
+/// Two immediate (in-process) retries on the same delivery, then a delayed one through the
+/// broker, then success.
+pub async fn immediate_then_delayed<H: Harness>(h: &H) -> Verdict {
+    let (wait, delay) = (ms(50), ms(300));
+    let policy = RetryPolicy::delays([delay])
+        .with_immediate_retries(2, wait)
+        .build()
+        .expect("policy");
+    let s = setup(h, "immediate", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let m = TestMessage::new("warming-up");
+    h.publish(&s.queue, &m).await;
+
+    let report = run_until(
+        h,
+        |t| {
+            let handler = journal.handler(|r| {
+                if r.run <= 3 {
+                    Step::Fail
+                } else {
+                    Step::Succeed
+                }
+            });
+            s.consumer(t, &journal, handler, 4)
+                .build()
+                .expect("consumer")
+        },
+        "warming-up handled",
+        || journal.is_finished(&m.id),
+    )
+    .await;
+
+    assert_eq!(
+        journal.terminals_of(&m.id),
+        [
+            Terminal::Retried { attempts: 3, delay },
+            Terminal::Handled { attempt: 4 }
+        ]
+    );
+    let runs = journal.runs_of(&m.id);
+    let attempts: Vec<u32> = runs.iter().map(|r| r.info.attempt).collect();
+    assert_eq!(attempts, [1, 2, 3, 4]);
+    for r in &runs[..3] {
+        // The first three runs are one delivery: no delayed copy was involved yet.
+        assert_eq!(int_header(&r.headers, DELAY), None, "{r:?}");
+    }
+    assert_eq!(int_header(&runs[3].headers, DELAY), Some(millis(delay)));
+    assert_eq!(int_header(&runs[3].headers, ATTEMPTS), Some(3));
+    let timing = h.capabilities().timing;
+    let mut notes = Vec::new();
+    for (i, expected) in [(1, wait), (2, wait), (3, delay)] {
+        let waited = runs[i].at - runs[i - 1].at;
+        assert_waited(timing, &format!("run {}", i + 1), waited, expected);
+        notes.push(describe_wait(timing, waited, expected));
+    }
+    assert_eq!(
+        (report.received, report.retried, report.handled),
+        (2, 1, 1),
+        "three runs on one delivery, one on the delayed copy: {report:?}"
+    );
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed(notes)
+}
+
+/// Runs a consumer that hangs on `victim` until its run count passes `runs_before` (then
+/// kills it and crashes its connection) or until `finished` holds (then stops it). Returns
+/// whether it was killed.
+async fn crash_on_run<H: Harness>(
+    h: &H,
+    s: &Setup,
+    journal: &Journal,
+    handler: ScriptedHandler,
+    victim: &str,
+    finished: impl Fn() -> bool,
+) -> bool {
+    let runs_before = journal.runs_of(victim).len();
+    let t = h.transport().await;
+    // Prefetch 1: only the victim is held when the consumer dies, so no bystander collects
+    // crashes of its own.
+    let consumer = s
+        .consumer(Arc::clone(&t), journal, handler, 1)
+        .build()
+        .expect("consumer");
+    let (ended, ()) = drive(consumer, |control| async move {
+        wait_until(
+            h,
+            WITHIN,
+            || format!("{victim} neither ran again nor finished"),
+            || journal.runs_of(victim).len() > runs_before || finished(),
+        )
+        .await;
+        if journal.runs_of(victim).len() > runs_before {
+            control.kill();
+        } else {
+            control.stop();
+        }
+    })
+    .await;
+    match ended {
+        Ended::Killed => {
+            h.crash(t).await;
+            true
+        }
+        Ended::Stopped(_) => {
+            h.close(t).await;
+            false
+        }
+    }
+}
+
+/// A consumer dies holding a message; the next consumer gets it redelivered and diverts it
+/// through the crash delay without running the handler; it then succeeds.
+pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer]) {
+        return skip;
+    }
+    let delay = ms(300);
+    let policy = RetryPolicy::delays([delay]).build().expect("policy");
+    let s = setup(h, "divert", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let m = TestMessage::new("victim");
+    h.publish(&s.queue, &m).await;
+    let script = |r: &crate::RunInfo| {
+        if r.run == 1 {
+            Step::Hang
+        } else {
+            Step::Succeed
+        }
+    };
+
+    let killed = crash_on_run(h, &s, &journal, journal.handler(script), &m.id, || false).await;
+    assert!(killed, "the first consumer was killed mid-handler");
+    let report = run_until(
+        h,
+        |t| {
+            s.consumer(t, &journal, journal.handler(script), 4)
+                .build()
+                .expect("consumer")
+        },
+        "victim handled after the crash",
+        || journal.is_finished(&m.id),
+    )
+    .await;
+
+    assert_eq!(
+        journal.terminals_of(&m.id),
+        [
+            Terminal::Diverted { crashes: 1, delay },
+            Terminal::Handled { attempt: 1 }
+        ]
+    );
+    let runs = journal.runs_of(&m.id);
+    assert_eq!(
+        runs.len(),
+        2,
+        "the redelivered copy never reached the handler: {runs:?}"
+    );
+    let back = &runs[1];
+    assert_eq!(int_header(&back.headers, CRASHES), Some(1));
+    assert_eq!(int_header(&back.headers, ATTEMPTS), Some(0));
+    assert_eq!(int_header(&back.headers, DELAY), Some(millis(delay)));
+    let timing = h.capabilities().timing;
+    // The clone is published after the crashed run started, so that run bounds the wait
+    // from below on any clock.
+    let since_crash = back.at - runs[0].at;
+    assert!(
+        since_crash + slack(timing) >= delay,
+        "came back {since_crash:?} after the crashed run, before the {delay:?} crash delay"
+    );
+    if timing == Timing::Virtual {
+        // Publish and settle take no virtual time, so the divert's report is when its
+        // clone entered the delay queue.
+        let diverted_at = journal.terminal_records_of(&m.id)[0].at;
+        assert_waited(timing, "crash delay", back.at - diverted_at, delay);
+    }
+    assert_eq!(
+        (report.received, report.diverted, report.handled),
+        (2, 1, 1),
+        "{report:?}"
+    );
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed([format!(
+        "redelivered copy diverted without a run; back {} after the crashed run (crash delay {})",
+        human(since_crash),
+        human(delay)
+    )])
+}
+
+fn slack(timing: Timing) -> Duration {
+    match timing {
+        Timing::Virtual => Duration::ZERO,
+        Timing::Wall { slack } => slack,
+    }
+}
+
+/// A poison message kills every consumer that runs it. Each redelivery is diverted and
+/// counted; past the crash limit it is parked with reason `crash-loop`, and the other
+/// messages are handled.
+pub async fn crash_limit_parked<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer]) {
+        return skip;
+    }
+    let limit = 2;
+    let policy = RetryPolicy::delays([ms(300)])
+        .with_crash_limit(limit)
+        .build()
+        .expect("policy");
+    crash_loop(h, "crashloop", policy, false, limit).await
+}
+
+/// The crash limit enforced by the broker's delivery count: the handler runs again on each
+/// redelivery (quorum queues, [`CrashAction::RunHandler`]) until the count passes the
+/// limit, and the message is parked with reason `crash-loop`.
+pub async fn crash_limit_by_delivery_count<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeliveryCount]) {
+        return skip;
+    }
+    let limit = 2;
+    let policy = RetryPolicy::delays([ms(300)])
+        .with_crash_limit(limit)
+        .with_on_crash(CrashAction::RunHandler)
+        .build()
+        .expect("policy");
+    crash_loop(h, "crashcount", policy, true, limit).await
+}
+
+async fn crash_loop<H: Harness>(
+    h: &H,
+    scenario: &str,
+    policy: RetryPolicy,
+    quorum: bool,
+    limit: u32,
+) -> Verdict {
+    let s = setup(h, scenario, policy, quorum, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let poison = TestMessage::new("poison");
+    let bystanders: Vec<_> = (1..=3)
+        .map(|i| TestMessage::new(format!("by-{i}")))
+        .collect();
+    publish_all(h, &s.queue, &bystanders[..1]).await;
+    h.publish(&s.queue, &poison).await;
+    publish_all(h, &s.queue, &bystanders[1..]).await;
+    let script = |r: &crate::RunInfo| {
+        if r.id == "poison" {
+            Step::Hang
+        } else {
+            Step::Succeed
+        }
+    };
+
+    // Each consumer dies on the poison's run; the last one parks it without running it.
+    let all_done = || journal.finished() == 1 + bystanders.len();
+    let mut consumers = 0;
+    let mut crashes = 0;
+    loop {
+        consumers += 1;
+        assert!(
+            consumers <= limit + 2,
+            "still looping after {consumers} consumers: the crash limit is {limit}"
+        );
+        let killed = crash_on_run(
+            h,
+            &s,
+            &journal,
+            journal.handler(script),
+            &poison.id,
+            all_done,
+        )
+        .await;
+        if !killed {
+            break;
+        }
+        crashes += 1;
+    }
+
+    assert_eq!(crashes, limit + 1, "one crash more than the limit parks it");
+    assert_eq!(consumers, limit + 2);
+    let terminals = journal.terminals_of(&poison.id);
+    let expected: Vec<Terminal> = if quorum {
+        // The handler runs on each redelivery; only the park settles it.
+        vec![Terminal::DeadLettered {
+            reason: DeadLetterReason::CrashLoop,
+        }]
+    } else {
+        (1..=limit)
+            .map(|crashes| Terminal::Diverted {
+                crashes,
+                delay: s.policy.crash_delay(),
+            })
+            .chain([Terminal::DeadLettered {
+                reason: DeadLetterReason::CrashLoop,
+            }])
+            .collect()
+    };
+    assert_eq!(terminals, expected);
+    let runs = journal.runs_of(&poison.id);
+    assert_eq!(runs.len() as u32, limit + 1, "{runs:?}");
+    if quorum {
+        for (i, r) in runs.iter().enumerate().skip(1) {
+            assert_eq!(
+                int_header(&r.headers, "x-delivery-count"),
+                Some(i as i64),
+                "run {} counted by the broker",
+                i + 1
+            );
+        }
+    }
+    for b in &bystanders {
+        let terminals = journal.terminals_of(&b.id);
+        assert!(
+            matches!(terminals.last(), Some(Terminal::Handled { .. })),
+            "{}: {terminals:?}",
+            b.id
+        );
+    }
+    let parked = h.take_parked(&s.plan).await;
+    let record = only_parked(&parked, &poison).record();
+    assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
+    assert_eq!((record.crashes, record.attempts), (limit + 1, 0));
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed([format!(
+        "parked crash-loop after {crashes} crashes (limit {limit}) over {consumers} consumers; {} bystanders handled",
+        bystanders.len()
+    )])
+}
+
+/// The broker refuses a retry's clone: the original is requeued, not acknowledged, so
+/// nothing is lost. It comes back redelivered, is diverted through another delay queue, and
+/// is handled.
+pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::RefusePublishes]) {
+        return skip;
+    }
+    let (delay, crash_delay) = (ms(200), ms(300));
+    let policy = RetryPolicy::delays([delay])
+        .with_crash_delay(crash_delay)
+        .build()
+        .expect("policy");
+    let queue = h.unique_queue("refused");
+    let plan = TopologyPlan::new(&queue, &policy).expect("plan");
+    let refusing = plan
+        .route_for(delay)
+        .expect("levels")
+        .0
+        .routing_key
+        .to_string();
+    let faults = TopologyFaults {
+        refuse_publishes_to: vec![refusing.clone()],
+    };
+    h.provision(&plan, &faults).await;
+    let s = Setup {
+        queue,
+        policy,
+        plan,
+        quorum: false,
+    };
+    let journal = Journal::new(h.stopwatch());
+    let m = TestMessage::new("must-not-be-lost");
+    h.publish(&s.queue, &m).await;
+
+    let t = h.transport().await;
+    h.prepare(&t, &s.plan).await;
+    let handler = journal.handler(|r| {
+        if r.run == 1 {
+            Step::Fail
+        } else {
+            Step::Succeed
+        }
+    });
+    // The harness changed the refusing queue's arguments: the consumer must not redeclare.
+    let consumer = s
+        .consumer(Arc::clone(&t), &journal, handler, 1)
+        .provision(false)
+        .build()
+        .expect("consumer");
+    let (ended, ()) = drive(consumer, |_| {
+        wait_until(
+            h,
+            WITHIN,
+            || format!("{} handled", m.id),
+            || journal.is_finished(&m.id),
+        )
+    })
+    .await;
+    h.close(t).await;
+    let report = ended.report();
+
+    let terminals = journal.terminals_of(&m.id);
+    assert_eq!(terminals.len(), 3, "{terminals:?}");
+    let Terminal::Requeued { cause } = terminals[0] else {
+        panic!("the refused clone must requeue the original: {terminals:?}");
+    };
+    assert_ne!(cause, retry_core::Confirm::Ack);
+    assert_eq!(
+        terminals[1..],
+        [
+            Terminal::Diverted {
+                crashes: 1,
+                delay: crash_delay
+            },
+            Terminal::Handled { attempt: 1 }
+        ]
+    );
+    assert_eq!(journal.runs_of(&m.id).len(), 2);
+    assert_eq!(
+        (report.requeued, report.diverted, report.handled),
+        (1, 1, 1),
+        "{report:?}"
+    );
+    assert!(h.take_parked(&s.plan).await.is_empty());
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed([format!(
+        "clone refused ({cause:?}), original requeued, diverted through {crash_delay:?}, handled: published 1 = handled 1"
+    )])
+}
+
+/// A 1 s retry published behind a 10 s one comes back first: delays do not queue behind
+/// each other.
+pub async fn no_head_of_line_blocking<H: Harness>(h: &H) -> Verdict {
+    let (fast, slow) = (Duration::from_secs(1), Duration::from_secs(10));
+    let policy = RetryPolicy::delays([fast, slow]).build().expect("policy");
+    let s = setup(h, "hol", policy, false, TopologyFaults::default()).await;
+    let journal = Journal::new(h.stopwatch());
+    let (first, second) = (TestMessage::new("slow-10s"), TestMessage::new("fast-1s"));
+    publish_all(h, &s.queue, &[first.clone(), second.clone()]).await;
+
+    let report = run_until(
+        h,
+        |t| {
+            let handler = journal.handler(move |r| match (r.run, r.id.as_str()) {
+                (1, "slow-10s") => Step::RetryAfter(slow),
+                (1, _) => Step::RetryAfter(fast),
+                _ => Step::Succeed,
+            });
+            // Prefetch 1: the 10 s clone is published before the 1 s one.
+            s.consumer(t, &journal, handler, 1)
+                .build()
+                .expect("consumer")
+        },
+        "both messages handled",
+        || journal.finished() == 2,
+    )
+    .await;
+
+    let slow_runs = journal.runs_of(&first.id);
+    let fast_runs = journal.runs_of(&second.id);
+    assert!(
+        slow_runs[0].at <= fast_runs[0].at,
+        "the 10 s retry was scheduled first"
+    );
+    assert!(
+        fast_runs[1].at < slow_runs[1].at,
+        "the 1 s retry came back at {:?}, after the 10 s one at {:?}",
+        fast_runs[1].at,
+        slow_runs[1].at
+    );
+    let timing = h.capabilities().timing;
+    let fast_wait = fast_runs[1].at - fast_runs[0].at;
+    let slow_wait = slow_runs[1].at - slow_runs[0].at;
+    assert_waited(timing, "fast retry", fast_wait, fast);
+    assert_waited(timing, "slow retry", slow_wait, slow);
+    assert_eq!(
+        journal.terminals_of(&second.id),
+        [
+            Terminal::Retried {
+                attempts: 1,
+                delay: fast
+            },
+            Terminal::Handled { attempt: 2 }
+        ]
+    );
+    assert_eq!((report.retried, report.handled), (2, 2), "{report:?}");
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed([format!(
+        "1 s retry back after {}, before the 10 s one (back after {})",
+        human(fast_wait),
+        human(slow_wait)
+    )])
+}
+
+/// The transport declares a plan itself, idempotently, and the declared delay queue routes
+/// a retry back.
+pub async fn transport_declares_topology<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeclaresTopology]) {
+        return skip;
+    }
+    let delay = ms(200);
+    let policy = RetryPolicy::delays([delay]).build().expect("policy");
+    let queue = h.unique_queue("declare");
+    let plan = TopologyPlan::new(&queue, &policy).expect("plan");
+    h.track(&plan);
+    let t = h.transport().await;
+    t.provision(&plan)
+        .await
+        .expect("the transport declares the plan");
+    t.provision(&plan)
+        .await
+        .expect("declaring the same plan again is a no-op");
+    let s = Setup {
+        queue,
+        policy,
+        plan,
+        quorum: false,
+    };
+    let journal = Journal::new(h.stopwatch());
+    let m = TestMessage::new("after-declare");
+    h.publish(&s.queue, &m).await;
+    let handler = journal.handler(|r| {
+        if r.run == 1 {
+            Step::Fail
+        } else {
+            Step::Succeed
+        }
+    });
+    let consumer = s
+        .consumer(Arc::clone(&t), &journal, handler, 4)
+        .build()
+        .expect("consumer");
+    let (ended, ()) = drive(consumer, |_| {
+        wait_until(
+            h,
+            WITHIN,
+            || format!("{} handled", m.id),
+            || journal.is_finished(&m.id),
+        )
+    })
+    .await;
+    h.close(t).await;
+    let report = ended.report();
+    assert_eq!(
+        journal.terminals_of(&m.id),
+        [
+            Terminal::Retried { attempts: 1, delay },
+            Terminal::Handled { attempt: 2 }
+        ]
+    );
+    assert_eq!(report.handled, 1, "{report:?}");
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed([format!(
+        "{} queues declared twice; the retry came back through the declared delay queue",
+        s.plan.queues().len()
+    )])
+}
+
+/// 1,000 messages with seeded random outcomes at prefetch 50: every message is accounted
+/// for exactly, every message's decisions are the engine's, duplicates are counted.
+pub async fn seeded_storm<H: Harness>(h: &H) -> Verdict {
+    let config = StormConfig {
+        messages: 1_000,
+        seed: 0x5eed,
+        prefetch: 50,
+    };
+    let report = storm(h, &config).await;
+    Verdict::passed([report.summary()])
+}
