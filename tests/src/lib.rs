@@ -57,6 +57,7 @@ pub mod drive;
 pub mod harness;
 pub mod journal;
 pub mod memory;
+pub mod process;
 pub mod rabbitmq;
 pub mod scenarios;
 pub mod storm;

@@ -1,0 +1,100 @@
+//! A consumer process that dies on a poison message.
+//!
+//! `crashing_consumer QUEUE POISON_ID RECORD_FILE CRASH_LIMIT DELAY_MS` runs the real
+//! `Consumer` on transport-amqp091 (broker at `AMQP_URL`, the local RabbitMQ by default)
+//! with prefetch 1. Its handler appends a `run` line to the record and, when the message id
+//! is `POISON_ID`, calls `std::process::abort()`: the delivery was received and is still
+//! unsettled, so the broker hands it out again, flagged redelivered. Every settled delivery
+//! appends a `terminal` line. The process stops cleanly when its standard input closes.
+//!
+//! Prefetch 1 keeps the poison alone in the dying process: with more, the messages held
+//! beside it come back redelivered too and collect crashes of their own.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use conformance::process::{Event, ProcessArgs, append, encode_terminal};
+use conformance::rabbitmq::{BrokerEnv, runtime, unique_name};
+use retry_core::{Consumer, HandlerError, Message};
+use transport_amqp091::{AmqpConfig, AmqpTransport};
+
+fn message_id(msg: &Message) -> String {
+    msg.properties().message_id.clone().unwrap_or_default()
+}
+
+fn main() -> ExitCode {
+    let args = match ProcessArgs::parse(std::env::args().skip(1)) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime().block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("crashing_consumer: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let env = BrokerEnv::from_env();
+    let transport = AmqpTransport::connect(
+        AmqpConfig::new(&env.amqp091_url).with_connection_name(unique_name("crashing")),
+    )
+    .await?;
+    let transport = Arc::new(transport);
+
+    let (record, poison) = (args.record.clone(), args.poison.clone());
+    let handler = move |msg: Message| {
+        let id = message_id(&msg);
+        let written = append(
+            &record,
+            &Event::Run {
+                id: id.clone(),
+                attempt: msg.attempt(),
+            },
+        );
+        let is_poison = id == poison;
+        async move {
+            written.map_err(HandlerError::transient)?;
+            if is_poison {
+                std::process::abort();
+            }
+            Ok::<(), HandlerError>(())
+        }
+    };
+    let record = args.record.clone();
+    let consumer = Consumer::builder(Arc::clone(&transport), args.policy(), handler)
+        .queue(args.queue.clone())
+        .prefetch(1)
+        .handler_timeout(Duration::from_secs(10))
+        .shutdown_grace(Duration::from_secs(5))
+        .on_terminal(move |msg, terminal| {
+            let event = Event::Terminal {
+                id: message_id(msg),
+                outcome: encode_terminal(terminal),
+            };
+            if let Err(e) = append(&record, &event) {
+                eprintln!("crashing_consumer: cannot write the record: {e}");
+            }
+        })
+        .build()?;
+
+    // Standard input closing is the signal to stop; reading it blocks, so on a thread.
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        let _ = closed_tx.send(());
+    });
+    consumer
+        .run(async move {
+            let _ = closed_rx.await;
+        })
+        .await?;
+    transport.close().await?;
+    Ok(())
+}
