@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use retry_core::{TopologyPlan, Transport};
+use retry_core::TopologyPlan;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 use crate::harness::{
@@ -52,14 +52,7 @@ impl Harness for Amqp091Harness {
 
     fn capabilities(&self) -> HarnessCapabilities {
         HarnessCapabilities {
-            // The same for every connection; no need to open one to ask.
-            transport: retry_core::Capabilities {
-                publisher_confirms: true,
-                delivery_count: true,
-                native_delays: false,
-                dead_letter_exchange: true,
-                declares_topology: true,
-            },
+            transport: self.admin.capabilities(),
             crash_consumer: true,
             refuse_publishes: true,
             death_records: true,
@@ -83,7 +76,6 @@ impl Harness for Amqp091Harness {
         let t = AmqpTransport::connect(config)
             .await
             .expect("an AMQP 0-9-1 connection");
-        debug_assert_eq!(t.capabilities(), self.capabilities().transport);
         Arc::new(t)
     }
 

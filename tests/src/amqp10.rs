@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use retry_core::{Settlement, TopologyPlan, Transport};
-use transport_amqp10::{Amqp10Config, Amqp10Transport, BrokerProfile};
+use transport_amqp10::{Amqp10Config, Amqp10Transport};
 
 use crate::amqp091::SLACK;
 use crate::harness::{
@@ -24,17 +24,23 @@ pub struct Amqp10Harness {
     env: BrokerEnv,
     admin: Admin,
     started: Instant,
+    capabilities: retry_core::Capabilities,
 }
 
 impl Amqp10Harness {
-    /// Connects the admin connection.
+    /// Connects the admin connection, and asks an AMQP 1.0 connection what it can do.
     pub async fn connect(env: BrokerEnv) -> Self {
         let admin = Admin::connect(&env.amqp091_url).await;
-        Amqp10Harness {
+        let mut h = Amqp10Harness {
             env,
             admin,
             started: Instant::now(),
-        }
+            capabilities: retry_core::Capabilities::default(),
+        };
+        let probe = h.transport().await;
+        h.capabilities = probe.capabilities();
+        probe.close().await;
+        h
     }
 
     fn config(&self) -> Amqp10Config {
@@ -55,7 +61,7 @@ impl Harness for Amqp10Harness {
 
     fn capabilities(&self) -> HarnessCapabilities {
         HarnessCapabilities {
-            transport: BrokerProfile::RabbitMq3.capabilities(),
+            transport: self.capabilities,
             crash_consumer: true,
             refuse_publishes: true,
             death_records: false,

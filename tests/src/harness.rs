@@ -53,6 +53,9 @@ pub enum Need {
     DeliveryCount,
     /// [`Capabilities::dead_letter_exchange`]: TTL delay queues dead-letter back.
     DeadLetterExchange,
+    /// [`Capabilities::publisher_confirms`]: a refused publish is reported, so the original
+    /// can be requeued instead of lost.
+    PublisherConfirms,
 }
 
 impl fmt::Display for Need {
@@ -63,6 +66,7 @@ impl fmt::Display for Need {
             Need::DeclaresTopology => "declares_topology",
             Need::DeliveryCount => "delivery_count",
             Need::DeadLetterExchange => "dead_letter_exchange",
+            Need::PublisherConfirms => "publisher_confirms",
         })
     }
 }
@@ -76,6 +80,7 @@ impl HarnessCapabilities {
             Need::DeclaresTopology => self.transport.declares_topology,
             Need::DeliveryCount => self.transport.delivery_count,
             Need::DeadLetterExchange => self.transport.dead_letter_exchange,
+            Need::PublisherConfirms => self.transport.publisher_confirms,
         }
     }
 }

@@ -24,6 +24,7 @@ use crate::suite::{Scenario, SuiteReport, panic_message, run_sequentially};
 pub struct MemoryHarness {
     broker: Broker,
     start: retry_core::Timestamp,
+    capabilities: retry_core::Capabilities,
 }
 
 impl Default for MemoryHarness {
@@ -37,7 +38,12 @@ impl MemoryHarness {
     pub fn new() -> Self {
         let broker = Broker::new();
         let start = broker.now();
-        MemoryHarness { broker, start }
+        let capabilities = broker.connect().capabilities();
+        MemoryHarness {
+            broker,
+            start,
+            capabilities,
+        }
     }
 
     /// The broker.
@@ -113,7 +119,7 @@ impl Harness for MemoryHarness {
 
     fn capabilities(&self) -> HarnessCapabilities {
         HarnessCapabilities {
-            transport: self.broker.connect().capabilities(),
+            transport: self.capabilities,
             crash_consumer: true,
             refuse_publishes: true,
             death_records: true,

@@ -45,10 +45,15 @@ impl BrokerEnv {
     pub async fn detect(what: &str, amqp10: bool) -> Option<Self> {
         let env = Self::from_env();
         let probe = async {
-            let t = AmqpTransport::connect(AmqpConfig::new(&env.amqp091_url))
-                .await
-                .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
-            let _ = t.close().await;
+            // A plain connection: one with automatic recovery keeps retrying a refused
+            // connect instead of saying so.
+            let c = lapin::Connection::connect(
+                &env.amqp091_url,
+                lapin::ConnectionProperties::default(),
+            )
+            .await
+            .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
+            let _ = c.close(200, "probe".into()).await;
             if amqp10 {
                 let t = Amqp10Transport::connect(Amqp10Config::new(&env.amqp10_url))
                     .await
@@ -131,6 +136,11 @@ impl Admin {
             channel,
             plans: Mutex::new(Vec::new()),
         }
+    }
+
+    /// What transport-amqp091 declares it can do, asked of this connection.
+    pub fn capabilities(&self) -> retry_core::Capabilities {
+        self.transport.capabilities()
     }
 
     /// Remembers `plan` for [`cleanup`](Self::cleanup).

@@ -217,7 +217,12 @@ fn describe_wait(timing: Timing, waited: Duration, delay: Duration) -> String {
             human(delay),
             human(waited)
         ),
-        Timing::Wall { .. } => format!("{} delay came back after {}", human(delay), human(waited)),
+        Timing::Wall { slack } => format!(
+            "{} delay came back after {} (bound {})",
+            human(delay),
+            human(waited),
+            human(delay.saturating_sub(slack))
+        ),
     }
 }
 
@@ -261,6 +266,9 @@ pub async fn success<H: Harness>(h: &H) -> Verdict {
 /// Two transient failures, then success: each retry goes through the delay the policy
 /// gives, and comes back no sooner.
 pub async fn transient_then_success<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+        return skip;
+    }
     let delays = [ms(200), ms(400), ms(600)];
     let policy = RetryPolicy::delays(delays).build().expect("policy");
     let s = setup(h, "transient", policy, false, TopologyFaults::default()).await;
@@ -338,6 +346,9 @@ pub async fn transient_then_success<H: Harness>(h: &H) -> Verdict {
 /// Every attempt fails: after the last one the message is parked, with the engine's
 /// diagnostics and its body intact.
 pub async fn attempts_exhausted_parked<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+        return skip;
+    }
     let delays = [ms(100), ms(200)];
     let policy = RetryPolicy::delays(delays).build().expect("policy");
     let s = setup(h, "exhaust", policy, false, TopologyFaults::default()).await;
@@ -458,6 +469,9 @@ pub async fn permanent_parked<H: Harness>(h: &H) -> Verdict {
 
 /// A handler's retry-after is honoured, clamped to the policy's delay bounds at both ends.
 pub async fn retry_after<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+        return skip;
+    }
     let (short, long) = (ms(100), ms(2_000));
     let policy = RetryPolicy::delays([short, long]).build().expect("policy");
     let s = setup(h, "after", policy, false, TopologyFaults::default()).await;
@@ -527,6 +541,9 @@ pub async fn retry_after<H: Harness>(h: &H) -> Verdict {
 /// Two immediate (in-process) retries on the same delivery, then a delayed one through the
 /// broker, then success.
 pub async fn immediate_then_delayed<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+        return skip;
+    }
     let (wait, delay) = (ms(50), ms(300));
     let policy = RetryPolicy::delays([delay])
         .with_immediate_retries(2, wait)
@@ -637,7 +654,7 @@ async fn crash_on_run<H: Harness>(
 /// A consumer dies holding a message; the next consumer gets it redelivered and diverts it
 /// through the crash delay without running the handler; it then succeeds.
 pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::CrashConsumer]) {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeadLetterExchange]) {
         return skip;
     }
     let delay = ms(300);
@@ -723,7 +740,7 @@ fn slack(timing: Timing) -> Duration {
 /// counted; past the crash limit it is parked with reason `crash-loop`, and the other
 /// messages are handled.
 pub async fn crash_limit_parked<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::CrashConsumer]) {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeadLetterExchange]) {
         return skip;
     }
     let limit = 2;
@@ -854,7 +871,14 @@ async fn crash_loop<H: Harness>(
 /// nothing is lost. It comes back redelivered, is diverted through another delay queue, and
 /// is handled.
 pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::RefusePublishes]) {
+    if let Some(skip) = unmet(
+        h,
+        &[
+            Need::RefusePublishes,
+            Need::PublisherConfirms,
+            Need::DeadLetterExchange,
+        ],
+    ) {
         return skip;
     }
     let (delay, crash_delay) = (ms(200), ms(300));
@@ -943,6 +967,9 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
 /// A 1 s retry published behind a 10 s one comes back first: delays do not queue behind
 /// each other.
 pub async fn no_head_of_line_blocking<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+        return skip;
+    }
     let (fast, slow) = (Duration::from_secs(1), Duration::from_secs(10));
     let policy = RetryPolicy::delays([fast, slow]).build().expect("policy");
     let s = setup(h, "hol", policy, false, TopologyFaults::default()).await;
@@ -1007,7 +1034,7 @@ pub async fn no_head_of_line_blocking<H: Harness>(h: &H) -> Verdict {
 /// The transport declares a plan itself, idempotently, and the declared delay queue routes
 /// a retry back.
 pub async fn transport_declares_topology<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeclaresTopology]) {
+    if let Some(skip) = unmet(h, &[Need::DeclaresTopology, Need::DeadLetterExchange]) {
         return skip;
     }
     let delay = ms(200);
@@ -1071,6 +1098,9 @@ pub async fn transport_declares_topology<H: Harness>(h: &H) -> Verdict {
 /// 1,000 messages with seeded random outcomes at prefetch 50: every message is accounted
 /// for exactly, every message's decisions are the engine's, duplicates are counted.
 pub async fn seeded_storm<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+        return skip;
+    }
     let config = StormConfig {
         messages: 1_000,
         seed: 0x5eed,
