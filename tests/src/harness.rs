@@ -23,6 +23,16 @@ pub enum Timing {
     },
 }
 
+impl Timing {
+    /// How far below a delay an observed wait may fall: zero on a virtual clock.
+    pub fn slack(self) -> Duration {
+        match self {
+            Timing::Virtual => Duration::ZERO,
+            Timing::Wall { slack } => slack,
+        }
+    }
+}
+
 /// What a harness can do, beyond the transport's own [`Capabilities`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HarnessCapabilities {

@@ -78,19 +78,24 @@ pub struct Setup {
 }
 
 /// Names a work queue for `scenario`, makes the plan for `policy` and has the harness
-/// declare it with `faults`.
-pub async fn setup<H: Harness>(
+/// declare it.
+pub async fn setup<H: Harness>(h: &H, scenario: &str, policy: RetryPolicy, quorum: bool) -> Setup {
+    setup_with_faults(h, scenario, policy, quorum, |_| TopologyFaults::default()).await
+}
+
+/// [`setup`], with the faults `faults` picks for the plan applied when it is declared.
+pub async fn setup_with_faults<H: Harness>(
     h: &H,
     scenario: &str,
     policy: RetryPolicy,
     quorum: bool,
-    faults: TopologyFaults,
+    faults: impl FnOnce(&TopologyPlan) -> TopologyFaults,
 ) -> Setup {
     let queue = h.unique_queue(scenario);
     let plan = customize(quorum)(TopologyPlan::builder(&queue, &policy))
         .build()
         .expect("the scenario's plan is valid");
-    h.provision(&plan, &faults).await;
+    h.provision(&plan, &faults(&plan)).await;
     Setup {
         queue,
         policy,
@@ -131,12 +136,15 @@ impl Setup {
 
     /// The delay queue a clone with `delay` goes to.
     pub fn delay_queue(&self, delay: Duration) -> String {
-        let (route, _) = self
-            .plan
-            .route_for(delay)
-            .expect("the plan has delay levels");
-        route.routing_key.to_string()
+        delay_queue(&self.plan, delay)
     }
+}
+
+/// The delay queue of `plan` a clone with `delay` goes to: each delay queue is bound with
+/// its own name as the routing key.
+pub fn delay_queue(plan: &TopologyPlan, delay: Duration) -> String {
+    let (route, _) = plan.route_for(delay).expect("the plan has delay levels");
+    route.routing_key.to_string()
 }
 
 /// An integer header, if present and an integer.
@@ -229,7 +237,7 @@ fn describe_wait(timing: Timing, waited: Duration, delay: Duration) -> String {
 /// Three messages, each handled on its first run and acknowledged.
 pub async fn success<H: Harness>(h: &H) -> Verdict {
     let policy = RetryPolicy::delays([ms(300)]).build().expect("policy");
-    let s = setup(h, "ok", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "ok", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let messages: Vec<_> = (1..=3)
         .map(|i| TestMessage::new(format!("ok-{i}")))
@@ -271,7 +279,7 @@ pub async fn transient_then_success<H: Harness>(h: &H) -> Verdict {
     }
     let delays = [ms(200), ms(400), ms(600)];
     let policy = RetryPolicy::delays(delays).build().expect("policy");
-    let s = setup(h, "transient", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "transient", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("flaky");
     h.publish(&s.queue, &m).await;
@@ -351,7 +359,7 @@ pub async fn attempts_exhausted_parked<H: Harness>(h: &H) -> Verdict {
     }
     let delays = [ms(100), ms(200)];
     let policy = RetryPolicy::delays(delays).build().expect("policy");
-    let s = setup(h, "exhaust", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "exhaust", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("doomed");
     h.publish(&s.queue, &m).await;
@@ -432,7 +440,7 @@ pub async fn permanent_parked<H: Harness>(h: &H) -> Verdict {
     let policy = RetryPolicy::delays([ms(200), ms(400)])
         .build()
         .expect("policy");
-    let s = setup(h, "perm", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "perm", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("bad-schema");
     h.publish(&s.queue, &m).await;
@@ -474,7 +482,7 @@ pub async fn retry_after<H: Harness>(h: &H) -> Verdict {
     }
     let (short, long) = (ms(100), ms(2_000));
     let policy = RetryPolicy::delays([short, long]).build().expect("policy");
-    let s = setup(h, "after", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "after", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     // (message, what the handler asks for, the delay the engine should use). The 600 ms one
     // rides the 2 s level with a per-message TTL, so it must be ahead of the 2 s one there:
@@ -549,7 +557,7 @@ pub async fn immediate_then_delayed<H: Harness>(h: &H) -> Verdict {
         .with_immediate_retries(2, wait)
         .build()
         .expect("policy");
-    let s = setup(h, "immediate", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "immediate", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("warming-up");
     h.publish(&s.queue, &m).await;
@@ -659,7 +667,7 @@ pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
     }
     let delay = ms(300);
     let policy = RetryPolicy::delays([delay]).build().expect("policy");
-    let s = setup(h, "divert", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "divert", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("victim");
     h.publish(&s.queue, &m).await;
@@ -707,7 +715,7 @@ pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
     // from below on any clock.
     let since_crash = back.at - runs[0].at;
     assert!(
-        since_crash + slack(timing) >= delay,
+        since_crash + timing.slack() >= delay,
         "came back {since_crash:?} after the crashed run, before the {delay:?} crash delay"
     );
     if timing == Timing::Virtual {
@@ -727,13 +735,6 @@ pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
         human(since_crash),
         human(delay)
     )])
-}
-
-fn slack(timing: Timing) -> Duration {
-    match timing {
-        Timing::Virtual => Duration::ZERO,
-        Timing::Wall { slack } => slack,
-    }
 }
 
 /// A poison message kills every consumer that runs it. Each redelivery is diverted and
@@ -774,7 +775,7 @@ async fn crash_loop<H: Harness>(
     quorum: bool,
     limit: u32,
 ) -> Verdict {
-    let s = setup(h, scenario, policy, quorum, TopologyFaults::default()).await;
+    let s = setup(h, scenario, policy, quorum).await;
     let journal = Journal::new(h.stopwatch());
     let poison = TestMessage::new("poison");
     let bystanders: Vec<_> = (1..=3)
@@ -886,24 +887,10 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
         .with_crash_delay(crash_delay)
         .build()
         .expect("policy");
-    let queue = h.unique_queue("refused");
-    let plan = TopologyPlan::new(&queue, &policy).expect("plan");
-    let refusing = plan
-        .route_for(delay)
-        .expect("levels")
-        .0
-        .routing_key
-        .to_string();
-    let faults = TopologyFaults {
-        refuse_publishes_to: vec![refusing.clone()],
-    };
-    h.provision(&plan, &faults).await;
-    let s = Setup {
-        queue,
-        policy,
-        plan,
-        quorum: false,
-    };
+    let s = setup_with_faults(h, "refused", policy, false, |plan| TopologyFaults {
+        refuse_publishes_to: vec![delay_queue(plan, delay)],
+    })
+    .await;
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("must-not-be-lost");
     h.publish(&s.queue, &m).await;
@@ -972,7 +959,7 @@ pub async fn no_head_of_line_blocking<H: Harness>(h: &H) -> Verdict {
     }
     let (fast, slow) = (Duration::from_secs(1), Duration::from_secs(10));
     let policy = RetryPolicy::delays([fast, slow]).build().expect("policy");
-    let s = setup(h, "hol", policy, false, TopologyFaults::default()).await;
+    let s = setup(h, "hol", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let (first, second) = (TestMessage::new("slow-10s"), TestMessage::new("fast-1s"));
     publish_all(h, &s.queue, &[first.clone(), second.clone()]).await;

@@ -10,7 +10,7 @@ use retry_core::{
 };
 
 use crate::drive::{drive, wait_until};
-use crate::harness::{Harness, TestMessage, TopologyFaults};
+use crate::harness::{Harness, TestMessage};
 use crate::journal::{Journal, Step, permanent_cause, transient_cause};
 use crate::scenarios::{assert_nothing_left, ms, setup};
 
@@ -171,7 +171,7 @@ fn storm_index(id: &str) -> usize {
 /// * nothing is left in any queue.
 pub async fn storm<H: Harness>(h: &H, config: &StormConfig) -> StormReport {
     let policy = storm_policy();
-    let s = setup(h, "storm", policy.clone(), false, TopologyFaults::default()).await;
+    let s = setup(h, "storm", policy.clone(), false).await;
     let journal = Journal::new(h.stopwatch());
     let messages: Vec<TestMessage> = (0..config.messages)
         .map(|i| TestMessage::new(storm_id(config.seed, i)))
