@@ -22,9 +22,24 @@
 //! * [`TopologyPlan`]: the exchanges, queues (with TTL and dead-letter arguments) and bindings
 //!   a work queue needs, as data. The core computes the route of every delay.
 //!
+//! ## The async edge
+//!
+//! * [`Transport`]: what a broker binding implements: receive deliveries with their facts,
+//!   publish with confirmation ([`PublishResult`]), settle, provision a plan, and say what it
+//!   can do ([`Capabilities`]). Time comes from the transport too, so a simulated broker can
+//!   run the same code on a virtual clock.
+//! * [`Handler`]: the user's code; plain `async fn(Message) -> Result<(), HandlerError>`
+//!   functions and closures are handlers.
+//! * [`Consumer`]: the driver. It runs up to `prefetch` handlers at once inside one future
+//!   (it spawns nothing and depends on no runtime), feeds the engine and carries out its
+//!   actions in order, treats panics and timeouts as transient failures, and shuts down
+//!   gracefully, leaving unfinished deliveries to the broker. Settings that could hold a
+//!   delivery past the broker's `consumer_timeout` are refused when it is built.
+//!
 //! ## The run loop
 //!
-//! A driver owns the IO; the engine owns the decisions.
+//! A driver owns the IO; the engine owns the decisions. [`Consumer`] is this loop; the
+//! engine can also be driven by hand:
 //!
 //! ```
 //! use retry_core::*;
@@ -142,3 +157,8 @@ pub use topology::{
     QueueRole, QueueSpec, QueueType, Route, TopologyBuilder, TopologyError, TopologyPlan,
 };
 pub use transport::{Capabilities, PublishResult, Transport, TransportError};
+
+// The README's Rust examples are compiled and run with the doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
