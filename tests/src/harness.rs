@@ -182,7 +182,7 @@ pub trait Harness: Send + Sync + 'static {
     /// Why `need` is not met, or `None` when it is. The default names the missing
     /// capability; harnesses say why their broker lacks it.
     fn unsupported(&self, need: Need) -> Option<String> {
-        (!self.capabilities().has(need)).then(|| format!("the transport lacks {need}"))
+        (!self.capabilities().has(need)).then(|| format!("{} lacks {need}", self.name()))
     }
 
     /// The harness's clock, for handlers and scenarios.

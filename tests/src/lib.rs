@@ -31,10 +31,15 @@
 //! scenario ends, passed or not. The [`SuiteReport`](suite::SuiteReport) prints one line per
 //! scenario: passed (with what it observed), skipped (with why) or failed.
 //!
-//! The test targets run the suite on each transport, a differential check (the memory model
-//! and RabbitMQ make the same decisions for the same seeded storm), and a real crash loop: a
-//! consumer process (`crashing_consumer`) that aborts on a poison message, restarted until
-//! the poison is parked.
+//! [`storm`] is the many-message scenario on its own, with the pure engine's expected
+//! decisions per message; the test targets also use it for a differential check (the memory
+//! model and RabbitMQ make the same decisions for the same seeded storm). [`process`] is
+//! what the `crashing_consumer` binary and its test share: a consumer process that aborts on
+//! a poison message, restarted by the test until the poison is parked.
+//!
+//! `cargo test -p conformance` runs it all; the RabbitMQ targets skip with a loud message
+//! when no broker answers on `AMQP_URL` / `AMQP10_URL` (loopback by default), and fail
+//! instead when `REQUIRE_BROKER` is set.
 //!
 //! ## Example
 //!

@@ -5,7 +5,7 @@
 //! consumer reported, the handler runs (attempt numbers, the engine's headers, when they
 //! happened), what reached the parking queue, and that nothing was left behind in any queue
 //! of the plan. Delays are checked exactly on a virtual clock and as lower bounds on a real
-//! broker ([`Timing`](crate::Timing)).
+//! broker ([`Timing`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -800,7 +800,8 @@ async fn crash_loop<H: Harness>(
         consumers += 1;
         assert!(
             consumers <= limit + 2,
-            "still looping after {consumers} consumers: the crash limit is {limit}"
+            "still looping after {consumers} consumers (crash limit {limit}); the poison ended {:?}",
+            journal.terminals_of(&poison.id)
         );
         let killed = crash_on_run(
             h,

@@ -163,9 +163,10 @@ fn storm_index(id: &str) -> usize {
 /// Publishes `config.messages` messages, consumes them all at `config.prefetch` with
 /// outcomes drawn from `config.seed`, and checks:
 ///
-/// * accounting: every message ends exactly once, handled or parked, and
-///   handled + parked = published; the parking queue holds exactly the parked ones, with
-///   the reason the engine gave;
+/// * accounting: every message ends handled or parked, never both, and
+///   handled + parked = published (counting distinct messages, so a duplicate is not
+///   mistaken for a message); the parking queue holds exactly the parked ones, with the
+///   reason the engine gave;
 /// * decisions: each message's terminals equal [`expected_terminals`] for its outcomes
 ///   (messages with duplicates are counted and left out of this check);
 /// * nothing is left in any queue.
