@@ -1,6 +1,6 @@
 //! The broker: exchanges, queues, connections and the virtual clock behind one lock.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
@@ -125,6 +125,7 @@ impl BrokerBuilder {
             queues: Vec::new(),
             queue_index: HashMap::new(),
             connections: Vec::new(),
+            open: BTreeSet::new(),
             timers: BTreeMap::new(),
             next_timer: 0,
             next_key: 0,
@@ -269,6 +270,9 @@ pub(crate) struct State {
     pub(crate) queues: Vec<Queue>,
     queue_index: HashMap<Arc<str>, QueueIndex>,
     pub(crate) connections: Vec<Connection>,
+    /// The connections still open: closed ones stay in `connections` for their ids, and a
+    /// long crash loop leaves many, which per-step scans should not visit.
+    open: BTreeSet<usize>,
     pub(crate) timers: BTreeMap<(Timestamp, u64), Waker>,
     pub(crate) next_timer: u64,
     next_key: u64,
@@ -978,6 +982,7 @@ impl State {
     pub(crate) fn open_connection(&mut self) -> usize {
         let id = self.connections.len();
         self.connections.push(Connection::default());
+        self.open.insert(id);
         self.record(|| EventKind::ConnectionOpened {
             connection: id as u64,
         });
@@ -1047,6 +1052,7 @@ impl State {
         }
         let reason: Arc<str> = Arc::from(reason);
         connection.closed = Some(reason.clone());
+        self.open.remove(&conn);
         connection.inbox.clear();
         let unacked = std::mem::take(&mut connection.unacked);
         if let Some(w) = connection.recv_waker.take() {
@@ -1084,10 +1090,9 @@ impl State {
         let timer = self.timers.keys().next().map(|(t, _)| *t);
         let expiry = self.queues.iter().filter_map(Queue::head_expiry).min();
         let timeout = self.consumer_timeout.and_then(|limit| {
-            self.connections
+            self.open
                 .iter()
-                .filter(|c| c.closed.is_none())
-                .filter_map(|c| c.unacked.values().next())
+                .filter_map(|&c| self.connections[c].unacked.values().next())
                 .map(|u| u.delivered_at + limit)
                 .min()
         });
@@ -1114,20 +1119,24 @@ impl State {
         }
         self.pump();
         if let Some(limit) = self.consumer_timeout {
-            for conn in 0..self.connections.len() {
-                let c = &self.connections[conn];
-                let overdue = c.closed.is_none()
-                    && c.unacked
+            let overdue: Vec<usize> = self
+                .open
+                .iter()
+                .copied()
+                .filter(|&c| {
+                    self.connections[c]
+                        .unacked
                         .values()
                         .next()
-                        .is_some_and(|u| u.delivered_at + limit <= now);
-                if overdue {
-                    let reason = format!(
-                        "PRECONDITION_FAILED - delivery acknowledgement on channel 1 timed out. Timeout value used: {} ms",
-                        limit.as_millis()
-                    );
-                    self.close_connection(conn, &reason);
-                }
+                        .is_some_and(|u| u.delivered_at + limit <= now)
+                })
+                .collect();
+            for conn in overdue {
+                let reason = format!(
+                    "PRECONDITION_FAILED - delivery acknowledgement on channel 1 timed out. Timeout value used: {} ms",
+                    limit.as_millis()
+                );
+                self.close_connection(conn, &reason);
             }
         }
     }
@@ -1148,8 +1157,8 @@ impl State {
                     .push(q.name.clone());
             }
         }
-        for c in &self.connections {
-            for u in c.unacked.values() {
+        for &c in &self.open {
+            for u in self.connections[c].unacked.values() {
                 out.entry(u.label.clone()).or_default().1 = true;
             }
         }

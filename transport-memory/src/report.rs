@@ -162,7 +162,8 @@ impl MessageReport {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Totals {
-    /// Messages published by the simulation.
+    /// Messages the simulation follows: those it published, and any other a handler ran
+    /// on (followed from that first run).
     pub published: u64,
     /// Messages handled.
     pub handled: u64,

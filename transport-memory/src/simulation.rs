@@ -598,7 +598,11 @@ impl Simulation {
     /// Kills consumer `number`: its future is dropped mid-flight and its connection closes
     /// with its deliveries unsettled.
     fn crash(&mut self, number: u32, reason: &str) {
-        let Some(slot) = self.consumers.iter_mut().find(|s| s.number == number) else {
+        // Consumer numbers count from 1 in attach order.
+        let Some(slot) = (number as usize)
+            .checked_sub(1)
+            .and_then(|i| self.consumers.get_mut(i))
+        else {
             return;
         };
         if slot.crashed || !self.executor.is_live(slot.task) {

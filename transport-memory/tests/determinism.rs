@@ -3,7 +3,14 @@
 use std::time::Duration;
 
 use retry_core::{Jitter, RetryPolicy};
-use transport_memory::{FaultRates, Report, Script, SimEvent, Simulation, Step};
+use transport_memory::{FaultRates, Report, Script, SimEvent, Simulation, SimulationBuilder, Step};
+
+/// A simulation that gives up after six virtual hours (every schedule here ends well
+/// before), so a crash loop the engine fails to stop fails the test quickly instead of
+/// spinning to the default one-year horizon.
+fn simulation(queue: &str, policy: RetryPolicy) -> SimulationBuilder {
+    Simulation::builder(queue, policy).horizon(Duration::from_secs(6 * 3600))
+}
 
 fn storm(seed: u64) -> Report {
     let policy = RetryPolicy::exponential(Duration::from_secs(10), 3.0, Duration::from_secs(3600))
@@ -11,7 +18,7 @@ fn storm(seed: u64) -> Report {
         .with_jitter(Jitter::Full)
         .build()
         .unwrap();
-    let mut sim = Simulation::builder("jobs", policy)
+    let mut sim = simulation("jobs", policy)
         .prefetch(6)
         .consumers(3)
         .seed(seed)

@@ -5,8 +5,15 @@ use std::time::Duration;
 
 use retry_core::RetryPolicy;
 use transport_memory::{
-    ConsumerState, FaultRates, Report, Script, SimEvent, Simulation, Step, Stop,
+    ConsumerState, FaultRates, Report, Script, SimEvent, Simulation, SimulationBuilder, Step, Stop,
 };
+
+/// A simulation that gives up after six virtual hours (every schedule here ends well
+/// before), so a crash loop the engine fails to stop fails the test quickly instead of
+/// spinning to the default one-year horizon.
+fn simulation(queue: &str, policy: RetryPolicy) -> SimulationBuilder {
+    Simulation::builder(queue, policy).horizon(Duration::from_secs(6 * 3600))
+}
 
 fn mins(n: u64) -> Duration {
     Duration::from_secs(60 * n)
@@ -46,7 +53,7 @@ fn publish_mix(sim: &mut Simulation, n: usize) {
 
 #[test]
 fn lost_publishes_requeue_the_original() {
-    let mut sim = Simulation::builder("q", policy()).build().unwrap();
+    let mut sim = simulation("q", policy()).build().unwrap();
     publish_mix(&mut sim, 20);
     sim.schedule(Duration::ZERO, SimEvent::LosePublishes(8));
     let report = sim.run_until_quiet();
@@ -62,7 +69,7 @@ fn lost_publishes_requeue_the_original() {
 
 #[test]
 fn refused_publishes_requeue_the_original() {
-    let mut sim = Simulation::builder("q", policy()).build().unwrap();
+    let mut sim = simulation("q", policy()).build().unwrap();
     publish_mix(&mut sim, 20);
     sim.schedule(Duration::ZERO, SimEvent::RefusePublishes(8));
     let report = sim.run_until_quiet();
@@ -78,7 +85,7 @@ fn refused_publishes_requeue_the_original() {
 
 #[test]
 fn lost_confirms_make_duplicates_not_losses() {
-    let mut sim = Simulation::builder("q", policy()).build().unwrap();
+    let mut sim = simulation("q", policy()).build().unwrap();
     for i in 0..10 {
         sim.publish(format!("m{i}"), Script::fail_times(1)).unwrap();
     }
@@ -93,7 +100,7 @@ fn lost_confirms_make_duplicates_not_losses() {
 
 #[test]
 fn duplicate_deliveries_are_counted_apart() {
-    let mut sim = Simulation::builder("q", policy()).build().unwrap();
+    let mut sim = simulation("q", policy()).build().unwrap();
     for i in 0..10 {
         sim.publish(format!("m{i}"), Script::succeed()).unwrap();
     }
@@ -106,7 +113,7 @@ fn duplicate_deliveries_are_counted_apart() {
 
 #[test]
 fn dropped_connections_redeliver_what_was_held() {
-    let mut sim = Simulation::builder("q", policy())
+    let mut sim = simulation("q", policy())
         .prefetch(5)
         .consumers(2)
         .build()
@@ -135,7 +142,7 @@ fn dropped_connections_redeliver_what_was_held() {
 
 #[test]
 fn crashes_at_random_never_lose_messages() {
-    let mut sim = Simulation::builder("q", policy())
+    let mut sim = simulation("q", policy())
         .prefetch(4)
         .seed(11)
         .crash_rate(0.15)
@@ -155,7 +162,7 @@ fn crashes_at_random_never_lose_messages() {
 #[test]
 fn a_storm_of_every_fault_loses_nothing_across_seeds() {
     for seed in 1..=8 {
-        let mut sim = Simulation::builder("q", policy())
+        let mut sim = simulation("q", policy())
             .prefetch(8)
             .consumers(2)
             .seed(seed)

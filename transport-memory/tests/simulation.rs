@@ -7,7 +7,16 @@ use retry_core::{
     CrashAction, DeadLetterReason, Exhausted, HandlerError, Message, ParkedRecord, QueueType,
     RetryPolicy, Terminal,
 };
-use transport_memory::{ConsumerState, Fate, Report, Script, SimEvent, Simulation, Step, Stop};
+use transport_memory::{
+    ConsumerState, Fate, Report, Script, SimEvent, Simulation, SimulationBuilder, Step, Stop,
+};
+
+/// A simulation that gives up after six virtual hours (every schedule here ends well
+/// before), so a crash loop the engine fails to stop fails the test quickly instead of
+/// spinning to the default one-year horizon.
+fn simulation(queue: &str, policy: RetryPolicy) -> SimulationBuilder {
+    Simulation::builder(queue, policy).horizon(Duration::from_secs(6 * 3600))
+}
 
 fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
@@ -45,10 +54,7 @@ fn a_poison_message_is_parked_after_exactly_the_crash_limit() {
             .with_crash_limit(limit)
             .build()
             .unwrap();
-        let mut sim = Simulation::builder("comments", policy)
-            .prefetch(1)
-            .build()
-            .unwrap();
+        let mut sim = simulation("comments", policy).prefetch(1).build().unwrap();
         sim.publish("poison", Script::always(Step::Crash)).unwrap();
         let report = sim.run_until_quiet();
         assert_eq!(report.stop, Stop::Quiet);
@@ -93,7 +99,7 @@ fn a_poison_message_is_parked_after_exactly_the_crash_limit() {
 
 #[test]
 fn a_poison_message_next_to_a_flaky_one_with_exact_virtual_times() {
-    let mut sim = Simulation::builder("comments", policy())
+    let mut sim = simulation("comments", policy())
         .prefetch(1)
         .restart_delay(secs(5))
         .build()
@@ -134,7 +140,7 @@ fn a_poison_message_next_to_a_flaky_one_with_exact_virtual_times() {
 
 #[test]
 fn fail_three_times_then_succeed_follows_the_delays_exactly() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.publish("m", Script::fail_times(3)).unwrap();
     let report = sim.run_until_quiet();
     let m = report.message("m").unwrap();
@@ -151,7 +157,7 @@ fn fail_three_times_then_succeed_follows_the_delays_exactly() {
 
 #[test]
 fn attempts_run_out_and_the_message_is_parked_with_its_record() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.publish("doomed", Script::always(Step::fail("db down")))
         .unwrap();
     let report = sim.run_until_quiet();
@@ -172,7 +178,7 @@ fn attempts_run_out_and_the_message_is_parked_with_its_record() {
 
 #[test]
 fn crash_on_attempt_two_is_diverted_then_recovers() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.publish(
         "m",
         Script::steps([Step::fail("timeout"), Step::Crash, Step::Succeed]),
@@ -195,7 +201,7 @@ fn crash_on_attempt_two_is_diverted_then_recovers() {
 
 #[test]
 fn a_handler_that_always_panics_is_retried_then_parked() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.publish("m", Script::always(Step::panic("index out of bounds")))
         .unwrap();
     let report = sim.run_until_quiet();
@@ -222,7 +228,7 @@ fn a_handler_that_always_panics_is_retried_then_parked() {
 
 #[test]
 fn a_permanent_error_is_parked_at_once() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.publish("m", Script::always(Step::permanent("schema mismatch")))
         .unwrap();
     let report = sim.run_until_quiet();
@@ -240,7 +246,7 @@ fn a_permanent_error_is_parked_at_once() {
 
 #[test]
 fn a_hanging_handler_is_cancelled_at_the_handler_timeout() {
-    let mut sim = Simulation::builder("orders", policy())
+    let mut sim = simulation("orders", policy())
         .handler_timeout(secs(20))
         .build()
         .unwrap();
@@ -259,7 +265,7 @@ fn a_hanging_handler_is_cancelled_at_the_handler_timeout() {
 
 #[test]
 fn retry_after_and_slow_handlers_take_virtual_time() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.publish(
         "m",
         Script::steps([Step::retry_after(mins(10), "429"), Step::Succeed]).taking(secs(3)),
@@ -277,10 +283,7 @@ fn retry_after_and_slow_handlers_take_virtual_time() {
 
 #[test]
 fn bystanders_of_a_crash_are_redelivered_and_never_lost() {
-    let mut sim = Simulation::builder("orders", policy())
-        .prefetch(10)
-        .build()
-        .unwrap();
+    let mut sim = simulation("orders", policy()).prefetch(10).build().unwrap();
     sim.publish("poison", Script::always(Step::Crash)).unwrap();
     for i in 0..3 {
         // Slow enough to be in flight when the poison message kills the process.
@@ -323,7 +326,7 @@ fn a_quorum_delivery_limit_backs_up_the_crash_limit() {
         .with_crash_limit(100)
         .build()
         .unwrap();
-    let mut sim = Simulation::builder("orders", policy)
+    let mut sim = simulation("orders", policy)
         .queue_type(QueueType::Quorum)
         .delivery_limit(2)
         .prefetch(1)
@@ -347,7 +350,7 @@ fn dropping_on_exhaustion_is_reported_as_dropped() {
         .with_on_exhausted(Exhausted::Drop)
         .build()
         .unwrap();
-    let mut sim = Simulation::builder("orders", policy).build().unwrap();
+    let mut sim = simulation("orders", policy).build().unwrap();
     sim.publish("m", Script::always(Step::fail("nope")))
         .unwrap();
     let report = sim.run_until_quiet();
@@ -367,7 +370,7 @@ fn your_own_handler_runs_under_simulated_crashes() {
         }
         Ok(())
     }
-    let mut sim = Simulation::builder("orders", policy())
+    let mut sim = simulation("orders", policy())
         .handler(handle)
         .build()
         .unwrap();
@@ -386,7 +389,7 @@ fn your_own_handler_runs_under_simulated_crashes() {
 
 #[test]
 fn scheduled_events_happen_at_their_virtual_time() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.schedule(
         mins(5),
         SimEvent::Publish {
@@ -407,7 +410,7 @@ fn scheduled_events_happen_at_their_virtual_time() {
 
 #[test]
 fn a_simulation_without_consumers_work_stops_at_the_horizon() {
-    let mut sim = Simulation::builder("orders", policy())
+    let mut sim = simulation("orders", policy())
         .horizon(mins(30))
         .build()
         .unwrap();
@@ -424,7 +427,7 @@ fn a_simulation_without_consumers_work_stops_at_the_horizon() {
 
 #[test]
 fn duplicate_ids_are_refused() {
-    let mut sim = Simulation::builder("orders", policy()).build().unwrap();
+    let mut sim = simulation("orders", policy()).build().unwrap();
     sim.publish("m", Script::succeed()).unwrap();
     assert!(sim.publish("m", Script::succeed()).is_err());
 }
