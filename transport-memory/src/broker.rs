@@ -487,10 +487,7 @@ impl State {
             Some(id) => id,
             None => self.new_identity(&p.properties),
         };
-        let message = MessageRef {
-            key: identity.0,
-            label: identity.1.clone(),
-        };
+        let message = MessageRef::new(identity.0, &identity.1);
         let fault = match by {
             Publisher::Connection(_) => self.faults.on_publish(),
             Publisher::Producer => None,
@@ -678,10 +675,7 @@ impl State {
             // publisher retried a publish whose confirm it never saw.
             self.queues[q].ready.push_front(copy);
             self.dirty.push_back(q);
-            let message = MessageRef {
-                key: m.key,
-                label: m.label.clone(),
-            };
+            let message = MessageRef::new(m.key, &m.label);
             let queue = queue_name.clone();
             self.record(|| EventKind::Fault {
                 description: Arc::from(format!("duplicate of {} queued in {queue}", message.label)),
@@ -740,10 +734,7 @@ impl State {
         }
         self.live
             .insert(message_address(&message), (key, label.clone()));
-        let message_ref = self.tracing.then(|| MessageRef {
-            key,
-            label: label.clone(),
-        });
+        let message_ref = self.tracing.then(|| MessageRef::new(key, &label));
         connection.unacked.insert(
             tag,
             Unacked {
@@ -791,10 +782,7 @@ impl State {
         self.connections[conn].consumers[u.consumer].unacked -= 1;
         let q = u.queue;
         self.queues[q].unacked -= 1;
-        let message = MessageRef {
-            key: u.key,
-            label: u.label.clone(),
-        };
+        let message = MessageRef::new(u.key, &u.label);
         let queue = self.queues[q].name.clone();
         match settlement {
             Settlement::Ack => {
@@ -904,10 +892,7 @@ impl State {
         reason: DeathReason,
     ) -> Option<Stored> {
         let queue_name = self.queues[from].name.clone();
-        let message = self.tracing.then(|| MessageRef {
-            key: m.key,
-            label: m.label.clone(),
-        });
+        let message = self.tracing.then(|| MessageRef::new(m.key, &m.label));
         let Some(mut targets) = self.route(&m.exchange, &m.routing_key) else {
             if let Some(message) = message {
                 self.record(|| EventKind::Discarded {
@@ -1067,10 +1052,7 @@ impl State {
             self.live.remove(&message_address(&u.message));
             let q = u.queue;
             self.queues[q].unacked -= 1;
-            let message = MessageRef {
-                key: u.key,
-                label: u.label.clone(),
-            };
+            let message = MessageRef::new(u.key, &u.label);
             let queue = self.queues[q].name.clone();
             self.record(|| EventKind::Requeued {
                 message,

@@ -16,6 +16,15 @@ pub struct MessageRef {
     pub label: Arc<str>,
 }
 
+impl MessageRef {
+    pub(crate) fn new(key: MessageKey, label: &Arc<str>) -> Self {
+        MessageRef {
+            key,
+            label: label.clone(),
+        }
+    }
+}
+
 /// Who published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Publisher {

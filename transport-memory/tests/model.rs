@@ -43,6 +43,14 @@ fn work_and_delay(broker: &Broker, delay_ttl: Option<Duration>) {
     broker.declare_queue("delay", delay).unwrap();
 }
 
+/// `broker` with a plain queue "work" holding one message per body, in order.
+fn fill_work(broker: &Broker, bodies: impl IntoIterator<Item = Vec<u8>>) {
+    broker.declare_queue("work", QueueOptions::new()).unwrap();
+    for body in bodies {
+        broker.publish(Outgoing::to_queue("work", body)).unwrap();
+    }
+}
+
 fn consumer(broker: &Broker, queue: &str, prefetch: u16) -> MemoryTransport {
     let conn = broker.connect();
     conn.consume(queue, prefetch)
@@ -293,10 +301,7 @@ fn automatic_dead_letter_cycles_are_dropped_but_rejections_break_them() {
 #[test]
 fn prefetch_limits_unacknowledged_deliveries() {
     let broker = Broker::new();
-    broker.declare_queue("work", QueueOptions::new()).unwrap();
-    for i in 0..5u8 {
-        broker.publish(Outgoing::to_queue("work", vec![i])).unwrap();
-    }
+    fill_work(&broker, (0..5u8).map(|i| vec![i]));
     let conn = consumer(&broker, "work", 2);
     let first = drain(&conn);
     assert_eq!(first.len(), 2);
@@ -314,10 +319,7 @@ fn prefetch_limits_unacknowledged_deliveries() {
 #[test]
 fn deliveries_held_by_a_closed_connection_come_back_redelivered_in_order() {
     let broker = Broker::new();
-    broker.declare_queue("work", QueueOptions::new()).unwrap();
-    for i in 0..4u8 {
-        broker.publish(Outgoing::to_queue("work", vec![i])).unwrap();
-    }
+    fill_work(&broker, (0..4u8).map(|i| vec![i]));
     let crashing = consumer(&broker, "work", 3);
     let held = drain(&crashing);
     assert_eq!(held.len(), 3);
@@ -341,10 +343,7 @@ fn deliveries_held_by_a_closed_connection_come_back_redelivered_in_order() {
 #[test]
 fn requeue_by_the_consumer_sets_redelivered_and_dropping_the_transport_returns_deliveries() {
     let broker = Broker::new();
-    broker.declare_queue("work", QueueOptions::new()).unwrap();
-    broker
-        .publish(Outgoing::to_queue("work", b"m".to_vec()))
-        .unwrap();
+    fill_work(&broker, [b"m".to_vec()]);
     let conn = consumer(&broker, "work", 1);
     let d = conn.try_recv().unwrap().unwrap();
     conn.settle_now(&d.tag, Settlement::Requeue).unwrap();
@@ -670,10 +669,7 @@ fn a_delivery_held_past_the_consumer_timeout_closes_the_channel() {
     let broker = Broker::builder()
         .consumer_timeout(Some(Duration::from_secs(60)))
         .build();
-    broker.declare_queue("work", QueueOptions::new()).unwrap();
-    broker
-        .publish(Outgoing::to_queue("work", b"m".to_vec()))
-        .unwrap();
+    fill_work(&broker, [b"m".to_vec()]);
     let conn = consumer(&broker, "work", 1).without_recovery();
     let _held = conn.try_recv().unwrap().unwrap();
     broker.advance(secs(59));
@@ -687,10 +683,7 @@ fn a_delivery_held_past_the_consumer_timeout_closes_the_channel() {
 #[test]
 fn a_recovering_transport_reports_the_close_then_reconnects() {
     let broker = Broker::new();
-    broker.declare_queue("work", QueueOptions::new()).unwrap();
-    broker
-        .publish(Outgoing::to_queue("work", b"m".to_vec()))
-        .unwrap();
+    fill_work(&broker, [b"m".to_vec()]);
     let conn = consumer(&broker, "work", 1);
     let stale = conn.try_recv().unwrap().unwrap();
     let first = conn.connection_id();
@@ -726,10 +719,7 @@ fn a_recovering_transport_reports_the_close_then_reconnects() {
 #[test]
 fn settling_an_unknown_tag_closes_the_channel() {
     let broker = Broker::new();
-    broker.declare_queue("work", QueueOptions::new()).unwrap();
-    broker
-        .publish(Outgoing::to_queue("work", b"m".to_vec()))
-        .unwrap();
+    fill_work(&broker, [b"m".to_vec()]);
     let conn = consumer(&broker, "work", 1);
     let d = conn.try_recv().unwrap().unwrap();
     conn.settle_now(&d.tag, Settlement::Ack).unwrap();

@@ -33,6 +33,14 @@ fn policy() -> RetryPolicy {
         .unwrap()
 }
 
+/// Runs one message, "m", with `script` on a default simulation of queue "orders".
+fn run_one(script: Script) -> (Simulation, Report) {
+    let mut sim = simulation("orders", policy()).build().unwrap();
+    sim.publish("m", script).unwrap();
+    let report = sim.run_until_quiet();
+    (sim, report)
+}
+
 fn since_start(report: &Report, at: retry_core::Timestamp) -> Duration {
     at.saturating_duration_since(report.started_at)
 }
@@ -140,9 +148,7 @@ fn a_poison_message_next_to_a_flaky_one_with_exact_virtual_times() {
 
 #[test]
 fn fail_three_times_then_succeed_follows_the_delays_exactly() {
-    let mut sim = simulation("orders", policy()).build().unwrap();
-    sim.publish("m", Script::fail_times(3)).unwrap();
-    let report = sim.run_until_quiet();
+    let (_, report) = run_one(Script::fail_times(3));
     let m = report.message("m").unwrap();
     assert_eq!(m.delays, [mins(1), mins(10), mins(60)]);
     assert_eq!(
@@ -178,13 +184,11 @@ fn attempts_run_out_and_the_message_is_parked_with_its_record() {
 
 #[test]
 fn crash_on_attempt_two_is_diverted_then_recovers() {
-    let mut sim = simulation("orders", policy()).build().unwrap();
-    sim.publish(
-        "m",
-        Script::steps([Step::fail("timeout"), Step::Crash, Step::Succeed]),
-    )
-    .unwrap();
-    let report = sim.run_until_quiet();
+    let (_, report) = run_one(Script::steps([
+        Step::fail("timeout"),
+        Step::Crash,
+        Step::Succeed,
+    ]));
     let m = report.message("m").unwrap();
     let steps: Vec<&Step> = m.runs.iter().map(|r| &r.step).collect();
     assert_eq!(
@@ -201,10 +205,7 @@ fn crash_on_attempt_two_is_diverted_then_recovers() {
 
 #[test]
 fn a_handler_that_always_panics_is_retried_then_parked() {
-    let mut sim = simulation("orders", policy()).build().unwrap();
-    sim.publish("m", Script::always(Step::panic("index out of bounds")))
-        .unwrap();
-    let report = sim.run_until_quiet();
+    let (mut sim, report) = run_one(Script::always(Step::panic("index out of bounds")));
     let m = report.message("m").unwrap();
     assert_eq!(m.runs.len(), 4);
     assert_eq!(
@@ -228,10 +229,7 @@ fn a_handler_that_always_panics_is_retried_then_parked() {
 
 #[test]
 fn a_permanent_error_is_parked_at_once() {
-    let mut sim = simulation("orders", policy()).build().unwrap();
-    sim.publish("m", Script::always(Step::permanent("schema mismatch")))
-        .unwrap();
-    let report = sim.run_until_quiet();
+    let (_, report) = run_one(Script::always(Step::permanent("schema mismatch")));
     let m = report.message("m").unwrap();
     assert_eq!(m.runs.len(), 1);
     assert!(m.delays.is_empty());
@@ -265,13 +263,8 @@ fn a_hanging_handler_is_cancelled_at_the_handler_timeout() {
 
 #[test]
 fn retry_after_and_slow_handlers_take_virtual_time() {
-    let mut sim = simulation("orders", policy()).build().unwrap();
-    sim.publish(
-        "m",
-        Script::steps([Step::retry_after(mins(10), "429"), Step::Succeed]).taking(secs(3)),
-    )
-    .unwrap();
-    let report = sim.run_until_quiet();
+    let (_, report) =
+        run_one(Script::steps([Step::retry_after(mins(10), "429"), Step::Succeed]).taking(secs(3)));
     assert_eq!(report.message("m").unwrap().delays, [mins(10)]);
     // Each run takes 3 s: the retry is scheduled at 3 s and runs at 10 min 3 s.
     assert_eq!(
