@@ -74,9 +74,9 @@ impl AckBatcher {
         s.epoch
     }
 
-    /// A delivery is done and may be acked. Returns the acks to send now (empty until the
-    /// batch is full), or `None` if the delivery is stale or already settled.
-    pub(crate) fn done(&self, epoch: u64, tag: u64) -> Option<Vec<PendingAck>> {
+    /// A delivery is done and may be acked. Returns whether the batch is full, or `None` if
+    /// the delivery is stale or already settled.
+    pub(crate) fn done(&self, epoch: u64, tag: u64) -> Option<bool> {
         let mut s = self.lock();
         if s.epoch != epoch {
             return None;
@@ -86,11 +86,7 @@ impl AckBatcher {
             _ => return None,
         }
         s.done += 1;
-        if s.done >= s.batch {
-            Some(Self::take(&mut s))
-        } else {
-            Some(Vec::new())
-        }
+        Some(s.done >= s.batch)
     }
 
     /// A delivery is settled some other way (requeue, reject): returns its acker to send
@@ -183,13 +179,15 @@ impl Acks {
     }
 
     /// Marks a delivery done, sending the batch if it is full. `false` if it was stale.
+    /// Marking needs no ordering; only taking and sending do, so the wire lock is taken only
+    /// when there is a batch to send.
     pub(crate) async fn done(&self, epoch: u64, tag: u64) -> bool {
-        let _wire = self.wire.lock().await;
         match self.batcher.done(epoch, tag) {
-            Some(now) => {
-                send(now).await;
+            Some(true) => {
+                self.flush().await;
                 true
             }
+            Some(false) => true,
             None => false,
         }
     }
@@ -256,10 +254,11 @@ mod tests {
         for tag in 1..=5 {
             assert_eq!(b.received(tag, acker(tag)), 0);
         }
-        assert_eq!(shape(&b.done(0, 2).unwrap()), []);
-        assert_eq!(shape(&b.done(0, 1).unwrap()), []);
+        assert_eq!(b.done(0, 2), Some(false));
+        assert_eq!(b.done(0, 1), Some(false));
         // Third done: the batch is full. 1 and 2 form the prefix; 4 waits behind 3.
-        assert_eq!(shape(&b.done(0, 4).unwrap()), [(2, true), (4, false)]);
+        assert_eq!(b.done(0, 4), Some(true));
+        assert_eq!(shape(&b.flush()), [(2, true), (4, false)]);
         assert!(!b.has_done());
         assert_eq!(shape(&b.flush()), []);
         b.done(0, 3).unwrap();

@@ -28,13 +28,13 @@ pub struct AmqpConfig {
 
 impl AmqpConfig {
     /// Settings for `url` (`amqp://` or `amqps://`), with the defaults: a 30 s confirm
-    /// timeout, acks flushed at least every 5 ms, automatic recovery on.
+    /// timeout, acks flushed at least every 20 ms, automatic recovery on.
     pub fn new(url: impl Into<String>) -> Self {
         AmqpConfig {
             url: url.into(),
             confirm_timeout: Duration::from_secs(30),
             connection_name: None,
-            ack_flush_interval: Duration::from_millis(5),
+            ack_flush_interval: Duration::from_millis(20),
             auto_recover: true,
         }
     }
