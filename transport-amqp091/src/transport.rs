@@ -189,7 +189,7 @@ impl AmqpTransport {
         &self,
         original: &Message,
         publish: &Publish,
-    ) -> Result<Confirmation, lapin::Error> {
+    ) -> Result<Confirmation, TransportError> {
         let origin = Origin {
             queue: original.queue(),
             exchange: original.exchange(),
@@ -197,20 +197,10 @@ impl AmqpTransport {
         };
         let headers = clone_headers(original.headers(), origin, &publish.headers);
         let properties = properties_to_amqp(original.properties(), &headers, publish.expiration);
-        let channel = match self.publish_channel().await {
-            Ok(c) => c,
-            Err(e) => return Err(lapin::Error::from(std::io::Error::other(e.to_string()))),
-        };
-        let (exchange, routing_key) = match (
-            short(&publish.route.exchange),
-            short(&publish.route.routing_key),
-        ) {
-            (Ok(e), Ok(k)) => (e, k),
-            (Err(e), _) | (_, Err(e)) => {
-                return Err(lapin::Error::from(std::io::Error::other(e.to_string())));
-            }
-        };
-        channel
+        let exchange = short(&publish.route.exchange)?;
+        let routing_key = short(&publish.route.routing_key)?;
+        let channel = self.publish_channel().await?;
+        let confirm = channel
             .basic_publish(
                 exchange,
                 routing_key,
@@ -221,8 +211,9 @@ impl AmqpTransport {
                 original.body(),
                 properties,
             )
-            .await?
             .await
+            .map_err(connection_error)?;
+        confirm.await.map_err(connection_error)
     }
 
     async fn recover_consumer(&self, err: lapin::Error) -> Result<(), TransportError> {
@@ -413,7 +404,7 @@ impl Transport for AmqpTransport {
             Ok(Ok(Confirmation::NotRequested)) => PublishResult::Failed(TransportError::Other(
                 "the publishing channel is not in confirm mode".into(),
             )),
-            Ok(Err(e)) => PublishResult::Failed(connection_error(e)),
+            Ok(Err(e)) => PublishResult::Failed(e),
         }
     }
 
