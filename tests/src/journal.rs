@@ -57,6 +57,8 @@ pub struct TerminalRecord {
     pub id: String,
     /// How it ended.
     pub terminal: Terminal,
+    /// The attempt the delivery was on when it ended.
+    pub attempt: u32,
     /// When it was reported, on the harness's clock.
     pub at: Duration,
 }
@@ -108,6 +110,7 @@ impl Journal {
             let record = TerminalRecord {
                 id: message_id(msg),
                 terminal: *terminal,
+                attempt: msg.attempt(),
                 at: journal.clock.elapsed(),
             };
             journal.lock().terminals.push(record);
@@ -158,13 +161,27 @@ impl Journal {
             .collect()
     }
 
-    /// Every message's terminals, in order, by message id.
+    /// Every message's terminals, in the order of the attempts they ended, by message id.
+    ///
+    /// Terminals are reported when a settlement completes, and on a real broker the
+    /// settlements of one message's successive deliveries can complete out of order (an ack
+    /// batched behind others finishes after the next delivery was already handled), so the
+    /// report order is not the decision order; the attempt is.
     pub fn terminals_by_message(&self) -> BTreeMap<String, Vec<Terminal>> {
-        let mut out: BTreeMap<String, Vec<Terminal>> = BTreeMap::new();
+        let mut ordered: BTreeMap<String, Vec<(u32, Terminal)>> = BTreeMap::new();
         for t in &self.lock().terminals {
-            out.entry(t.id.clone()).or_default().push(t.terminal);
+            ordered
+                .entry(t.id.clone())
+                .or_default()
+                .push((t.attempt, t.terminal));
         }
-        out
+        ordered
+            .into_iter()
+            .map(|(id, mut ts)| {
+                ts.sort_by_key(|(attempt, _)| *attempt);
+                (id, ts.into_iter().map(|(_, t)| t).collect())
+            })
+            .collect()
     }
 
     /// How many distinct messages have reached a final terminal.
