@@ -292,22 +292,10 @@ async fn a_refused_publish_requeues_the_original_and_loses_nothing() {
         .iter()
         .find(|s| s.name == delay_queue)
         .unwrap();
-    let mut args = transport_amqp091::table_from_headers(&spec.arguments.to_headers());
-    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
-    args.insert(
-        "x-overflow".into(),
-        lapin::types::AMQPValue::LongString("reject-publish".into()),
-    );
-    ch.queue_declare(
-        delay_queue.as_str().into(),
-        lapin::options::QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .unwrap();
+    let args = refusing(transport_amqp091::table_from_headers(
+        &spec.arguments.to_headers(),
+    ));
+    declare_durable(&ch, &delay_queue, args).await;
     // Deleting the queue dropped its binding from the retry exchange.
     let binding = plan
         .bindings()

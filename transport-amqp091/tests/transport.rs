@@ -137,16 +137,7 @@ async fn a_conflicting_declaration_is_reported_by_queue_and_argument() {
         "x-message-ttl".into(),
         lapin::types::AMQPValue::LongInt(5_000),
     );
-    ch.queue_declare(
-        delay_queue.as_str().into(),
-        lapin::options::QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .unwrap();
+    declare_durable(&ch, &delay_queue, args).await;
 
     let t = transport(&config).await;
     let err = t.provision(&plan).await.unwrap_err();
@@ -237,15 +228,13 @@ async fn a_full_reject_publish_queue_refuses_the_clone() {
     };
     let q = unique("full");
     let (_conn, ch) = raw().await;
-    let mut args = lapin::types::FieldTable::default();
-    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
-    args.insert(
-        "x-overflow".into(),
-        lapin::types::AMQPValue::LongString("reject-publish".into()),
-    );
-    ch.queue_declare(q.as_str().into(), Default::default(), args)
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        Default::default(),
+        refusing(lapin::types::FieldTable::default()),
+    )
+    .await
+    .unwrap();
     let t = transport(&config).await;
     let route = Route {
         exchange: "".into(),

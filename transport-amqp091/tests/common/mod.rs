@@ -135,6 +135,31 @@ pub async fn wait_get(ch: &Channel, queue: &str, within: Duration) -> Option<Got
     }
 }
 
+/// Declares a durable queue with these arguments.
+pub async fn declare_durable(ch: &Channel, name: &str, args: FieldTable) {
+    ch.queue_declare(
+        name.into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+}
+
+/// `args` plus a length limit of zero with `reject-publish`: a queue that refuses every
+/// publish with a negative confirm.
+pub fn refusing(mut args: FieldTable) -> FieldTable {
+    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        lapin::types::AMQPValue::LongString("reject-publish".into()),
+    );
+    args
+}
+
 pub async fn message_count(ch: &Channel, queue: &str) -> u32 {
     ch.queue_declare(
         queue.into(),
