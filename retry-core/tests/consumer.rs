@@ -114,6 +114,21 @@ async fn succeeding(_msg: Message) -> Result<(), HandlerError> {
     Ok(())
 }
 
+/// Runs a consumer of `QUEUE` with the default settings until the transport's stream ends.
+async fn run_to_end<T: Transport, H: retry_core::Handler>(
+    transport: T,
+    policy: RetryPolicy,
+    handler: H,
+) -> RunReport {
+    Consumer::builder(transport, policy, handler)
+        .queue(QUEUE)
+        .build()
+        .unwrap()
+        .run(std::future::pending())
+        .await
+        .unwrap()
+}
+
 /// Records the calls a test wants to see in order.
 #[derive(Clone, Default)]
 struct Log(Arc<Mutex<Vec<String>>>);
@@ -152,13 +167,7 @@ async fn the_original_is_acked_only_after_the_clones_confirm() {
             Ok(())
         });
 
-    let report = Consumer::builder(mock, policy(), failing)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    let report = run_to_end(mock, policy(), failing).await;
 
     assert_eq!(log.entries(), ["publish confirmed", "ack"]);
     assert_eq!((report.received, report.retried), (1, 1));
@@ -228,13 +237,7 @@ async fn slow_confirms_hold_the_ack_back_and_run_concurrently() {
         confirm_after,
     };
 
-    let report = Consumer::builder(transport, policy(), failing)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    let report = run_to_end(transport, policy(), failing).await;
 
     assert_eq!(report.retried, 2);
     let mut acked_at = acked_at.lock().unwrap().clone();
@@ -354,13 +357,7 @@ async fn a_panicking_handler_is_a_transient_failure_with_the_panic_message() {
         .times(3)
         .returning(|_, _| Ok(()));
 
-    let report = Consumer::builder(mock, policy(), panics)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    let report = run_to_end(mock, policy(), panics).await;
 
     assert_eq!((report.handler_panics, report.retried), (3, 3));
     let mut causes = causes.lock().unwrap().clone();
@@ -745,13 +742,7 @@ async fn the_topology_is_provisioned_before_consuming() {
         .in_sequence(&mut seq)
         .returning(|| Ok(None));
 
-    Consumer::builder(mock, policy(), succeeding)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    run_to_end(mock, policy(), succeeding).await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -816,13 +807,7 @@ async fn an_immediate_retry_runs_in_process_after_its_wait() {
         }
     };
 
-    let report = Consumer::builder(mock, policy, handler)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    let report = run_to_end(mock, policy, handler).await;
 
     assert_eq!(report.handled, 1);
     let attempts = attempts.lock().unwrap().clone();
@@ -962,13 +947,7 @@ async fn a_lost_connection_while_receiving_is_retried() {
         .times(1)
         .returning(|_, _| Ok(()));
 
-    let report = Consumer::builder(mock, policy(), succeeding)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    let report = run_to_end(mock, policy(), succeeding).await;
 
     assert_eq!((report.receive_errors, report.handled), (2, 1));
 }
@@ -1024,13 +1003,7 @@ async fn a_failed_settlement_is_counted_and_the_run_goes_on() {
         .times(1)
         .returning(|_, _| Ok(()));
 
-    let report = Consumer::builder(mock, policy(), succeeding)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    let report = run_to_end(mock, policy(), succeeding).await;
 
     assert_eq!((report.settle_errors, report.handled), (1, 1));
     assert_eq!(report.accounted(), report.received);
@@ -1047,13 +1020,7 @@ async fn malformed_headers_do_not_stop_the_message() {
         .times(1)
         .returning(|_, _| Ok(()));
 
-    let report = Consumer::builder(mock, policy(), succeeding)
-        .queue(QUEUE)
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
+    let report = run_to_end(mock, policy(), succeeding).await;
     assert_eq!(report.handled, 1);
 }
 
