@@ -68,7 +68,7 @@ fn bench(c: &mut Criterion) {
     let mut engine = Engine::new(policy.clone(), &plan).unwrap();
     c.bench_function("engine/success (delivery, run, ack)", |b| {
         b.iter(|| {
-            let id = engine.handle_delivery(now, black_box(facts));
+            let id = engine.handle_delivery(now, Lane::Work, black_box(facts));
             let run = engine.poll_action(now);
             engine.handle_outcome(now, id, Outcome::Success).unwrap();
             (run, engine.poll_action(now))
@@ -76,7 +76,7 @@ fn bench(c: &mut Criterion) {
     });
     c.bench_function("engine/retry (delivery, run, publish, confirm, ack)", |b| {
         b.iter(|| {
-            let id = engine.handle_delivery(now, black_box(facts));
+            let id = engine.handle_delivery(now, Lane::Work, black_box(facts));
             let run = engine.poll_action(now);
             engine
                 .handle_outcome(now, id, Outcome::Transient("timeout".into()))
@@ -89,7 +89,7 @@ fn bench(c: &mut Criterion) {
     c.bench_function("engine/success incl. decode", |b| {
         b.iter(|| {
             let facts = DeliveryFacts::decode(black_box(&headers), BrokerSignals::default(), 1);
-            let id = engine.handle_delivery(now, facts);
+            let id = engine.handle_delivery(now, Lane::Work, facts);
             let run = engine.poll_action(now);
             engine.handle_outcome(now, id, Outcome::Success).unwrap();
             (run, engine.poll_action(now))

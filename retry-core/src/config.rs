@@ -10,6 +10,8 @@
 //! on_crash = "divert"              # divert | run-handler
 //! crash_delay = "30s"
 //! on_exhausted = "dead-letter"     # dead-letter | drop
+//! publish_retries = 3
+//! publish_retry_wait = "100ms"     # doubled before each next retry
 //!
 //! [backoff]
 //! kind = "exponential"             # fixed | linear | exponential | list
@@ -100,6 +102,9 @@ pub(crate) struct PolicyConfig {
     crash_delay: Option<Duration>,
     #[serde(default)]
     on_exhausted: Exhausted,
+    publish_retries: Option<u32>,
+    #[serde(default, deserialize_with = "human_opt")]
+    publish_retry_wait: Option<Duration>,
 }
 
 impl TryFrom<PolicyConfig> for RetryPolicy {
@@ -137,6 +142,14 @@ impl TryFrom<PolicyConfig> for RetryPolicy {
         }
         if let Some(d) = c.crash_delay {
             b = b.with_crash_delay(d);
+        }
+        if c.publish_retries.is_some() || c.publish_retry_wait.is_some() {
+            let defaults = RetryPolicy::default();
+            b = b.with_publish_retries(
+                c.publish_retries.unwrap_or(defaults.publish_retries()),
+                c.publish_retry_wait
+                    .unwrap_or(defaults.publish_retry_wait(1)),
+            );
         }
         b.build()
     }

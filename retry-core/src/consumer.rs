@@ -5,6 +5,8 @@
 //! publish confirm, an in-process wait ending), starts the actions it asks for in the order
 //! it emits them, and waits for the next event. At most `prefetch` deliveries are held at
 //! once: the driver only asks the transport for another delivery while fewer are in flight.
+//! Deliveries come from two intakes that take turns: the work queue's subscription, and
+//! suspects fetched one at a time from the isolation queue while nothing else runs.
 
 mod builder;
 mod report;
@@ -36,7 +38,9 @@ struct Config {
     handler_timeout: Duration,
     consumer_timeout: Duration,
     shutdown_grace: Duration,
-    requeue_delay: Duration,
+    solo_runs: u32,
+    solo_time: Duration,
+    suspect_poll: Duration,
     provision: bool,
 }
 
@@ -64,13 +68,20 @@ struct Config {
 /// # #[async_trait]
 /// # impl Transport for VecTransport {
 /// #     type Tag = u64;
+/// #     type Subscription = VecTransport;
 /// #     fn capabilities(&self) -> Capabilities {
 /// #         Capabilities { publisher_confirms: true, ..Capabilities::default() }
 /// #     }
 /// #     async fn provision(&self, _: &TopologyPlan) -> Result<(), TransportError> { Ok(()) }
-/// #     async fn consume(&self, _: &str, _: u16) -> Result<(), TransportError> { Ok(()) }
-/// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> {
-/// #         Ok(self.inbox.lock().unwrap().pop_front())
+/// #     async fn consume(&self, _: &str, _: u16) -> Result<Self, TransportError> {
+/// #         Ok(VecTransport {
+/// #             inbox: Mutex::new(std::mem::take(&mut *self.inbox.lock().unwrap())),
+/// #             ..VecTransport::default()
+/// #         })
+/// #     }
+/// #     async fn fetch(&self, _: &str) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+/// #     async fn ready(&self, _: &str, _: std::time::Duration) -> Result<(), TransportError> {
+/// #         std::future::pending().await
 /// #     }
 /// #     async fn publish(&self, _: &Message, p: &Publish) -> PublishResult {
 /// #         self.published.lock().unwrap().push(p.route.routing_key.to_string());
@@ -80,7 +91,15 @@ struct Config {
 /// #         self.settled.lock().unwrap().push((*tag, s));
 /// #         Ok(())
 /// #     }
+/// # }
+/// # #[async_trait]
+/// # impl Subscription for VecTransport {
+/// #     type Tag = u64;
+/// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> {
+/// #         Ok(self.inbox.lock().unwrap().pop_front())
+/// #     }
 /// #     async fn cancel(&self) -> Result<(), TransportError> { Ok(()) }
+/// #     async fn flush(&self) -> Result<(), TransportError> { Ok(()) }
 /// # }
 /// # fn delivery(tag: u64, body: &[u8]) -> Delivery<u64> {
 /// #     let message = Message::new(MessageParts {
@@ -172,19 +191,32 @@ impl<T: Transport, H: Handler> Consumer<T, H> {
         self.config.shutdown_grace
     }
 
+    /// The most suspects, and the longest time, one solo phase takes before the work lane
+    /// gets a turn.
+    pub fn solo_limit(&self) -> (u32, Duration) {
+        (self.config.solo_runs, self.config.solo_time)
+    }
+
+    /// How often a transport that cannot watch the isolation queue looks at it.
+    pub fn suspect_poll(&self) -> Duration {
+        self.config.suspect_poll
+    }
+
     /// The transport.
     pub fn transport(&self) -> &T {
         &self.transport
     }
 
-    /// Provisions the topology (unless turned off), starts consuming, and runs until the
-    /// transport has no more deliveries and every held one is settled, or until `shutdown`
-    /// resolves.
+    /// Provisions the topology (unless turned off), runs the suspects waiting in the
+    /// isolation queue, starts consuming the work queue, and runs until the transport has no
+    /// more deliveries and every held one is settled, or until `shutdown` resolves.
     ///
     /// On shutdown the consumer stops receiving and lets in-flight handlers, publishes and
     /// settlements continue for the [shutdown grace](ConsumerBuilder::shutdown_grace).
     /// Deliveries still unfinished then are left unsettled: the broker redelivers them. Nothing
-    /// is acknowledged that was not handled.
+    /// is acknowledged that was not handled. Before `run` returns, the subscription's
+    /// batched acknowledgements are sent, so every delivery the report counts as settled is
+    /// settled on the broker.
     ///
     /// If `shutdown` resolves before consuming has started, `run` returns an empty report.
     ///

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::facts::DeliveryFacts;
 use crate::headers::truncate_error;
-use crate::policy::{CrashAction, Exhausted, Retry, RetryPolicy};
+use crate::policy::{Exhausted, Retry, RetryPolicy};
 use crate::time::Timestamp;
 
 /// What a handler run came to.
@@ -43,7 +43,8 @@ pub enum DeadLetterReason {
     MaxElapsed,
     /// The handler reported a permanent failure: `permanent`.
     Permanent,
-    /// The message was redelivered more often than the crash limit allows: `crash-loop`.
+    /// Running alone, the message took its consumer down more often than the crash limit
+    /// allows: `crash-loop`.
     CrashLoop,
 }
 
@@ -76,6 +77,17 @@ impl fmt::Display for DeadLetterReason {
     }
 }
 
+/// Where a delivery was taken from: the two intakes of a consumer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Lane {
+    /// The work queue, by subscription, with up to `prefetch` handlers running at once.
+    #[default]
+    Work,
+    /// The isolation queue, fetched one message at a time and run with nothing else
+    /// running.
+    Isolation,
+}
+
 /// The state of a message between runs: which run it is on and what it has been through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttemptState {
@@ -83,7 +95,7 @@ pub struct AttemptState {
     pub attempt: u32,
     /// Crashes so far, this delivery's included.
     pub crashes: u32,
-    /// First failure or crash, if any.
+    /// First failure, if any.
     pub first_failure: Option<Timestamp>,
     /// The message's jitter seed.
     pub identity: u64,
@@ -94,7 +106,8 @@ pub struct AttemptState {
 pub enum Admission {
     /// Run the handler.
     Run(AttemptState),
-    /// Do not run it: the decision is already made (a crash diversion or a crash loop).
+    /// Do not run it: the decision is already made (a suspect to isolate, a crashed suspect
+    /// to divert, or a crash loop to park).
     Decided(AttemptState, Decision),
 }
 
@@ -113,19 +126,26 @@ pub enum Decision {
         /// The delay the clone goes through.
         delay: Duration,
     },
-    /// A crash: republish a clone through `delay` without having run the handler.
+    /// A suspect: it came back redelivered from the work queue, so a consumer went away
+    /// holding it, but with other deliveries beside it. Republish a clone, unchanged, into
+    /// the isolation queue without running the handler, then acknowledge the original. No
+    /// crash is counted.
+    Isolate,
+    /// A crash: a suspect that ran alone came back redelivered. Republish a clone, with the
+    /// crash counted, through `delay` back into the isolation queue (straight there when
+    /// `delay` is zero), without running the handler.
     Divert {
-        /// The delay the clone goes through.
+        /// The crash delay the clone goes through.
         delay: Duration,
     },
     /// Publish a clone to the parking queue, then acknowledge the original.
     DeadLetter {
-        /// Why.
+        /// Why it was parked.
         reason: DeadLetterReason,
     },
     /// Acknowledge without keeping anything (only when the policy says so).
     Drop {
-        /// Why.
+        /// Why it was dropped.
         reason: DeadLetterReason,
     },
 }
@@ -136,36 +156,56 @@ impl Decision {
     pub fn publishes(self) -> bool {
         matches!(
             self,
-            Decision::Retry { .. } | Decision::Divert { .. } | Decision::DeadLetter { .. }
+            Decision::Retry { .. }
+                | Decision::Isolate
+                | Decision::Divert { .. }
+                | Decision::DeadLetter { .. }
         )
     }
 }
 
-/// Decides whether a delivery's handler runs. A delivery with crash evidence (the
-/// redelivered flag or a broker delivery count) counts crashes; past the policy's crash limit
-/// it is parked with reason `crash-loop`, otherwise it is diverted or run as the policy says.
+/// Decides whether a delivery's handler runs, from the lane it came from and its crash
+/// evidence (the redelivered flag or a broker delivery count).
+///
+/// * From the work queue, a delivery with evidence is a *suspect*: it is isolated, and no
+///   crash is counted. Whatever else its consumer held came back the same way, so the flag
+///   cannot say which delivery killed it.
+/// * From the isolation queue, a delivery with evidence ran alone when its consumer died:
+///   that counts a crash. Past the policy's crash limit it is parked with reason
+///   `crash-loop`; otherwise it is diverted through the crash delay.
+/// * Anything else runs.
 ///
 /// ```
-/// use retry_core::{admit, Admission, BrokerSignals, Decision, DeliveryFacts, Headers, RetryPolicy};
+/// use retry_core::{admit, Admission, Decision, DeliveryFacts, Lane, RetryPolicy};
 ///
 /// let policy = RetryPolicy::default();
 /// let fresh = DeliveryFacts::default();
-/// assert!(matches!(admit(&policy, &fresh), Admission::Run(s) if s.attempt == 1));
+/// assert!(matches!(admit(&policy, Lane::Work, &fresh), Admission::Run(s) if s.attempt == 1));
 ///
-/// let crashed = DeliveryFacts { redelivered: true, ..DeliveryFacts::default() };
-/// assert!(matches!(admit(&policy, &crashed), Admission::Decided(_, Decision::Divert { .. })));
+/// let redelivered = DeliveryFacts { redelivered: true, ..DeliveryFacts::default() };
+/// assert!(matches!(admit(&policy, Lane::Work, &redelivered), Admission::Decided(s, Decision::Isolate) if s.crashes == 0));
+/// assert!(matches!(
+///     admit(&policy, Lane::Isolation, &redelivered),
+///     Admission::Decided(s, Decision::Divert { .. }) if s.crashes == 1
+/// ));
 /// ```
-pub fn admit(policy: &RetryPolicy, facts: &DeliveryFacts) -> Admission {
-    let evidence = facts.crash_evidence();
-    let state = AttemptState {
+pub fn admit(policy: &RetryPolicy, lane: Lane, facts: &DeliveryFacts) -> Admission {
+    let mut state = AttemptState {
         attempt: facts.attempts.saturating_add(1),
-        crashes: facts.crashes.saturating_add(evidence),
+        crashes: facts.crashes,
         first_failure: facts.first_failure,
         identity: facts.identity,
     };
-    if evidence == 0 {
+    if facts.crash_evidence() == 0 {
         return Admission::Run(state);
     }
+    if lane == Lane::Work {
+        return Admission::Decided(state, Decision::Isolate);
+    }
+    // One crash per redelivery from the isolation queue: each crash is followed by a new
+    // clone, so a larger broker count only means the message was also returned without a
+    // crash (a requeue, or a consumer that died after taking it but before running it).
+    state.crashes = state.crashes.saturating_add(1);
     if state.crashes > policy.crash_limit() {
         return Admission::Decided(
             state,
@@ -174,15 +214,8 @@ pub fn admit(policy: &RetryPolicy, facts: &DeliveryFacts) -> Admission {
             },
         );
     }
-    match policy.on_crash() {
-        CrashAction::Divert => Admission::Decided(
-            state,
-            Decision::Divert {
-                delay: policy.crash_delay(),
-            },
-        ),
-        CrashAction::RunHandler => Admission::Run(state),
-    }
+    let delay = policy.crash_delay_level().unwrap_or(Duration::ZERO);
+    Admission::Decided(state, Decision::Divert { delay })
 }
 
 /// Decides what follows a handler run. `state.attempt` is the run that just ended.
@@ -251,7 +284,8 @@ fn exhausted(policy: &RetryPolicy, reason: DeadLetterReason) -> Decision {
 }
 
 /// The cause text recorded for a crash.
-pub(crate) const CRASH_CAUSE: &str = "crashed: redelivered before it was settled";
+pub(crate) const CRASH_CAUSE: &str =
+    "crashed: its consumer went away while it ran alone, before it was settled";
 
 /// The cause text of a failure, cut for the last-error header.
 pub(crate) fn recorded_cause(outcome: &Outcome) -> Option<String> {

@@ -7,14 +7,14 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::decision::{
-    Admission, AttemptState, CRASH_CAUSE, DeadLetterReason, Decision, Outcome, admit, decide,
+    Admission, AttemptState, CRASH_CAUSE, DeadLetterReason, Decision, Lane, Outcome, admit, decide,
     recorded_cause,
 };
 use crate::facts::DeliveryFacts;
 use crate::headers::EngineHeaders;
-use crate::policy::{CrashAction, RetryPolicy};
-use crate::time::Timestamp;
-use crate::topology::{QueueType, Route, TopologyPlan};
+use crate::policy::RetryPolicy;
+use crate::time::{Timestamp, format_delay};
+use crate::topology::{Route, TopologyPlan};
 
 /// The engine's handle on one delivery, from [`Engine::handle_delivery`] until the delivery
 /// is settled or forgotten. Handles are not reused while the delivery is live, and a stale
@@ -89,26 +89,32 @@ pub enum Terminal {
         /// The clone's delay.
         delay: Duration,
     },
-    /// A crashed delivery's clone was confirmed on its delay route, without a handler run.
+    /// A suspect (redelivered from the work queue) was cloned into the isolation queue,
+    /// without a handler run and without counting a crash.
+    Isolated,
+    /// A suspect that crashed its consumer while running alone was cloned, with the crash
+    /// counted, through the crash delay back into the isolation queue, without a handler
+    /// run.
     Diverted {
         /// Crashes so far.
         crashes: u32,
-        /// The clone's delay.
+        /// The crash delay (zero when it went straight back).
         delay: Duration,
     },
     /// A clone was confirmed in the parking queue.
     DeadLettered {
-        /// Why.
+        /// Why it was parked.
         reason: DeadLetterReason,
     },
     /// Dropped, as the policy allows.
     Dropped {
-        /// Why.
+        /// Why it was dropped.
         reason: DeadLetterReason,
     },
-    /// The clone's publish did not succeed; the original goes back to the queue.
+    /// The clone's publish did not succeed, retries included; the original goes back to the
+    /// queue.
     Requeued {
-        /// The broker's answer.
+        /// The broker's last answer.
         cause: Confirm,
     },
 }
@@ -117,7 +123,7 @@ pub enum Terminal {
 /// the original's (see [`clone_headers`](crate::headers::clone_headers)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Publish {
-    /// Where to.
+    /// The exchange and routing key to publish to.
     pub route: Route,
     /// Per-message TTL, when the delay is shorter than the delay queue's.
     pub expiration: Option<Duration>,
@@ -147,9 +153,9 @@ pub enum Action {
     Settle {
         /// The delivery.
         delivery: DeliveryId,
-        /// How.
+        /// Ack, requeue or reject.
         settlement: Settlement,
-        /// Why: how the delivery ended.
+        /// How the delivery ended.
         terminal: Terminal,
     },
 }
@@ -167,16 +173,6 @@ pub enum EngineError {
     /// A confirm arrived for a delivery with no publish pending.
     #[error("delivery {0} got a confirm but no publish was requested")]
     UnexpectedConfirm(DeliveryId),
-    /// The policy runs the handler on redelivered deliveries, but the plan's queues keep no
-    /// delivery count, so a message that crashes its consumer would never reach the crash
-    /// limit.
-    #[error(
-        "on_crash = run-handler needs a broker delivery count to enforce the crash limit, but {queue:?} is a classic queue: use QueueType::Quorum or CrashAction::Divert"
-    )]
-    CrashLimitUnenforceable {
-        /// The work queue.
-        queue: String,
-    },
     /// The plan lacks a delay level the policy needs: it was made for another policy.
     #[error(
         "the topology plan for {queue:?} has no delay queue for {delay:?}, which the policy needs; make the plan from the same policy"
@@ -187,27 +183,59 @@ pub enum EngineError {
         /// The missing level.
         delay: Duration,
     },
+    /// The policy diverts crashed suspects through a crash delay the plan has no queue for:
+    /// the plan was made for another policy.
+    #[error(
+        "the topology plan for {queue:?} has no crash-delay queue {missing:?} for the policy's {delay:?} crash delay; make the plan from the same policy"
+    )]
+    MissingCrashDelay {
+        /// The work queue.
+        queue: String,
+        /// The crash-delay queue the policy needs.
+        missing: String,
+        /// The crash delay.
+        delay: Duration,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
 enum Phase {
+    /// A handler run was asked for.
     Running,
+    /// Waiting for an in-process retry.
     Waiting,
+    /// A publish was asked for; its confirm decides the settlement.
     Confirming { terminal: Terminal },
+    /// The broker did not confirm the clone; waiting to publish it again.
+    Republishing { terminal: Terminal },
+}
+
+#[derive(Debug)]
+struct Live {
+    state: AttemptState,
+    phase: Phase,
+    lane: Lane,
+    /// The clone being published, kept for publish retries.
+    publish: Option<Publish>,
+    /// Publish retries spent on it.
+    publish_retries: u32,
 }
 
 #[derive(Debug)]
 struct Slot {
     generation: u32,
-    live: Option<(AttemptState, Phase)>,
+    live: Option<Live>,
 }
+
+/// How many excused identities the engine remembers; older ones are forgotten first.
+const EXCUSED_CAPACITY: usize = 1024;
 
 /// The retry state machine for one work queue.
 ///
 /// ```
 /// use retry_core::{
-///     Action, BrokerSignals, Confirm, DeliveryFacts, Engine, Headers, Outcome, RetryPolicy,
-///     Settlement, Terminal, Timestamp, TopologyPlan,
+///     Action, BrokerSignals, Confirm, DeliveryFacts, Engine, Headers, Lane, Outcome,
+///     RetryPolicy, Settlement, Terminal, Timestamp, TopologyPlan,
 /// };
 /// use std::time::Duration;
 ///
@@ -216,9 +244,9 @@ struct Slot {
 /// let mut engine = Engine::new(policy, &plan)?;
 /// let now = Timestamp::from_millis(1_000);
 ///
-/// // A delivery arrives: the engine asks for a handler run.
+/// // A delivery arrives from the work queue: the engine asks for a handler run.
 /// let facts = DeliveryFacts::decode(&Headers::new(), BrokerSignals::default(), 0);
-/// let id = engine.handle_delivery(now, facts);
+/// let id = engine.handle_delivery(now, Lane::Work, facts);
 /// assert!(matches!(engine.poll_action(now), Some(Action::RunHandler { attempt: 1, .. })));
 ///
 /// // It fails: publish a clone to the 30 s delay queue, and only then ack.
@@ -232,6 +260,13 @@ struct Slot {
 ///     engine.poll_action(now),
 ///     Some(Action::Settle { settlement: Settlement::Ack, terminal: Terminal::Retried { .. }, .. })
 /// ));
+///
+/// // A redelivered one is a suspect: cloned into the isolation queue, its handler not run.
+/// let redelivered = BrokerSignals { redelivered: true, ..BrokerSignals::default() };
+/// let facts = DeliveryFacts::decode(&Headers::new(), redelivered, 0);
+/// engine.handle_delivery(now, Lane::Work, facts);
+/// let Some(Action::Publish { publish, .. }) = engine.poll_action(now) else { panic!() };
+/// assert_eq!(&*publish.route.routing_key, "comments.suspect");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
@@ -243,23 +278,13 @@ pub struct Engine {
     actions: VecDeque<Action>,
     timers: Vec<(Timestamp, DeliveryId)>,
     in_flight: usize,
+    excused: VecDeque<u64>,
 }
 
 impl Engine {
-    /// An engine for `policy` over `plan`, which must have been made from the same policy.
-    ///
-    /// [`CrashAction::RunHandler`](crate::CrashAction::RunHandler) needs quorum queues: a
-    /// redelivered message is the same message, so only the broker's delivery count can show
-    /// how often it crashed its consumer.
+    /// An engine for `policy` over `plan`, which must have been made from the same policy:
+    /// every delay level the policy can ask for, and its crash delay, need their queues.
     pub fn new(policy: RetryPolicy, plan: &TopologyPlan) -> Result<Self, EngineError> {
-        let work = &plan.queues()[0];
-        if policy.on_crash() == CrashAction::RunHandler
-            && work.arguments.queue_type != QueueType::Quorum
-        {
-            return Err(EngineError::CrashLimitUnenforceable {
-                queue: work.name.clone(),
-            });
-        }
         for delay in policy.delay_levels() {
             if !plan.delay_routes().iter().any(|(level, _)| *level == delay) {
                 return Err(EngineError::MissingDelayLevel {
@@ -267,6 +292,15 @@ impl Engine {
                     delay,
                 });
             }
+        }
+        if let Some(delay) = policy.crash_delay_level()
+            && plan.crash_route().map(|(d, _)| d) != Some(delay)
+        {
+            return Err(EngineError::MissingCrashDelay {
+                queue: plan.work_queue().to_owned(),
+                missing: format!("{}.crash.{}", plan.work_queue(), format_delay(delay)),
+                delay,
+            });
         }
         Ok(Engine {
             policy,
@@ -276,6 +310,7 @@ impl Engine {
             actions: VecDeque::new(),
             timers: Vec::new(),
             in_flight: 0,
+            excused: VecDeque::new(),
         })
     }
 
@@ -294,13 +329,25 @@ impl Engine {
         self.in_flight
     }
 
-    /// A delivery arrived. The engine queues either a handler run or, for a crashed delivery,
-    /// the publish that diverts or parks it.
-    pub fn handle_delivery(&mut self, now: Timestamp, facts: DeliveryFacts) -> DeliveryId {
+    /// A delivery arrived from `lane`. The engine queues a handler run or, for a suspect or
+    /// a crashed suspect, the publish that isolates, diverts or parks it (see [`admit`]).
+    pub fn handle_delivery(
+        &mut self,
+        now: Timestamp,
+        lane: Lane,
+        facts: DeliveryFacts,
+    ) -> DeliveryId {
         let id = self.allocate();
-        match admit(&self.policy, &facts) {
+        let mut facts = facts;
+        if lane == Lane::Isolation && facts.crash_evidence() > 0 && self.take_excuse(facts.identity)
+        {
+            // It went back to the isolation queue through no crash of its own.
+            facts.redelivered = false;
+            facts.delivery_count = 0;
+        }
+        match admit(&self.policy, lane, &facts) {
             Admission::Run(state) => {
-                self.set(id, state, Phase::Running);
+                self.set(id, Live::new(state, Phase::Running, lane));
                 self.actions.push_back(Action::RunHandler {
                     delivery: id,
                     attempt: state.attempt,
@@ -308,10 +355,37 @@ impl Engine {
             }
             Admission::Decided(state, decision) => {
                 let runs = state.attempt.saturating_sub(1);
-                self.execute(now, id, state, decision, runs, Some(CRASH_CAUSE.to_owned()));
+                let cause = matches!(
+                    decision,
+                    Decision::Divert { .. } | Decision::DeadLetter { .. }
+                )
+                .then(|| CRASH_CAUSE.to_owned());
+                self.execute(now, id, lane, state, decision, runs, cause);
             }
         }
         id
+    }
+
+    /// Remembers that the suspect with jitter seed `identity` (its
+    /// [`DeliveryFacts::identity`]) went back to the isolation queue without crashing its
+    /// consumer: its connection dropped while it ran, and the process saw the drop. Its next
+    /// redelivery from the isolation queue is then not counted as a crash. The engine does
+    /// this itself for suspects it requeues; the last 1,024 identities are kept.
+    pub fn excuse(&mut self, identity: u64) {
+        if self.excused.len() == EXCUSED_CAPACITY {
+            self.excused.pop_front();
+        }
+        self.excused.push_back(identity);
+    }
+
+    fn take_excuse(&mut self, identity: u64) -> bool {
+        match self.excused.iter().position(|i| *i == identity) {
+            Some(at) => {
+                self.excused.remove(at);
+                true
+            }
+            None => false,
+        }
     }
 
     /// The handler's outcome for a delivery the engine asked to run.
@@ -321,10 +395,11 @@ impl Engine {
         id: DeliveryId,
         outcome: Outcome,
     ) -> Result<(), EngineError> {
-        let (mut state, phase) = self.get(id)?;
-        if !matches!(phase, Phase::Running) {
+        let live = self.get(id)?;
+        if !matches!(live.phase, Phase::Running) {
             return Err(EngineError::UnexpectedOutcome(id));
         }
+        let (mut state, lane) = (live.state, live.lane);
         let decision = decide(&self.policy, &state, &outcome, now);
         if outcome != Outcome::Success && state.first_failure.is_none() {
             state.first_failure = Some(now);
@@ -332,6 +407,7 @@ impl Engine {
         self.execute(
             now,
             id,
+            lane,
             state,
             decision,
             state.attempt,
@@ -341,26 +417,46 @@ impl Engine {
     }
 
     /// The broker's answer to the publish the engine asked for. Only a positive confirm lets
-    /// the original be acknowledged; anything else requeues it.
+    /// the original be acknowledged. Anything else publishes the clone again after the
+    /// policy's publish-retry wait; once those retries are spent, the original is requeued.
     pub fn handle_confirm(
         &mut self,
-        _now: Timestamp,
+        now: Timestamp,
         id: DeliveryId,
         confirm: Confirm,
     ) -> Result<(), EngineError> {
-        let (_, phase) = self.get(id)?;
-        let Phase::Confirming { terminal } = phase else {
+        let retries = self.policy.publish_retries();
+        let policy = &self.policy;
+        let live = Self::live_mut(&mut self.slots, id)?;
+        let Phase::Confirming { terminal } = live.phase else {
             return Err(EngineError::UnexpectedConfirm(id));
         };
-        let (settlement, terminal) = match confirm {
-            Confirm::Ack => (Settlement::Ack, terminal),
-            other => (Settlement::Requeue, Terminal::Requeued { cause: other }),
-        };
-        self.settle(id, settlement, terminal);
+        if confirm != Confirm::Ack && live.publish_retries < retries {
+            live.publish_retries += 1;
+            live.phase = Phase::Republishing { terminal };
+            let wait = policy.publish_retry_wait(live.publish_retries);
+            self.timers.push((now + wait, id));
+            return Ok(());
+        }
+        let (lane, identity) = (live.lane, live.state.identity);
+        if confirm == Confirm::Ack {
+            self.settle(id, Settlement::Ack, terminal);
+            return Ok(());
+        }
+        if lane == Lane::Isolation {
+            // Requeued, it comes back redelivered from the isolation queue: not a crash.
+            self.excuse(identity);
+        }
+        self.settle(
+            id,
+            Settlement::Requeue,
+            Terminal::Requeued { cause: confirm },
+        );
         Ok(())
     }
 
-    /// Fires the in-process waits that are due at `now`.
+    /// Fires the in-process waits (immediate retries, publish retries) that are due at
+    /// `now`. Safe to call at any time; nothing happens before a wait is due.
     pub fn handle_timeout(&mut self, now: Timestamp) {
         let mut i = 0;
         while i < self.timers.len() {
@@ -370,13 +466,31 @@ impl Engine {
                 continue;
             }
             self.timers.swap_remove(i);
-            if let Ok((state, Phase::Waiting)) = self.get(id) {
-                self.handle_waiting(id, state);
-            }
+            let Ok(live) = self.get_mut(id) else { continue };
+            let action = match live.phase {
+                Phase::Waiting => {
+                    live.phase = Phase::Running;
+                    Action::RunHandler {
+                        delivery: id,
+                        attempt: live.state.attempt,
+                    }
+                }
+                Phase::Republishing { terminal } => {
+                    live.phase = Phase::Confirming { terminal };
+                    Action::Publish {
+                        delivery: id,
+                        publish: live.publish.clone().expect("a republished clone is kept"),
+                    }
+                }
+                Phase::Running | Phase::Confirming { .. } => continue,
+            };
+            self.actions.push_back(action);
         }
     }
 
-    /// The next action, after firing the waits that are due at `now`.
+    /// The next action, after firing the waits that are due at `now`. Call it after every
+    /// `handle_*` call and whenever [`poll_timeout`](Self::poll_timeout)'s wait has passed,
+    /// until it returns `None`.
     pub fn poll_action(&mut self, now: Timestamp) -> Option<Action> {
         if !self.timers.is_empty() {
             self.handle_timeout(now);
@@ -406,20 +520,23 @@ impl Engine {
         true
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn execute(
         &mut self,
         now: Timestamp,
         id: DeliveryId,
+        lane: Lane,
         mut state: AttemptState,
         decision: Decision,
         runs: u32,
         last_error: Option<String>,
     ) {
-        let headers = |reason, delay| EngineHeaders {
+        // A failure or a crash is dated now; an isolated suspect keeps its dates.
+        let failed = |reason, delay| EngineHeaders {
             attempts: runs,
             crashes: state.crashes,
-            first_failure: state.first_failure.unwrap_or(now),
-            last_failure: now,
+            first_failure: Some(state.first_failure.unwrap_or(now)),
+            last_failure: Some(now),
             last_error: last_error.clone(),
             reason,
             delay,
@@ -436,12 +553,15 @@ impl Engine {
             }
             Decision::RetryInProcess { wait } => {
                 state.attempt = state.attempt.saturating_add(1);
-                let until = now + wait;
-                self.set(id, state, Phase::Waiting);
                 if wait.is_zero() {
-                    self.handle_waiting(id, state);
+                    self.set(id, Live::new(state, Phase::Running, lane));
+                    self.actions.push_back(Action::RunHandler {
+                        delivery: id,
+                        attempt: state.attempt,
+                    });
                 } else {
-                    self.timers.push((until, id));
+                    self.set(id, Live::new(state, Phase::Waiting, lane));
+                    self.timers.push((now + wait, id));
                 }
                 return;
             }
@@ -451,42 +571,56 @@ impl Engine {
                     attempts: runs,
                     delay,
                 };
-                (route, expiration, headers(None, Some(delay)), terminal)
+                (route, expiration, failed(None, Some(delay)), terminal)
+            }
+            Decision::Isolate => {
+                let headers = EngineHeaders {
+                    attempts: runs,
+                    crashes: state.crashes,
+                    first_failure: None,
+                    last_failure: None,
+                    last_error: None,
+                    reason: None,
+                    delay: None,
+                };
+                let route = self.plan.isolation_route().clone();
+                (route, None, headers, Terminal::Isolated)
             }
             Decision::Divert { delay } => {
-                let (route, expiration) = self.delay_route(delay);
+                let route = match self.plan.crash_route() {
+                    Some((level, route)) if level == delay => route.clone(),
+                    _ => self.plan.isolation_route().clone(),
+                };
                 let terminal = Terminal::Diverted {
                     crashes: state.crashes,
                     delay,
                 };
-                (route, expiration, headers(None, Some(delay)), terminal)
+                let delay = (!delay.is_zero()).then_some(delay);
+                (route, None, failed(None, delay), terminal)
             }
             Decision::DeadLetter { reason } => {
                 let route = self.plan.parking_route().clone();
                 (
                     route,
                     None,
-                    headers(Some(reason), None),
+                    failed(Some(reason), None),
                     Terminal::DeadLettered { reason },
                 )
             }
         };
-        self.set(id, state, Phase::Confirming { terminal });
+        let publish = Publish {
+            route,
+            expiration,
+            headers,
+        };
+        let mut live = Live::new(state, Phase::Confirming { terminal }, lane);
+        if self.policy.publish_retries() > 0 {
+            live.publish = Some(publish.clone());
+        }
+        self.set(id, live);
         self.actions.push_back(Action::Publish {
             delivery: id,
-            publish: Publish {
-                route,
-                expiration,
-                headers,
-            },
-        });
-    }
-
-    fn handle_waiting(&mut self, id: DeliveryId, state: AttemptState) {
-        self.set(id, state, Phase::Running);
-        self.actions.push_back(Action::RunHandler {
-            delivery: id,
-            attempt: state.attempt,
+            publish,
         });
     }
 
@@ -535,16 +669,40 @@ impl Engine {
         self.in_flight -= 1;
     }
 
-    fn set(&mut self, id: DeliveryId, state: AttemptState, phase: Phase) {
-        self.slots[id.index()].live = Some((state, phase));
+    fn set(&mut self, id: DeliveryId, live: Live) {
+        self.slots[id.index()].live = Some(live);
     }
 
-    fn get(&self, id: DeliveryId) -> Result<(AttemptState, Phase), EngineError> {
+    fn get(&self, id: DeliveryId) -> Result<&Live, EngineError> {
         self.slots
             .get(id.index())
             .filter(|s| s.generation == id.generation())
-            .and_then(|s| s.live)
+            .and_then(|s| s.live.as_ref())
             .ok_or(EngineError::UnknownDelivery(id))
+    }
+
+    fn get_mut(&mut self, id: DeliveryId) -> Result<&mut Live, EngineError> {
+        Self::live_mut(&mut self.slots, id)
+    }
+
+    fn live_mut(slots: &mut [Slot], id: DeliveryId) -> Result<&mut Live, EngineError> {
+        slots
+            .get_mut(id.index())
+            .filter(|s| s.generation == id.generation())
+            .and_then(|s| s.live.as_mut())
+            .ok_or(EngineError::UnknownDelivery(id))
+    }
+}
+
+impl Live {
+    fn new(state: AttemptState, phase: Phase, lane: Lane) -> Self {
+        Live {
+            state,
+            phase,
+            lane,
+            publish: None,
+            publish_retries: 0,
+        }
     }
 }
 

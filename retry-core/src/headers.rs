@@ -12,7 +12,7 @@ use crate::time::{Timestamp, duration_millis};
 
 /// Failed runs so far (integer).
 pub const ATTEMPTS: &str = "x-retry-attempts";
-/// Crashes (redelivered deliveries) so far (integer).
+/// Crashes so far: solo runs of the message that took their consumer down (integer).
 pub const CRASHES: &str = "x-retry-crashes";
 /// First failure, milliseconds since the Unix epoch (integer).
 pub const FIRST_FAILURE: &str = "x-retry-first-failure";
@@ -187,10 +187,10 @@ pub struct EngineHeaders {
     pub attempts: u32,
     /// Crashes so far.
     pub crashes: u32,
-    /// First failure (or crash).
-    pub first_failure: Timestamp,
-    /// Latest failure (or crash).
-    pub last_failure: Timestamp,
+    /// First failure (or crash); `None` keeps the one already on the message, if any.
+    pub first_failure: Option<Timestamp>,
+    /// Latest failure (or crash); `None` keeps the one already on the message, if any.
+    pub last_failure: Option<Timestamp>,
     /// The latest cause, already cut to [`MAX_ERROR_LEN`]; `None` keeps the one already
     /// on the message.
     pub last_error: Option<String>,
@@ -205,8 +205,12 @@ impl EngineHeaders {
     pub fn write_into(&self, headers: &mut Headers) {
         headers.insert(ATTEMPTS, i64::from(self.attempts));
         headers.insert(CRASHES, i64::from(self.crashes));
-        headers.insert(FIRST_FAILURE, millis_value(self.first_failure.as_millis()));
-        headers.insert(LAST_FAILURE, millis_value(self.last_failure.as_millis()));
+        if let Some(t) = self.first_failure {
+            headers.insert(FIRST_FAILURE, millis_value(t.as_millis()));
+        }
+        if let Some(t) = self.last_failure {
+            headers.insert(LAST_FAILURE, millis_value(t.as_millis()));
+        }
         if let Some(e) = &self.last_error {
             headers.insert(LAST_ERROR, e.as_str());
         }
@@ -235,7 +239,7 @@ fn millis_value(ms: u64) -> HeaderValue {
 /// let original: Headers = [("x-death", "…"), ("tenant", "acme")].into_iter().collect();
 /// let update = EngineHeaders {
 ///     attempts: 1, crashes: 0,
-///     first_failure: Timestamp::from_millis(5), last_failure: Timestamp::from_millis(5),
+///     first_failure: Some(Timestamp::from_millis(5)), last_failure: Some(Timestamp::from_millis(5)),
 ///     last_error: Some("timeout".into()), reason: None, delay: None,
 /// };
 /// let origin = Origin { queue: "comments", exchange: "", routing_key: "comments" };

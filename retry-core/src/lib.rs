@@ -24,17 +24,19 @@
 //!
 //! ## The async edge
 //!
-//! * [`Transport`]: what a broker binding implements: receive deliveries with their facts,
-//!   publish with confirmation ([`PublishResult`]), settle, provision a plan, and say what it
-//!   can do ([`Capabilities`]). Time comes from the transport too, so a simulated broker can
-//!   run the same code on a virtual clock.
+//! * [`Transport`]: what a broker binding implements: subscribe to a queue ([`Subscription`],
+//!   each with its own channel or link, prefetch and acknowledgement batching), fetch one
+//!   message at a time, publish with confirmation ([`PublishResult`]), settle, provision a
+//!   plan, and say what it can do ([`Capabilities`]). Time comes from the transport too, so a
+//!   simulated broker can run the same code on a virtual clock.
 //! * [`Handler`]: the user's code; plain `async fn(Message) -> Result<(), HandlerError>`
 //!   functions and closures are handlers.
 //! * [`Consumer`]: the driver. It runs up to `prefetch` handlers at once inside one future
 //!   (it spawns nothing and depends on no runtime), feeds the engine and carries out its
-//!   actions in order, treats panics and timeouts as transient failures, and shuts down
-//!   gracefully, leaving unfinished deliveries to the broker. Settings that could hold a
-//!   delivery past the broker's `consumer_timeout` are refused when it is built.
+//!   actions in order, treats panics and timeouts as transient failures, runs suspects alone
+//!   (see below), and shuts down gracefully, sending every acknowledgement it owes and
+//!   leaving unfinished deliveries to the broker. Settings that could hold a delivery past
+//!   the broker's `consumer_timeout` are refused when it is built.
 //!
 //! ## The run loop
 //!
@@ -53,7 +55,7 @@
 //! // Receive: decode the facts, hand the delivery in.
 //! let headers = Headers::new();
 //! let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), message_identity(None, b"hi"));
-//! engine.handle_delivery(now, facts);
+//! engine.handle_delivery(now, Lane::Work, facts);
 //!
 //! // Drain actions and carry them out, feeding results back, until the engine is idle.
 //! while let Some(action) = engine.poll_action(now) {
@@ -106,14 +108,47 @@
 //! and the redelivered flag or AMQP 1.0 `first-acquirer`. Clones drop the broker-owned
 //! headers listed in [`headers::BROKER_OWNED`].
 //!
-//! ## Crashes
+//! ## Crash attribution
 //!
-//! A delivery that arrives redelivered, or with a broker delivery count, was held by a
-//! consumer that went away without settling it. With prefetch above one that is only a hint,
-//! so such a delivery is never dropped: by default ([`CrashAction::Divert`]) it is counted as
-//! a crash and sent through one delay without running the handler, so a message that kills
-//! its consumer cannot do so in a tight loop. Past the crash limit it is parked with reason
-//! `crash-loop`. Crashes are counted apart from failed attempts.
+//! The redelivered flag (or a broker delivery count) says a consumer went away holding a
+//! delivery. It does not say which delivery killed it: with prefetch 20, one poison message
+//! takes 19 bystanders down with it, and a dropped connection or a requeue looks the same.
+//! So a redelivered delivery is never blamed on sight:
+//!
+//! 1. A delivery that arrives redelivered from the work queue is a **suspect**. It is cloned,
+//!    with a confirm, into the plan's isolation queue (`Q.suspect`) and the original is
+//!    acknowledged ([`Terminal::Isolated`]). No crash is counted and its handler does not run.
+//! 2. Suspects **run alone**. When the isolation queue has messages, the consumer stops
+//!    starting work-queue handlers, lets the running ones finish and settle, sends its
+//!    batched acknowledgements, then fetches exactly one suspect and runs it with nothing
+//!    else running; it settles it and fetches the next, until the queue is empty or the
+//!    [solo limit](ConsumerBuilder::solo_limit) is reached, and the work lane resumes.
+//! 3. Only a suspect that comes back **redelivered from the isolation queue** counts a crash:
+//!    it was the only thing running when its consumer died. It goes through the crash delay
+//!    back to the isolation queue ([`Terminal::Diverted`]), and past the crash limit it is
+//!    parked with reason `crash-loop`. A suspect whose connection dropped while it ran, in a
+//!    process that saw the drop, or that was requeued after its clone could not be
+//!    published, is excused by that process ([`Engine::excuse`]).
+//! 4. A suspect that succeeds is handled; one that fails takes the normal retry path, back
+//!    to the work queue through its delay queues.
+//!
+//! The path of a poison message that kills every consumer running it, with a crash limit
+//! of 2:
+//!
+//! ```text
+//!  Q ──run with 19 others: the process dies──▶ Q (redelivered, as are the 19)
+//!  Q ──suspect: isolated, 0 crashes──────────▶ Q.suspect
+//!  Q.suspect ──runs alone: the process dies──▶ Q.suspect (redelivered)
+//!  Q.suspect ──crash 1──▶ Q.crash.<delay> ──TTL──▶ Q.suspect ──runs alone: dies──▶ …
+//!  Q.suspect ──crash 2──▶ Q.crash.<delay> ──TTL──▶ Q.suspect ──runs alone: dies──▶ …
+//!  Q.suspect ──crash 3 > limit──▶ Q.parking (reason crash-loop, crashes 3)
+//! ```
+//!
+//! The 19 bystanders each cost one solo run and are handled; none of them is ever blamed.
+//! Work deliveries prefetched but not started during a solo run that crashes come back
+//! redelivered too, and become suspects in turn. On quorum queues the broker's
+//! `x-delivery-limit` stays a backstop: the broker parks a message returned that often,
+//! whatever the engine decided.
 //!
 //! ## Features
 //!
@@ -141,7 +176,9 @@ mod transport;
 
 pub use backoff::Backoff;
 pub use consumer::{Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport};
-pub use decision::{Admission, AttemptState, DeadLetterReason, Decision, Outcome, admit, decide};
+pub use decision::{
+    Admission, AttemptState, DeadLetterReason, Decision, Lane, Outcome, admit, decide,
+};
 pub use engine::{Action, Confirm, DeliveryId, Engine, EngineError, Publish, Settlement, Terminal};
 pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedRecord};
 pub use handler::{FailureKind, Handler, HandlerError};
@@ -156,7 +193,7 @@ pub use topology::{
     BindingSpec, DelayStrategy, ExchangeKind, ExchangeSpec, MAX_NAME_LEN, Overflow, QueueArguments,
     QueueRole, QueueSpec, QueueType, Route, TopologyBuilder, TopologyError, TopologyPlan,
 };
-pub use transport::{Capabilities, PublishResult, Transport, TransportError};
+pub use transport::{Capabilities, PublishResult, Subscription, Transport, TransportError};
 
 // The README's Rust examples are compiled and run with the doc tests.
 #[cfg(doctest)]

@@ -10,18 +10,22 @@ use crate::time::duration_millis;
 /// milliseconds (about 49.7 days).
 pub const MAX_TTL: Duration = Duration::from_millis(u32::MAX as u64);
 
-/// What a redelivered delivery (a consumer died holding it) does.
+/// What a suspect that crashed its consumer does next.
+///
+/// Only a suspect that ran alone and came back redelivered from the isolation queue counts a
+/// crash (see the crate docs, "Crash attribution"). Either way the crash is counted on the
+/// message, and past the crash limit it is parked with reason `crash-loop`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "kebab-case"))]
 pub enum CrashAction {
-    /// Count a crash and send the message through one delay without running the handler, so a
-    /// message that kills its consumer cannot kill it in a tight loop (the default).
+    /// Wait the crash delay (a TTL queue that expires back into the isolation queue) before
+    /// the next solo run, so a message that kills its consumer cannot do so in a tight loop
+    /// (the default).
     #[default]
     Divert,
-    /// Count a crash and run the handler again. The message is the same one the broker
-    /// redelivered, so crashes can only be counted by the broker: this needs quorum queues
-    /// (`x-delivery-count`), and [`Engine::new`](crate::Engine::new) refuses it otherwise.
+    /// Go straight back into the isolation queue and run alone again as soon as a consumer
+    /// takes it.
     RunHandler,
 }
 
@@ -74,6 +78,7 @@ pub enum Retry {
 /// | `on_crash` | [`CrashAction::Divert`] |
 /// | `crash_delay` | the first delayed retry's base delay, or 1 s if there is none |
 /// | `on_exhausted` | [`Exhausted::DeadLetter`] |
+/// | `publish_retries` | 3, waiting 100 ms, 200 ms, 400 ms: a clone the broker refused is published again that often before its original is requeued |
 ///
 /// The two classic configurations, one expression each:
 ///
@@ -107,6 +112,8 @@ pub struct RetryPolicy {
     on_crash: CrashAction,
     crash_delay: Duration,
     on_exhausted: Exhausted,
+    publish_retries: u32,
+    publish_retry_wait: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -187,7 +194,8 @@ impl RetryPolicy {
         self.on_crash
     }
 
-    /// The delay a crash-diverted message goes through.
+    /// The delay a crashed suspect waits before its next solo run, with
+    /// [`CrashAction::Divert`].
     pub fn crash_delay(&self) -> Duration {
         self.crash_delay
     }
@@ -195,6 +203,38 @@ impl RetryPolicy {
     /// What happens when attempts or elapsed time run out.
     pub fn on_exhausted(&self) -> Exhausted {
         self.on_exhausted
+    }
+
+    /// How many times a clone the broker did not confirm (refused, returned, failed or
+    /// timed out) is published again before the original is requeued.
+    pub fn publish_retries(&self) -> u32 {
+        self.publish_retries
+    }
+
+    /// The wait before publish retry `n` (1-based): the first wait, doubled per retry.
+    ///
+    /// ```
+    /// use retry_core::RetryPolicy;
+    /// use std::time::Duration;
+    ///
+    /// let p = RetryPolicy::default();
+    /// let waits: Vec<_> = (1..=p.publish_retries()).map(|n| p.publish_retry_wait(n)).collect();
+    /// assert_eq!(waits, [100, 200, 400].map(Duration::from_millis));
+    /// ```
+    pub fn publish_retry_wait(&self, n: u32) -> Duration {
+        let doublings = n.saturating_sub(1).min(31);
+        self.publish_retry_wait
+            .checked_mul(1 << doublings)
+            .unwrap_or(MAX_TTL)
+            .min(MAX_TTL)
+    }
+
+    /// The longest a delivery can wait in-process for its clone's publish retries, confirm
+    /// times aside: the sum of every retry's wait.
+    pub fn publish_retry_budget(&self) -> Duration {
+        (1..=self.publish_retries)
+            .map(|n| self.publish_retry_wait(n))
+            .fold(Duration::ZERO, Duration::saturating_add)
     }
 
     /// The base (unjittered) delays of the delayed retries, in order.
@@ -214,17 +254,22 @@ impl RetryPolicy {
         Some((min, max))
     }
 
-    /// The distinct delays a broker must be able to hold for this policy, ascending: every
-    /// base delay of the delayed retries, plus the crash delay when crashes are diverted.
-    /// One TTL queue per entry is the per-delay topology.
+    /// The distinct delays of the delayed retries, ascending: the delays a broker must be
+    /// able to hold on the way back to the work queue. One TTL queue per entry is the
+    /// per-delay topology. (The crash delay leads back to the isolation queue instead, and
+    /// has a queue of its own: see [`TopologyPlan`](crate::TopologyPlan).)
     pub fn delay_levels(&self) -> Vec<Duration> {
         let mut levels: Vec<Duration> = self.base_delays().collect();
-        if self.on_crash == CrashAction::Divert {
-            levels.push(self.crash_delay);
-        }
         levels.sort_unstable();
         levels.dedup();
         levels
+    }
+
+    /// The delay a crashed suspect goes through, or `None` when it goes straight back to the
+    /// isolation queue ([`CrashAction::RunHandler`], or a zero crash delay).
+    pub fn crash_delay_level(&self) -> Option<Duration> {
+        (self.on_crash == CrashAction::Divert && !self.crash_delay.is_zero())
+            .then_some(self.crash_delay)
     }
 
     /// The retry that follows a failed run number `attempt` (1-based), for the message whose
@@ -343,6 +388,13 @@ pub enum PolicyError {
     /// `max_elapsed` was zero.
     #[error("max_elapsed must be greater than zero")]
     ZeroMaxElapsed,
+    /// `publish_retry_wait` was zero while publish retries are on: a broker that refuses
+    /// would be asked again in a hot loop.
+    #[error("publish_retry_wait must be greater than zero when publish_retries is {retries}")]
+    ZeroPublishRetryWait {
+        /// The retries asked for.
+        retries: u32,
+    },
 }
 
 impl PolicyError {
@@ -362,6 +414,7 @@ impl PolicyError {
             PolicyError::EmptyDelayList => "backoff.delays",
             PolicyError::DelayTooLong { field, .. } => field,
             PolicyError::ZeroMaxElapsed => "max_elapsed",
+            PolicyError::ZeroPublishRetryWait { .. } => "publish_retry_wait",
         }
     }
 }
@@ -397,6 +450,8 @@ pub struct RetryPolicyBuilder {
     on_crash: CrashAction,
     crash_delay: Option<Duration>,
     on_exhausted: Exhausted,
+    publish_retries: u32,
+    publish_retry_wait: Duration,
 }
 
 impl Default for RetryPolicyBuilder {
@@ -416,6 +471,8 @@ impl Default for RetryPolicyBuilder {
             on_crash: CrashAction::Divert,
             crash_delay: None,
             on_exhausted: Exhausted::DeadLetter,
+            publish_retries: 3,
+            publish_retry_wait: Duration::from_millis(100),
         }
     }
 }
@@ -459,13 +516,22 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// What a redelivered delivery does.
+    /// What a suspect that crashed its consumer does next.
     pub fn with_on_crash(mut self, action: CrashAction) -> Self {
         self.on_crash = action;
         self
     }
 
-    /// The delay a crash-diverted message goes through.
+    /// Publish a clone the broker did not confirm again up to `n` times, waiting `first_wait`
+    /// before the first retry and twice as long before each next one, before requeueing the
+    /// original. `n = 0` requeues at once.
+    pub fn with_publish_retries(mut self, n: u32, first_wait: Duration) -> Self {
+        self.publish_retries = n;
+        self.publish_retry_wait = first_wait;
+        self
+    }
+
+    /// The delay a crashed suspect waits before its next solo run.
     pub fn with_crash_delay(mut self, delay: Duration) -> Self {
         self.crash_delay = Some(delay);
         self
@@ -495,6 +561,12 @@ impl RetryPolicyBuilder {
             return Err(PolicyError::ZeroMaxElapsed);
         }
         check_ttl("immediate_wait", self.immediate_wait)?;
+        check_ttl("publish_retry_wait", self.publish_retry_wait)?;
+        if self.publish_retries > 0 && self.publish_retry_wait.is_zero() {
+            return Err(PolicyError::ZeroPublishRetryWait {
+                retries: self.publish_retries,
+            });
+        }
         let mut policy = RetryPolicy {
             max_attempts,
             backoff: self.backoff,
@@ -506,6 +578,8 @@ impl RetryPolicyBuilder {
             on_crash: self.on_crash,
             crash_delay: Duration::ZERO,
             on_exhausted: self.on_exhausted,
+            publish_retries: self.publish_retries,
+            publish_retry_wait: self.publish_retry_wait,
         };
         policy.crash_delay = match self.crash_delay {
             Some(d) => {

@@ -8,12 +8,15 @@
 //! | work queue | `Q` | dead-letters to `Q.dead-letter` with routing key `Q` |
 //! | retry exchange | `Q.retry` | direct |
 //! | delay queue, one per delay level | `Q.retry.<delay>`, e.g. `Q.retry.30s`, `Q.retry.1m30s` | `x-message-ttl` = the delay; dead-letters to the default exchange with routing key `Q` |
+//! | isolation queue | `Q.suspect` | dead-letters to `Q.dead-letter` with routing key `Q`; suspects wait here to run alone |
+//! | crash-delay queue (with [`CrashAction::Divert`](crate::CrashAction::Divert)) | `Q.crash.<delay>` | `x-message-ttl` = the crash delay; dead-letters to the default exchange with routing key `Q.suspect` |
 //! | dead-letter exchange | `Q.dead-letter` | direct |
 //! | parking queue | `Q.parking` | none; bound to `Q.dead-letter` with key `Q` |
 //!
-//! Each delay queue is bound to `Q.retry` with its own name as routing key. Delays are
-//! written by [`format_delay`](crate::format_delay). With [`QueueType::Quorum`], every queue
-//! is a quorum queue and the queues that dead-letter use at-least-once dead-lettering (which
+//! Each delay queue, the crash-delay queue and the isolation queue are bound to `Q.retry`
+//! with their own names as routing keys. Delays are written by
+//! [`format_delay`](crate::format_delay). With [`QueueType::Quorum`], every queue is a
+//! quorum queue and the queues that dead-letter use at-least-once dead-lettering (which
 //! RabbitMQ requires to be paired with `x-overflow: reject-publish`).
 
 use std::sync::Arc;
@@ -87,6 +90,15 @@ pub enum QueueRole {
     Work,
     /// A delay queue nobody consumes; messages expire back to the work queue.
     Delay {
+        /// Its TTL.
+        ttl: Duration,
+    },
+    /// Where suspects (deliveries that came back redelivered) wait to run one at a time,
+    /// with nothing else running. Consumers take from it one message at a time, never by
+    /// subscription.
+    Isolation,
+    /// The delay a crashed suspect waits; messages expire back to the isolation queue.
+    CrashDelay {
         /// Its TTL.
         ttl: Duration,
     },
@@ -256,6 +268,9 @@ pub struct TopologyPlan {
     queues: Vec<QueueSpec>,
     bindings: Vec<BindingSpec>,
     delay_routes: Vec<(Duration, Route)>,
+    isolation_queue: String,
+    isolation_route: Route,
+    crash_route: Option<(Duration, Route)>,
     parking_route: Route,
     parking_queue: String,
 }
@@ -310,6 +325,36 @@ impl TopologyPlan {
     /// The delay levels, ascending, each with its route.
     pub fn delay_routes(&self) -> &[(Duration, Route)] {
         &self.delay_routes
+    }
+
+    /// The isolation queue: where suspects wait to run alone.
+    pub fn isolation_queue(&self) -> &str {
+        &self.isolation_queue
+    }
+
+    /// The route into the isolation queue.
+    pub fn isolation_route(&self) -> &Route {
+        &self.isolation_route
+    }
+
+    /// The crash delay and the route into its queue, which expires back into the isolation
+    /// queue; `None` when crashed suspects go straight back to the isolation queue.
+    pub fn crash_route(&self) -> Option<(Duration, &Route)> {
+        self.crash_route.as_ref().map(|(d, r)| (*d, r))
+    }
+
+    /// Every route that leads into a TTL queue, with the queue it expires into: the delay
+    /// levels into the work queue, and the crash delay into the isolation queue. A transport
+    /// with native scheduled delivery sends these straight to the destination instead.
+    pub fn delayed_destinations(&self) -> impl Iterator<Item = (Duration, &Route, &str)> {
+        self.delay_routes
+            .iter()
+            .map(|(d, r)| (*d, r, self.work_queue.as_str()))
+            .chain(
+                self.crash_route
+                    .iter()
+                    .map(|(d, r)| (*d, r, self.isolation_queue.as_str())),
+            )
     }
 
     /// The route for a delay, and the per-message expiration to set when the delay is shorter
@@ -385,6 +430,7 @@ impl TopologyBuilder<'_> {
         let retry_exchange = format!("{q}.retry");
         let dead_letter_exchange = format!("{q}.dead-letter");
         let parking_queue = format!("{q}.parking");
+        let isolation_queue = format!("{q}.suspect");
 
         let args = |ttl: Option<Duration>, dlx: Option<&str>| QueueArguments {
             queue_type: self.queue_type,
@@ -396,6 +442,8 @@ impl TopologyBuilder<'_> {
             delivery_limit: None,
         };
 
+        // A redelivered work delivery, or one rejected past a quorum delivery limit, is
+        // parked by the broker through the dead-letter exchange: the same for suspects.
         let mut work_args = args(None, Some(&dead_letter_exchange));
         if quorum {
             work_args.delivery_limit = self.delivery_limit;
@@ -404,32 +452,54 @@ impl TopologyBuilder<'_> {
             name: q.to_owned(),
             role: QueueRole::Work,
             durable: true,
-            arguments: work_args,
+            arguments: work_args.clone(),
         }];
         let mut bindings = Vec::new();
-        let mut delay_routes = Vec::new();
         let retry_exchange_arc: Arc<str> = Arc::from(retry_exchange.as_str());
+        // Every queue the engine publishes into hangs off the retry exchange by its name.
+        let mut routed_queue = |queues: &mut Vec<QueueSpec>, spec: QueueSpec| {
+            bindings.push(BindingSpec {
+                exchange: retry_exchange.clone(),
+                queue: spec.name.clone(),
+                routing_key: spec.name.clone(),
+            });
+            let route = Route {
+                exchange: retry_exchange_arc.clone(),
+                routing_key: Arc::from(spec.name.as_str()),
+            };
+            queues.push(spec);
+            route
+        };
+        let mut delay_routes = Vec::new();
         for ttl in self.policy.delay_levels() {
-            let name = format!("{q}.retry.{}", format_delay(ttl));
-            queues.push(QueueSpec {
-                name: name.clone(),
+            let spec = QueueSpec {
+                name: format!("{q}.retry.{}", format_delay(ttl)),
                 role: QueueRole::Delay { ttl },
                 durable: true,
                 arguments: args(Some(ttl), Some("")),
-            });
-            bindings.push(BindingSpec {
-                exchange: retry_exchange.clone(),
-                queue: name.clone(),
-                routing_key: name.clone(),
-            });
-            delay_routes.push((
-                ttl,
-                Route {
-                    exchange: retry_exchange_arc.clone(),
-                    routing_key: Arc::from(name),
-                },
-            ));
+            };
+            delay_routes.push((ttl, routed_queue(&mut queues, spec)));
         }
+        let isolation_route = routed_queue(
+            &mut queues,
+            QueueSpec {
+                name: isolation_queue.clone(),
+                role: QueueRole::Isolation,
+                durable: true,
+                arguments: work_args,
+            },
+        );
+        let crash_route = self.policy.crash_delay_level().map(|ttl| {
+            let mut arguments = args(Some(ttl), Some(""));
+            arguments.dead_letter_routing_key = Some(isolation_queue.clone());
+            let spec = QueueSpec {
+                name: format!("{q}.crash.{}", format_delay(ttl)),
+                role: QueueRole::CrashDelay { ttl },
+                durable: true,
+                arguments,
+            };
+            (ttl, routed_queue(&mut queues, spec))
+        });
         queues.push(QueueSpec {
             name: parking_queue.clone(),
             role: QueueRole::Parking,
@@ -473,6 +543,9 @@ impl TopologyBuilder<'_> {
             queues,
             bindings,
             delay_routes,
+            isolation_queue,
+            isolation_route,
+            crash_route,
             parking_route: Route {
                 exchange: Arc::from(dead_letter_exchange),
                 routing_key: Arc::from(q),

@@ -99,13 +99,23 @@ pub enum TransportError {
 /// A broker binding the driver runs on. Implementations keep the engine's rules: a publish
 /// resolves only when the broker has answered, and settling is done only when asked.
 ///
+/// A consumer has two intakes. The work queue is read through a [`Subscription`] made by
+/// [`consume`](Self::consume), with up to `prefetch` deliveries held at once. The isolation
+/// queue is read one message at a time with [`fetch`](Self::fetch), only while nothing else
+/// runs, so that a delivery fetched from it is the only thing its consumer is doing (see the
+/// crate docs, "Crash attribution").
+///
 /// Time comes from the transport too, so a simulated broker can run on virtual time:
 /// [`now`](Self::now) and [`sleep`](Self::sleep) default to the system clock and
 /// `futures-timer`.
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
-    /// The handle that settles one delivery.
+    /// The handle that settles one delivery. It names the subscription (or fetch) the
+    /// delivery came from, so [`settle`](Self::settle) reaches the right channel or link.
     type Tag: Clone + Send + Sync + std::fmt::Debug + 'static;
+
+    /// A running subscription to one queue.
+    type Subscription: Subscription<Tag = Self::Tag>;
 
     /// What this transport can do.
     fn capabilities(&self) -> Capabilities;
@@ -113,20 +123,36 @@ pub trait Transport: Send + Sync + 'static {
     /// Declares (or verifies) everything in `plan`; idempotent.
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError>;
 
-    /// Starts consuming `queue` with at most `prefetch` unsettled deliveries.
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError>;
+    /// Starts consuming `queue` with at most `prefetch` unsettled deliveries. Each call makes
+    /// a new subscription with a channel or link, prefetch and acknowledgement batching of
+    /// its own: subscriptions never share or replace each other.
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Self::Subscription, TransportError>;
 
-    /// The next delivery; `Ok(None)` once consuming has stopped for good.
-    async fn recv(&self) -> Result<Option<Delivery<Self::Tag>>, TransportError>;
+    /// Takes at most one message from `queue` (`basic.get`, a credit of one that is then
+    /// drained, a get from the model), or `Ok(None)` when the queue has nothing ready. The
+    /// delivery is unsettled until [`settle`](Self::settle) settles it, at once (never
+    /// batched); if the connection goes away first, the broker puts it back redelivered.
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Self::Tag>>, TransportError>;
+
+    /// Resolves once `queue` may have a message ready, without taking any: at once if it
+    /// has one, otherwise when one arrives. A transport that cannot watch a queue looks at
+    /// it every `poll`; one that cannot even count its messages resolves after `poll`, and
+    /// the driver finds out with a [`fetch`](Self::fetch). Dropping the future stops the
+    /// watch.
+    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError>;
 
     /// Publishes a clone of `original` as `publish` says, and waits for the broker's answer.
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult;
 
-    /// Settles a delivery.
+    /// Settles a delivery of a subscription or of a fetch. A subscription may batch
+    /// acknowledgements, so `Ok` may mean only that the ack is queued: see
+    /// [`Subscription::flush`]. A tag whose connection or link has gone since fails with
+    /// [`TransportError::Connection`]: the broker has that delivery back.
     async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError>;
-
-    /// Stops receiving; unsettled deliveries stay with the broker.
-    async fn cancel(&self) -> Result<(), TransportError>;
 
     /// The current time.
     fn now(&self) -> Timestamp {
@@ -139,11 +165,36 @@ pub trait Transport: Send + Sync + 'static {
     }
 }
 
+/// A running subscription to one queue, made by [`Transport::consume`]. It owns its channel
+/// or link, its prefetch and its acknowledgement batching. Dropping it without
+/// [`cancel`](Self::cancel) leaves its unsettled deliveries with the broker, which returns
+/// them when the transport's connection closes.
+#[async_trait]
+pub trait Subscription: Send + Sync + 'static {
+    /// The handle that settles one delivery; the transport's [`Transport::Tag`].
+    type Tag: Clone + Send + Sync + std::fmt::Debug + 'static;
+
+    /// The next delivery; `Ok(None)` once the subscription has stopped for good (it was
+    /// cancelled, or the broker cancelled it). A lost connection is an error, and the next
+    /// call resumes on the recovered one, if the transport recovers.
+    async fn recv(&self) -> Result<Option<Delivery<Self::Tag>>, TransportError>;
+
+    /// Stops new deliveries. Deliveries already received can still be settled.
+    async fn cancel(&self) -> Result<(), TransportError>;
+
+    /// Sends every settlement settled but not yet sent (batched acknowledgements), and
+    /// returns once they are written. After `flush`, every delivery whose
+    /// [`settle`](Transport::settle) returned `Ok` is settled on the broker, unless the
+    /// connection dropped, which this reports.
+    async fn flush(&self) -> Result<(), TransportError>;
+}
+
 /// A shared transport is a transport, so a consumer can run on one while the caller keeps a
 /// handle to it (to inspect it, or to run several consumers on one connection).
 #[async_trait]
 impl<T: Transport> Transport for std::sync::Arc<T> {
     type Tag = T::Tag;
+    type Subscription = T::Subscription;
 
     fn capabilities(&self) -> Capabilities {
         (**self).capabilities()
@@ -153,12 +204,20 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
         (**self).provision(plan).await
     }
 
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError> {
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Self::Subscription, TransportError> {
         (**self).consume(queue, prefetch).await
     }
 
-    async fn recv(&self) -> Result<Option<Delivery<Self::Tag>>, TransportError> {
-        (**self).recv().await
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Self::Tag>>, TransportError> {
+        (**self).fetch(queue).await
+    }
+
+    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
+        (**self).ready(queue, poll).await
     }
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
@@ -167,10 +226,6 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
 
     async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError> {
         (**self).settle(tag, settlement).await
-    }
-
-    async fn cancel(&self) -> Result<(), TransportError> {
-        (**self).cancel().await
     }
 
     fn now(&self) -> Timestamp {

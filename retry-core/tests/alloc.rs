@@ -27,7 +27,7 @@ fn the_success_path_does_not_allocate() {
     let now = Timestamp::from_millis(1_700_000_010_000);
     let cycle = |engine: &mut Engine| {
         let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), 7);
-        let id = engine.handle_delivery(now, facts);
+        let id = engine.handle_delivery(now, Lane::Work, facts);
         let Some(Action::RunHandler { attempt: 3, .. }) = engine.poll_action(now) else {
             panic!("expected a handler run");
         };

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,9 +16,21 @@ use retry_core::headers;
 use retry_core::{
     BrokerSignals, Capabilities, Confirm, Consumer, ConsumerConfigError, ConsumerError,
     DeadLetterReason, Delivery, DeliveryFacts, HandlerError, HeaderValue, Headers, Message,
-    MessageParts, Publish, PublishResult, RetryPolicy, RunReport, Settlement, Terminal, Timestamp,
-    TopologyPlan, Transport, TransportError, message_identity,
+    MessageParts, Publish, PublishResult, RetryPolicy, RunReport, Settlement, Subscription,
+    Terminal, Timestamp, TopologyPlan, Transport, TransportError, message_identity,
 };
+
+mock! {
+    pub Sub {}
+
+    #[async_trait]
+    impl Subscription for Sub {
+        type Tag = u64;
+        async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError>;
+        async fn cancel(&self) -> Result<(), TransportError>;
+        async fn flush(&self) -> Result<(), TransportError>;
+    }
+}
 
 mock! {
     pub Broker {}
@@ -26,33 +38,38 @@ mock! {
     #[async_trait]
     impl Transport for Broker {
         type Tag = u64;
+        type Subscription = MockSub;
         fn capabilities(&self) -> Capabilities;
         async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError>;
-        async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError>;
-        async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError>;
+        async fn consume(&self, queue: &str, prefetch: u16) -> Result<MockSub, TransportError>;
+        async fn fetch(&self, queue: &str) -> Result<Option<Delivery<u64>>, TransportError>;
+        async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError>;
         async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult;
         async fn settle(&self, tag: &u64, settlement: Settlement) -> Result<(), TransportError>;
-        async fn cancel(&self) -> Result<(), TransportError>;
         fn now(&self) -> Timestamp;
         fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;
     }
 }
 
 const QUEUE: &str = "comments";
+const ISOLATION: &str = "comments.suspect";
 const EPOCH_MS: u64 = 1_700_000_000_000;
 
 fn message(body: &str, headers: Headers) -> Message {
+    message_in(QUEUE, body, headers)
+}
+
+fn message_in(queue: &str, body: &str, headers: Headers) -> Message {
     Message::new(MessageParts {
-        queue: QUEUE.into(),
-        routing_key: QUEUE.into(),
+        queue: queue.into(),
+        routing_key: queue.into(),
         body: body.as_bytes().to_vec(),
         headers,
         ..MessageParts::default()
     })
 }
 
-fn delivery_with(tag: u64, body: &str, headers: Headers, signals: BrokerSignals) -> Delivery<u64> {
-    let message = message(body, headers);
+fn delivery_of(tag: u64, message: Message, signals: BrokerSignals) -> Delivery<u64> {
     let identity = message_identity(None, message.body());
     let facts = DeliveryFacts::decode(message.headers(), signals, identity);
     Delivery {
@@ -62,8 +79,22 @@ fn delivery_with(tag: u64, body: &str, headers: Headers, signals: BrokerSignals)
     }
 }
 
+fn delivery_with(tag: u64, body: &str, headers: Headers, signals: BrokerSignals) -> Delivery<u64> {
+    delivery_of(tag, message(body, headers), signals)
+}
+
 fn delivery(tag: u64, body: &str) -> Delivery<u64> {
     delivery_with(tag, body, Headers::new(), BrokerSignals::default())
+}
+
+const REDELIVERED: BrokerSignals = BrokerSignals {
+    redelivered: true,
+    delivery_count: None,
+};
+
+/// A suspect waiting in the isolation queue.
+fn suspect(tag: u64, body: &str, signals: BrokerSignals) -> Delivery<u64> {
+    delivery_of(tag, message_in(ISOLATION, body, Headers::new()), signals)
 }
 
 fn body(msg: &Message) -> String {
@@ -86,9 +117,21 @@ fn virtual_clock(mock: &mut MockBroker) {
         .returning(|d| Box::pin(tokio::time::sleep(d)));
 }
 
-/// A broker that serves `deliveries`, then reports the end of the stream; provisioning,
-/// consuming and cancelling succeed. Publishes and settlements are left to each test.
-fn broker(deliveries: impl IntoIterator<Item = Delivery<u64>>) -> MockBroker {
+/// A subscription that serves `deliveries`, then reports the end of the stream; cancelling
+/// and flushing succeed.
+fn subscription(deliveries: impl IntoIterator<Item = Delivery<u64>>) -> MockSub {
+    let mut sub = MockSub::new();
+    let inbox = Mutex::new(deliveries.into_iter().collect::<VecDeque<_>>());
+    sub.expect_recv()
+        .returning(move || Ok(inbox.lock().unwrap().pop_front()));
+    sub.expect_cancel().returning(|| Ok(()));
+    sub.expect_flush().returning(|| Ok(()));
+    sub
+}
+
+/// A mock broker that provisions, and whose one subscription serves `deliveries`.
+/// Publishes and settlements are left to each test.
+fn mock_with(sub: MockSub) -> MockBroker {
     let mut mock = MockBroker::new();
     virtual_clock(&mut mock);
     mock.expect_capabilities().return_const(Capabilities {
@@ -98,12 +141,87 @@ fn broker(deliveries: impl IntoIterator<Item = Delivery<u64>>) -> MockBroker {
         ..Capabilities::default()
     });
     mock.expect_provision().returning(|_| Ok(()));
-    mock.expect_consume().returning(|_, _| Ok(()));
-    let inbox = Mutex::new(deliveries.into_iter().collect::<VecDeque<_>>());
-    mock.expect_recv()
-        .returning(move || Ok(inbox.lock().unwrap().pop_front()));
-    mock.expect_cancel().returning(|| Ok(()));
+    mock.expect_consume()
+        .with(eq(QUEUE), always())
+        .times(1)
+        .return_once(move |_, _| Ok(sub));
     mock
+}
+
+fn broker(deliveries: impl IntoIterator<Item = Delivery<u64>>) -> Broker {
+    Broker::new(mock_with(subscription(deliveries)))
+}
+
+/// The mock, with the isolation queue modelled beside it: mockall answers every call at
+/// once, but a watch on the isolation queue has to wait for a suspect to arrive.
+struct Broker {
+    mock: MockBroker,
+    suspects: Arc<Mutex<VecDeque<Delivery<u64>>>>,
+    /// How long each publish waits for its confirm.
+    confirm_after: Duration,
+    log: Log,
+}
+
+impl Broker {
+    fn new(mock: MockBroker) -> Self {
+        Broker {
+            mock,
+            suspects: Arc::default(),
+            confirm_after: Duration::ZERO,
+            log: Log::default(),
+        }
+    }
+
+    fn with_suspects(self, suspects: impl IntoIterator<Item = Delivery<u64>>) -> Self {
+        self.suspects.lock().unwrap().extend(suspects);
+        self
+    }
+}
+
+#[async_trait]
+impl Transport for Broker {
+    type Tag = u64;
+    type Subscription = MockSub;
+    fn capabilities(&self) -> Capabilities {
+        self.mock.capabilities()
+    }
+    async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        self.mock.provision(plan).await
+    }
+    async fn consume(&self, queue: &str, prefetch: u16) -> Result<MockSub, TransportError> {
+        self.log.push("consume");
+        self.mock.consume(queue, prefetch).await
+    }
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<u64>>, TransportError> {
+        assert_eq!(queue, ISOLATION, "only the isolation queue is fetched from");
+        let next = self.suspects.lock().unwrap().pop_front();
+        match &next {
+            Some(d) => self.log.push(format!("fetch {}", body(&d.message))),
+            None => self.log.push("fetch: empty"),
+        }
+        Ok(next)
+    }
+    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
+        assert_eq!(queue, ISOLATION);
+        while self.suspects.lock().unwrap().is_empty() {
+            tokio::time::sleep(poll).await;
+        }
+        Ok(())
+    }
+    async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
+        let answer = self.mock.publish(original, publish).await;
+        tokio::time::sleep(self.confirm_after).await;
+        answer
+    }
+    async fn settle(&self, tag: &u64, settlement: Settlement) -> Result<(), TransportError> {
+        self.mock.settle(tag, settlement).await
+    }
+    fn now(&self) -> Timestamp {
+        self.mock.now()
+    }
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+        self.mock.sleep(duration)
+    }
 }
 
 async fn failing(_msg: Message) -> Result<(), HandlerError> {
@@ -146,10 +264,11 @@ impl Log {
 #[tokio::test(start_paused = true)]
 async fn the_original_is_acked_only_after_the_clones_confirm() {
     let log = Log::default();
-    let mut mock = broker([delivery(1, "a")]);
+    let mut b = broker([delivery(1, "a")]);
     let mut seq = Sequence::new();
     let l = log.clone();
-    mock.expect_publish()
+    b.mock
+        .expect_publish()
         .withf(|_, p| &*p.route.routing_key == "comments.retry.30s" && p.headers.attempts == 1)
         .times(1)
         .in_sequence(&mut seq)
@@ -158,7 +277,8 @@ async fn the_original_is_acked_only_after_the_clones_confirm() {
             PublishResult::Confirmed
         });
     let l = log.clone();
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .in_sequence(&mut seq)
@@ -167,77 +287,35 @@ async fn the_original_is_acked_only_after_the_clones_confirm() {
             Ok(())
         });
 
-    let report = run_to_end(mock, policy(), failing).await;
+    let report = run_to_end(b, policy(), failing).await;
 
     assert_eq!(log.entries(), ["publish confirmed", "ack"]);
     assert_eq!((report.received, report.retried), (1, 1));
     assert_eq!(report.accounted(), report.received);
 }
 
-/// Wraps the mock so confirms take `confirm_after` of virtual time, as on a real broker:
-/// the publish is sent (the mock records it) and answered later.
-struct SlowConfirms {
-    inner: MockBroker,
-    confirm_after: Duration,
-}
-
-#[async_trait]
-impl Transport for SlowConfirms {
-    type Tag = u64;
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        self.inner.provision(plan).await
-    }
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError> {
-        self.inner.consume(queue, prefetch).await
-    }
-    async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> {
-        self.inner.recv().await
-    }
-    async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
-        let answer = self.inner.publish(original, publish).await;
-        tokio::time::sleep(self.confirm_after).await;
-        answer
-    }
-    async fn settle(&self, tag: &u64, settlement: Settlement) -> Result<(), TransportError> {
-        self.inner.settle(tag, settlement).await
-    }
-    async fn cancel(&self) -> Result<(), TransportError> {
-        self.inner.cancel().await
-    }
-    fn now(&self) -> Timestamp {
-        self.inner.now()
-    }
-    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
-        self.inner.sleep(duration)
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn slow_confirms_hold_the_ack_back_and_run_concurrently() {
     let start = tokio::time::Instant::now();
     let confirm_after = Duration::from_secs(5);
-    let mut mock = broker([delivery(1, "a"), delivery(2, "b")]);
-    mock.expect_publish()
+    let mut b = broker([delivery(1, "a"), delivery(2, "b")]);
+    b.confirm_after = confirm_after;
+    b.mock
+        .expect_publish()
         .times(2)
         .returning(|_, _| PublishResult::Confirmed);
     let acked_at = Arc::new(Mutex::new(Vec::new()));
     let at = acked_at.clone();
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(always(), eq(Settlement::Ack))
         .times(2)
         .returning(move |tag, _| {
             at.lock().unwrap().push((*tag, start.elapsed()));
             Ok(())
         });
-    let transport = SlowConfirms {
-        inner: mock,
-        confirm_after,
-    };
 
-    let report = run_to_end(transport, policy(), failing).await;
+    let report = run_to_end(b, policy(), failing).await;
 
     assert_eq!(report.retried, 2);
     let mut acked_at = acked_at.lock().unwrap().clone();
@@ -247,22 +325,36 @@ async fn slow_confirms_hold_the_ack_back_and_run_concurrently() {
     assert_eq!(acked_at, [(1, confirm_after), (2, confirm_after)]);
 }
 
+/// The policy of these tests with publish retries as given.
+fn retrying_publishes(retries: u32) -> RetryPolicy {
+    RetryPolicy::delays([Duration::from_secs(30)])
+        .with_publish_retries(retries, Duration::from_millis(100))
+        .build()
+        .unwrap()
+}
+
 async fn requeued_when_the_publish_answers(answer: fn() -> PublishResult, cause: Confirm) {
-    let mut mock = broker([delivery(7, "a")]);
-    mock.expect_publish()
-        .times(1)
-        .returning(move |_, _| answer());
-    mock.expect_settle()
+    let start = tokio::time::Instant::now();
+    let mut b = broker([delivery(7, "a")]);
+    let published_at = Arc::new(Mutex::new(Vec::new()));
+    let at = published_at.clone();
+    b.mock.expect_publish().times(3).returning(move |_, _| {
+        at.lock().unwrap().push(start.elapsed());
+        answer()
+    });
+    b.mock
+        .expect_settle()
         .with(always(), eq(Settlement::Ack))
         .never();
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(eq(7), eq(Settlement::Requeue))
         .times(1)
         .returning(|_, _| Ok(()));
     let terminals = Arc::new(Mutex::new(Vec::new()));
     let seen = terminals.clone();
 
-    let report = Consumer::builder(mock, policy(), failing)
+    let report = Consumer::builder(b, retrying_publishes(2), failing)
         .queue(QUEUE)
         .on_terminal(move |_, t| seen.lock().unwrap().push(*t))
         .build()
@@ -273,57 +365,56 @@ async fn requeued_when_the_publish_answers(answer: fn() -> PublishResult, cause:
 
     assert_eq!((report.requeued, report.retried), (1, 0));
     assert_eq!(*terminals.lock().unwrap(), [Terminal::Requeued { cause }]);
+    // Published again after 100 ms, then after 200 ms more: never in a hot loop.
+    let ms = |n| Duration::from_millis(n);
+    assert_eq!(*published_at.lock().unwrap(), [ms(0), ms(100), ms(300)]);
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_requeue_after_a_failed_publish_waits_the_requeue_delay() {
-    // A broker that keeps refusing the clone would otherwise get the message straight back,
-    // in a hot loop.
-    let start = tokio::time::Instant::now();
-    let mut mock = broker([delivery(7, "a")]);
-    mock.expect_publish()
-        .times(1)
-        .returning(|_, _| PublishResult::Refused);
-    let requeued_after = Arc::new(Mutex::new(None));
-    let at = requeued_after.clone();
-    mock.expect_settle()
-        .with(eq(7), eq(Settlement::Requeue))
-        .times(1)
-        .returning(move |_, _| {
-            *at.lock().unwrap() = Some(start.elapsed());
-            Ok(())
-        });
-    Consumer::builder(mock, policy(), failing)
-        .queue(QUEUE)
-        .requeue_delay(Duration::from_secs(2))
-        .build()
-        .unwrap()
-        .run(std::future::pending())
-        .await
-        .unwrap();
-    assert_eq!(
-        *requeued_after.lock().unwrap(),
-        Some(Duration::from_secs(2))
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_refused_publish_requeues_and_never_acks() {
+async fn a_refused_publish_is_retried_then_requeues_and_never_acks() {
     requeued_when_the_publish_answers(|| PublishResult::Refused, Confirm::Nack).await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_returned_publish_requeues_and_never_acks() {
+async fn a_returned_publish_is_retried_then_requeues_and_never_acks() {
     requeued_when_the_publish_answers(|| PublishResult::Returned, Confirm::Returned).await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_failed_publish_requeues_and_never_acks() {
+async fn a_failed_publish_is_retried_then_requeues_and_never_acks() {
     requeued_when_the_publish_answers(
         || PublishResult::Failed(TransportError::Connection("channel closed".into())),
         Confirm::Failed,
     )
     .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_publish_followed_by_a_confirmed_retry_never_requeues() {
+    let mut b = broker([delivery(7, "a")]);
+    let mut seq = Sequence::new();
+    b.mock
+        .expect_publish()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_, _| PublishResult::Refused);
+    b.mock
+        .expect_publish()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_, _| PublishResult::Confirmed);
+    b.mock
+        .expect_settle()
+        .with(always(), eq(Settlement::Requeue))
+        .never();
+    b.mock
+        .expect_settle()
+        .with(eq(7), eq(Settlement::Ack))
+        .times(1)
+        .returning(|_, _| Ok(()));
+
+    let report = run_to_end(b, retrying_publishes(3), failing).await;
+    assert_eq!((report.retried, report.requeued), (1, 0));
 }
 
 async fn panics(msg: Message) -> Result<(), HandlerError> {
@@ -336,14 +427,15 @@ async fn panics(msg: Message) -> Result<(), HandlerError> {
 
 #[tokio::test(start_paused = true)]
 async fn a_panicking_handler_is_a_transient_failure_with_the_panic_message() {
-    let mut mock = broker([
+    let mut b = broker([
         delivery(1, "str"),
         delivery(2, "string"),
         delivery(3, "other"),
     ]);
     let causes = Arc::new(Mutex::new(Vec::new()));
     let c = causes.clone();
-    mock.expect_publish()
+    b.mock
+        .expect_publish()
         .withf(|_, p| &*p.route.routing_key == "comments.retry.30s")
         .times(3)
         .returning(move |original, p| {
@@ -352,12 +444,13 @@ async fn a_panicking_handler_is_a_transient_failure_with_the_panic_message() {
                 .push((body(original), p.headers.last_error.clone()));
             PublishResult::Confirmed
         });
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(always(), eq(Settlement::Ack))
         .times(3)
         .returning(|_, _| Ok(()));
 
-    let report = run_to_end(mock, policy(), panics).await;
+    let report = run_to_end(b, policy(), panics).await;
 
     assert_eq!((report.handler_panics, report.retried), (3, 3));
     let mut causes = causes.lock().unwrap().clone();
@@ -386,17 +479,19 @@ impl Drop for DropFlag {
 
 #[tokio::test(start_paused = true)]
 async fn a_handler_past_its_timeout_is_cancelled_and_counts_as_transient() {
-    let mut mock = broker([delivery(1, "slow")]);
+    let mut b = broker([delivery(1, "slow")]);
     let last_error = Arc::new(Mutex::new(None));
     let e = last_error.clone();
-    mock.expect_publish()
+    b.mock
+        .expect_publish()
         .withf(|_, p| &*p.route.routing_key == "comments.retry.30s")
         .times(1)
         .returning(move |_, p| {
             *e.lock().unwrap() = p.headers.last_error.clone();
             PublishResult::Confirmed
         });
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Ok(()));
@@ -414,7 +509,7 @@ async fn a_handler_past_its_timeout_is_cancelled_and_counts_as_transient() {
         }
     };
 
-    let report = Consumer::builder(mock, policy(), handler)
+    let report = Consumer::builder(b, policy(), handler)
         .queue(QUEUE)
         .handler_timeout(Duration::from_secs(10))
         .build()
@@ -436,35 +531,43 @@ async fn a_handler_past_its_timeout_is_cancelled_and_counts_as_transient() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn shutdown_finishes_work_within_the_grace_and_leaves_the_rest_unsettled() {
-    let mut mock = MockBroker::new();
-    virtual_clock(&mut mock);
-    mock.expect_provision().returning(|_| Ok(()));
-    mock.expect_consume()
-        .with(eq(QUEUE), eq(3))
-        .returning(|_, _| Ok(()));
+async fn shutdown_finishes_work_within_the_grace_flushes_its_acks_and_leaves_the_rest_unsettled() {
+    let log = Log::default();
     // Three deliveries fill the prefetch; no receive may follow the shutdown.
+    let mut sub = MockSub::new();
     let inbox = Mutex::new(VecDeque::from([
         delivery(1, "ok after 5s"),
         delivery(2, "fails after 3s"),
         delivery(3, "ok after 25m"),
     ]));
-    mock.expect_recv()
+    sub.expect_recv()
         .times(3)
         .returning(move || Ok(inbox.lock().unwrap().pop_front()));
-    mock.expect_cancel().times(1).returning(|| Ok(()));
+    let l = log.clone();
+    sub.expect_cancel().times(1).returning(move || {
+        l.push("cancel");
+        Ok(())
+    });
+    let l = log.clone();
+    sub.expect_flush().times(1).returning(move || {
+        l.push("flush");
+        Ok(())
+    });
+    let mut mock = mock_with(sub);
     mock.expect_publish()
         .withf(|original, _| original.body() == b"fails after 3s")
         .times(1)
         .returning(|_, _| PublishResult::Confirmed);
-    mock.expect_settle()
-        .with(eq(1), eq(Settlement::Ack))
-        .times(1)
-        .returning(|_, _| Ok(()));
-    mock.expect_settle()
-        .with(eq(2), eq(Settlement::Ack))
-        .times(1)
-        .returning(|_, _| Ok(()));
+    for tag in [1, 2] {
+        let l = log.clone();
+        mock.expect_settle()
+            .with(eq(tag), eq(Settlement::Ack))
+            .times(1)
+            .returning(move |tag, _| {
+                l.push(format!("ack {tag}"));
+                Ok(())
+            });
+    }
     // The slow one is never settled: no expectation matches tag 3.
     let slow_cancelled = Arc::new(AtomicBool::new(false));
     let flag = slow_cancelled.clone();
@@ -486,10 +589,10 @@ async fn shutdown_finishes_work_within_the_grace_and_leaves_the_rest_unsettled()
         }
     };
 
-    let report = Consumer::builder(mock, policy(), handler)
+    let report = Consumer::builder(Broker::new(mock), policy(), handler)
         .queue(QUEUE)
         .prefetch(3)
-        .handler_timeout(Duration::from_secs(29 * 60))
+        .handler_timeout(Duration::from_secs(9 * 60))
         .shutdown_grace(Duration::from_secs(30))
         .build()
         .unwrap()
@@ -508,25 +611,26 @@ async fn shutdown_finishes_work_within_the_grace_and_leaves_the_rest_unsettled()
     );
     assert_eq!(report.accounted(), report.received);
     assert!(slow_cancelled.load(Ordering::SeqCst));
+    // The acks decided during the grace are sent before `run` returns.
+    assert_eq!(log.entries(), ["cancel", "ack 2", "ack 1", "flush"]);
 }
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_with_nothing_held_stops_at_once() {
-    let mut mock = MockBroker::new();
-    virtual_clock(&mut mock);
-    mock.expect_provision().returning(|_| Ok(()));
-    mock.expect_consume().returning(|_, _| Ok(()));
     // An idle queue whose receives time out.
-    mock.expect_recv().returning(|| {
+    let mut sub = MockSub::new();
+    sub.expect_recv().returning(|| {
         Err(TransportError::Timeout {
             operation: "recv",
             after: Duration::from_secs(60),
         })
     });
-    mock.expect_cancel().times(1).returning(|| Ok(()));
+    sub.expect_cancel().times(1).returning(|| Ok(()));
+    sub.expect_flush().times(1).returning(|| Ok(()));
+    let mut mock = mock_with(sub);
     mock.expect_settle().never();
 
-    let report = Consumer::builder(mock, policy(), succeeding)
+    let report = Consumer::builder(Broker::new(mock), policy(), succeeding)
         .queue(QUEUE)
         .build()
         .unwrap()
@@ -541,8 +645,9 @@ async fn shutdown_with_nothing_held_stops_at_once() {
 #[tokio::test(start_paused = true)]
 async fn concurrent_handlers_never_exceed_the_prefetch() {
     const PREFETCH: u16 = 4;
-    let mut mock = broker((1..=20).map(|tag| delivery(tag, &format!("m{tag}"))));
-    mock.expect_settle()
+    let mut b = broker((1..=20).map(|tag| delivery(tag, &format!("m{tag}"))));
+    b.mock
+        .expect_settle()
         .with(always(), eq(Settlement::Ack))
         .times(20)
         .returning(|_, _| Ok(()));
@@ -561,7 +666,7 @@ async fn concurrent_handlers_never_exceed_the_prefetch() {
         }
     };
 
-    let report = Consumer::builder(mock, policy(), handler)
+    let report = Consumer::builder(b, policy(), handler)
         .queue(QUEUE)
         .prefetch(PREFETCH)
         .build()
@@ -579,11 +684,13 @@ async fn concurrent_handlers_never_exceed_the_prefetch() {
 fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused() {
     let policy = RetryPolicy::delays([Duration::from_secs(30)])
         .with_immediate_retries(2, Duration::from_secs(5))
+        .with_publish_retries(1, Duration::from_secs(1))
         .build()
         .unwrap();
+    // 3 × (3 × 3m20s + 2 × 5s + 1s) + 5s = 30m38s.
     let err = Consumer::builder(MockBroker::new(), policy.clone(), succeeding)
         .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(10 * 60))
+        .handler_timeout(Duration::from_secs(200))
         .build()
         .unwrap_err();
     assert!(
@@ -592,10 +699,12 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
             ConsumerConfigError::ExceedsConsumerTimeout {
                 runs: 3,
                 immediate_retries: 2,
+                in_process,
                 worst_case,
                 consumer_timeout,
                 ..
-            } if worst_case == Duration::from_secs(30 * 60 + 10)
+            } if in_process == Duration::from_secs(611)
+                && worst_case == Duration::from_secs(30 * 60 + 38)
                 && consumer_timeout == Duration::from_secs(30 * 60)
         ),
         "{err:?}"
@@ -603,11 +712,13 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
     let text = err.to_string();
     for number in [
         "consumer_timeout (30m)",
-        "handler_timeout (10m)",
+        "handler_timeout 3m20s",
         "3 runs",
         "immediate_retries 2",
-        "immediate_wait (5s)",
-        "= 30m10s",
+        "immediate_wait 5s",
+        "publish retry waits 1s",
+        "solo_time 5s",
+        "= 30m38s",
     ] {
         assert!(text.contains(number), "{number:?} missing from: {text}");
     }
@@ -615,8 +726,8 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
     // Reaching the timeout exactly is refused too.
     let err = Consumer::builder(MockBroker::new(), self::policy(), succeeding)
         .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(60))
-        .consumer_timeout(Duration::from_secs(60))
+        .handler_timeout(Duration::from_secs(20))
+        .consumer_timeout(Duration::from_millis(3 * 20_700 + 5_000))
         .build()
         .unwrap_err();
     assert!(matches!(
@@ -624,16 +735,23 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
         ConsumerConfigError::ExceedsConsumerTimeout { .. }
     ));
 
-    // A shorter handler timeout, or a longer broker timeout, fits.
+    // A shorter handler timeout, a shorter solo phase, or a longer broker timeout, fits.
     let consumer = Consumer::builder(MockBroker::new(), policy.clone(), succeeding)
         .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(9 * 60))
+        .handler_timeout(Duration::from_secs(190))
         .build()
         .unwrap();
     assert_eq!(consumer.consumer_timeout(), Duration::from_secs(30 * 60));
+    Consumer::builder(MockBroker::new(), policy.clone(), succeeding)
+        .queue(QUEUE)
+        .handler_timeout(Duration::from_secs(200))
+        .solo_limit(10, Duration::ZERO)
+        .consumer_timeout(Duration::from_secs(30 * 60 + 34))
+        .build()
+        .unwrap();
     Consumer::builder(MockBroker::new(), policy, succeeding)
         .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(10 * 60))
+        .handler_timeout(Duration::from_secs(200))
         .consumer_timeout(Duration::from_secs(60 * 60))
         .build()
         .unwrap();
@@ -663,6 +781,22 @@ fn other_invalid_settings_are_refused_by_name() {
     assert!(matches!(err, ConsumerConfigError::ZeroHandlerTimeout));
 
     let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
+        .queue(QUEUE)
+        .solo_limit(0, Duration::from_secs(5))
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ConsumerConfigError::ZeroSoloRuns));
+    assert!(err.to_string().contains("solo_limit"));
+
+    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
+        .queue(QUEUE)
+        .suspect_poll(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ConsumerConfigError::ZeroSuspectPoll));
+    assert!(err.to_string().contains("suspect_poll"));
+
+    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
         .queue("amq.reserved")
         .build()
         .unwrap_err();
@@ -670,36 +804,26 @@ fn other_invalid_settings_are_refused_by_name() {
 }
 
 #[test]
-fn run_handler_crash_mode_needs_a_transport_with_delivery_counts() {
-    let policy = RetryPolicy::delays([Duration::from_secs(30)])
+fn a_plan_without_the_policys_crash_delay_queue_is_refused_by_name() {
+    // The plan is made for run-handler (no crash-delay queue), the policy diverts.
+    let run_handler = RetryPolicy::delays([Duration::from_secs(30)])
         .with_on_crash(retry_core::CrashAction::RunHandler)
         .build()
         .unwrap();
-    fn quorum(b: retry_core::TopologyBuilder<'_>) -> retry_core::TopologyBuilder<'_> {
-        b.with_queue_type(retry_core::QueueType::Quorum)
-    }
+    let plan = TopologyPlan::new(QUEUE, &run_handler).unwrap();
+    let err = retry_core::Engine::new(policy(), &plan).unwrap_err();
+    assert!(err.to_string().contains("comments.crash.30s"), "{err}");
+    // Run-handler needs no broker delivery count any more: crashes are counted on the
+    // message, by clones into the isolation queue.
     let mut blind = MockBroker::new();
     blind
         .expect_capabilities()
         .return_const(Capabilities::default());
-    let err = Consumer::builder(blind, policy.clone(), succeeding)
+    let consumer = Consumer::builder(blind, run_handler, succeeding)
         .queue(QUEUE)
-        .topology(quorum)
-        .build()
-        .unwrap_err();
-    assert!(matches!(err, ConsumerConfigError::NoDeliveryCount));
-    assert!(err.to_string().contains("delivery count"));
-
-    let mut counting = MockBroker::new();
-    counting.expect_capabilities().return_const(Capabilities {
-        delivery_count: true,
-        ..Capabilities::default()
-    });
-    Consumer::builder(counting, policy, succeeding)
-        .queue(QUEUE)
-        .topology(quorum)
         .build()
         .unwrap();
+    assert_eq!(consumer.plan().crash_route(), None);
 }
 
 #[test]
@@ -710,6 +834,7 @@ fn the_plan_is_available_after_build_and_can_be_customised() {
         .build()
         .unwrap();
     assert_eq!(consumer.plan().work_queue(), QUEUE);
+    assert_eq!(consumer.plan().isolation_queue(), ISOLATION);
     assert!(
         consumer
             .plan()
@@ -720,10 +845,12 @@ fn the_plan_is_available_after_build_and_can_be_customised() {
     assert_eq!(consumer.prefetch(), 10);
     assert_eq!(consumer.handler_timeout(), Duration::from_secs(30));
     assert_eq!(consumer.shutdown_grace(), Duration::from_secs(30));
+    assert_eq!(consumer.solo_limit(), (32, Duration::from_secs(5)));
+    assert_eq!(consumer.suspect_poll(), Duration::from_secs(5));
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_topology_is_provisioned_before_consuming() {
+async fn the_topology_is_provisioned_then_waiting_suspects_run_before_any_work() {
     let mut mock = MockBroker::new();
     virtual_clock(&mut mock);
     let mut seq = Sequence::new();
@@ -736,13 +863,22 @@ async fn the_topology_is_provisioned_before_consuming() {
         .with(eq(QUEUE), eq(10))
         .times(1)
         .in_sequence(&mut seq)
-        .returning(|_, _| Ok(()));
-    mock.expect_recv()
-        .times(1)
-        .in_sequence(&mut seq)
-        .returning(|| Ok(None));
+        .return_once(|_, _| Ok(subscription([delivery(2, "work")])));
+    mock.expect_settle().times(2).returning(|_, _| Ok(()));
+    let b = Broker::new(mock).with_suspects([suspect(
+        1,
+        "left by the last consumer",
+        BrokerSignals::default(),
+    )]);
+    let log = b.log.clone();
 
-    run_to_end(mock, policy(), succeeding).await;
+    let report = run_to_end(b, policy(), succeeding).await;
+
+    assert_eq!(
+        log.entries(),
+        ["fetch left by the last consumer", "fetch: empty", "consume"]
+    );
+    assert_eq!((report.suspects, report.handled), (1, 2));
 }
 
 #[tokio::test(start_paused = true)]
@@ -750,9 +886,10 @@ async fn provisioning_can_be_turned_off_and_its_failure_stops_the_run() {
     let mut mock = MockBroker::new();
     virtual_clock(&mut mock);
     mock.expect_provision().never();
-    mock.expect_consume().times(1).returning(|_, _| Ok(()));
-    mock.expect_recv().returning(|| Ok(None));
-    Consumer::builder(mock, policy(), succeeding)
+    mock.expect_consume()
+        .times(1)
+        .return_once(|_, _| Ok(subscription([])));
+    Consumer::builder(Broker::new(mock), policy(), succeeding)
         .queue(QUEUE)
         .provision(false)
         .build()
@@ -770,7 +907,7 @@ async fn provisioning_can_be_turned_off_and_its_failure_stops_the_run() {
         })
     });
     mock.expect_consume().never();
-    let err = Consumer::builder(mock, policy(), succeeding)
+    let err = Consumer::builder(Broker::new(mock), policy(), succeeding)
         .queue(QUEUE)
         .build()
         .unwrap()
@@ -786,9 +923,10 @@ async fn an_immediate_retry_runs_in_process_after_its_wait() {
         .with_immediate_retries(1, Duration::from_secs(2))
         .build()
         .unwrap();
-    let mut mock = broker([delivery(1, "flaky")]);
-    mock.expect_publish().never();
-    mock.expect_settle()
+    let mut b = broker([delivery(1, "flaky")]);
+    b.mock.expect_publish().never();
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Ok(()));
@@ -807,7 +945,7 @@ async fn an_immediate_retry_runs_in_process_after_its_wait() {
         }
     };
 
-    let report = run_to_end(mock, policy, handler).await;
+    let report = run_to_end(b, policy, handler).await;
 
     assert_eq!(report.handled, 1);
     let attempts = attempts.lock().unwrap().clone();
@@ -816,18 +954,148 @@ async fn an_immediate_retry_runs_in_process_after_its_wait() {
     assert_eq!(attempts[1].1 - attempts[0].1, Duration::from_secs(2));
 }
 
+/// Publishes into the isolation queue land in `b`'s model of it, as new deliveries.
+fn isolation_lands_in_the_model(b: &mut Broker, log: &Log) {
+    let (suspects, log) = (b.suspects.clone(), log.clone());
+    let next_tag = AtomicU64::new(100);
+    b.mock
+        .expect_publish()
+        .withf(|_, p| &*p.route.routing_key == ISOLATION)
+        .returning(move |original, p| {
+            log.push(format!("isolate {}", body(original)));
+            let origin = headers::Origin {
+                queue: QUEUE,
+                exchange: "",
+                routing_key: QUEUE,
+            };
+            let headers = headers::clone_headers(original.headers(), origin, &p.headers);
+            let tag = next_tag.fetch_add(1, Ordering::SeqCst);
+            let copy = message_in(ISOLATION, &body(original), headers);
+            suspects
+                .lock()
+                .unwrap()
+                .push_back(delivery_of(tag, copy, BrokerSignals::default()));
+            PublishResult::Confirmed
+        });
+}
+
+/// A handler that logs when each run starts and ends, taking as many seconds as its body
+/// says after a `:` (`slow:5`), or no time.
+fn timed_handler(
+    log: &Log,
+) -> impl Fn(Message) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync + 'static {
+    let log = log.clone();
+    move |msg: Message| {
+        let log = log.clone();
+        Box::pin(async move {
+            let name = body(&msg);
+            let secs = name
+                .split_once(':')
+                .and_then(|(_, s)| s.parse().ok())
+                .unwrap_or(0);
+            log.push(format!("start {name}"));
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            log.push(format!("end {name}"));
+            Ok(())
+        })
+    }
+}
+
 #[tokio::test(start_paused = true)]
-async fn a_redelivered_message_is_diverted_without_running_the_handler() {
-    let redelivered = BrokerSignals {
-        redelivered: true,
-        ..BrokerSignals::default()
-    };
-    let mut mock = broker([delivery_with(1, "crashy", Headers::new(), redelivered)]);
-    mock.expect_publish()
-        .withf(|_, p| &*p.route.routing_key == "comments.retry.30s" && p.headers.crashes == 1)
+async fn a_redelivered_message_is_isolated_and_runs_alone_once_the_work_lane_is_drained() {
+    let log = Log::default();
+    let mut sub = subscription([
+        delivery(1, "slow:5"),
+        delivery_with(2, "redelivered", Headers::new(), REDELIVERED),
+        delivery(3, "fresh"),
+    ]);
+    sub.checkpoint();
+    let inbox = Mutex::new(VecDeque::from([
+        delivery(1, "slow:5"),
+        delivery_with(2, "redelivered", Headers::new(), REDELIVERED),
+        delivery(3, "fresh"),
+        delivery(4, "later"),
+    ]));
+    sub.expect_recv()
+        .returning(move || Ok(inbox.lock().unwrap().pop_front()));
+    sub.expect_cancel().returning(|| Ok(()));
+    let l = log.clone();
+    sub.expect_flush().returning(move || {
+        l.push("flush");
+        Ok(())
+    });
+    let mut b = Broker::new(mock_with(sub));
+    b.log = log.clone();
+    isolation_lands_in_the_model(&mut b, &log);
+    let l = log.clone();
+    b.mock.expect_settle().returning(move |tag, s| {
+        l.push(format!("{s:?} {tag}"));
+        Ok(())
+    });
+    let ended = Arc::new(Mutex::new(Vec::new()));
+    let e = ended.clone();
+
+    let report = Consumer::builder(b, policy(), timed_handler(&log))
+        .queue(QUEUE)
+        .prefetch(3)
+        .on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), *t)))
+        .build()
+        .unwrap()
+        .run(std::future::pending())
+        .await
+        .unwrap();
+
+    assert_eq!(
+        log.entries(),
+        [
+            "fetch: empty",
+            "consume",
+            "start slow:5",
+            "isolate redelivered",
+            "Ack 2",
+            // A suspect waits: "fresh", received meanwhile, is held back, and the slow run
+            // is waited for and its ack sent.
+            "end slow:5",
+            "Ack 1",
+            "flush",
+            "fetch redelivered",
+            "start redelivered",
+            "end redelivered",
+            "Ack 100",
+            "fetch: empty",
+            "start fresh",
+            "end fresh",
+            "start later",
+            "end later",
+            "Ack 3",
+            "Ack 4",
+            "flush",
+        ]
+    );
+    assert_eq!(
+        (
+            report.received,
+            report.suspects,
+            report.isolated,
+            report.handled
+        ),
+        (5, 1, 1, 4)
+    );
+    let ended = ended.lock().unwrap().clone();
+    assert!(ended.contains(&("redelivered".to_owned(), Terminal::Isolated)));
+    assert!(ended.contains(&("redelivered".to_owned(), Terminal::Handled { attempt: 1 })));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_suspect_redelivered_from_the_isolation_queue_counts_a_crash_without_running() {
+    let mut b = broker([]).with_suspects([suspect(1, "killer", REDELIVERED)]);
+    b.mock
+        .expect_publish()
+        .withf(|_, p| &*p.route.routing_key == "comments.crash.30s" && p.headers.crashes == 1)
         .times(1)
         .returning(|_, _| PublishResult::Confirmed);
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Ok(()));
@@ -840,7 +1108,7 @@ async fn a_redelivered_message_is_diverted_without_running_the_handler() {
     let ended = Arc::new(Mutex::new(Vec::new()));
     let e = ended.clone();
 
-    let report = Consumer::builder(mock, policy(), handler)
+    let report = Consumer::builder(b, policy(), handler)
         .queue(QUEUE)
         .on_terminal(move |msg, t| e.lock().unwrap().push((msg.attempt(), *t)))
         .build()
@@ -849,7 +1117,7 @@ async fn a_redelivered_message_is_diverted_without_running_the_handler() {
         .await
         .unwrap();
 
-    assert_eq!(report.diverted, 1);
+    assert_eq!((report.suspects, report.diverted), (1, 1));
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert_eq!(
         *ended.lock().unwrap(),
@@ -864,20 +1132,181 @@ async fn a_redelivered_message_is_diverted_without_running_the_handler() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_suspect_whose_connection_dropped_while_it_ran_is_not_blamed_when_it_returns() {
+    let mut b = broker([]).with_suspects([suspect(1, "unlucky", BrokerSignals::default())]);
+    let suspects = b.suspects.clone();
+    let mut seq = Sequence::new();
+    // The ack finds the connection gone: the broker puts the suspect back, redelivered.
+    b.mock
+        .expect_settle()
+        .with(eq(1), eq(Settlement::Ack))
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(move |_, _| {
+            suspects
+                .lock()
+                .unwrap()
+                .push_back(suspect(2, "unlucky", REDELIVERED));
+            Err(TransportError::Connection("connection reset".into()))
+        });
+    b.mock
+        .expect_settle()
+        .with(eq(2), eq(Settlement::Ack))
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_, _| Ok(()));
+    b.mock.expect_publish().never();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let handler = move |_msg: Message| {
+        r.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<(), HandlerError>(()) }
+    };
+
+    let report = run_to_end(b, policy(), handler).await;
+
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "run again, not diverted");
+    assert_eq!(
+        (
+            report.suspects,
+            report.settle_errors,
+            report.handled,
+            report.diverted
+        ),
+        (2, 1, 1, 0)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_solo_phase_stops_at_its_limit_and_the_work_lane_takes_a_turn() {
+    let log = Log::default();
+    // One work delivery, then a quiet queue.
+    let mut sub = MockSub::new();
+    let inbox = Mutex::new(VecDeque::from([delivery(10, "work:0")]));
+    sub.expect_recv()
+        .returning(move || match inbox.lock().unwrap().pop_front() {
+            Some(d) => Ok(Some(d)),
+            None => Err(TransportError::Timeout {
+                operation: "recv",
+                after: Duration::from_secs(1),
+            }),
+        });
+    sub.expect_cancel().returning(|| Ok(()));
+    sub.expect_flush().returning(|| Ok(()));
+    let mut b = Broker::new(mock_with(sub))
+        .with_suspects((1..=5).map(|n| suspect(n, &format!("s{n}:1"), BrokerSignals::default())));
+    b.log = log.clone();
+    b.mock.expect_settle().returning(|_, _| Ok(()));
+
+    let report = Consumer::builder(b, policy(), timed_handler(&log))
+        .queue(QUEUE)
+        .solo_limit(2, Duration::from_secs(60))
+        .suspect_poll(Duration::from_secs(1))
+        .build()
+        .unwrap()
+        .run(tokio::time::sleep(Duration::from_secs(60)))
+        .await
+        .unwrap();
+
+    let fetches_and_work: Vec<_> = log
+        .entries()
+        .into_iter()
+        .filter(|e| e.starts_with("fetch") || e.starts_with("start"))
+        .collect();
+    assert_eq!(
+        fetches_and_work,
+        [
+            "fetch s1:1",
+            "start s1:1",
+            "fetch s2:1",
+            "start s2:1",
+            "start work:0",
+            "fetch s3:1",
+            "start s3:1",
+            "fetch s4:1",
+            "start s4:1",
+            "fetch s5:1",
+            "start s5:1",
+            "fetch: empty",
+        ]
+    );
+    assert_eq!((report.suspects, report.handled), (5, 6));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_missing_isolation_queue_stops_the_consumer_naming_it() {
+    let mut mock = MockBroker::new();
+    virtual_clock(&mut mock);
+    mock.expect_provision().returning(|_| Ok(()));
+    mock.expect_consume().never();
+    struct NoIsolation(MockBroker);
+    #[async_trait]
+    impl Transport for NoIsolation {
+        type Tag = u64;
+        type Subscription = MockSub;
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::default()
+        }
+        async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+            self.0.provision(plan).await
+        }
+        async fn consume(&self, queue: &str, prefetch: u16) -> Result<MockSub, TransportError> {
+            self.0.consume(queue, prefetch).await
+        }
+        async fn fetch(&self, queue: &str) -> Result<Option<Delivery<u64>>, TransportError> {
+            Err(TransportError::MissingAddress {
+                address: format!("queue {queue:?}"),
+                hint: "provision the topology".into(),
+            })
+        }
+        async fn ready(&self, _: &str, _: Duration) -> Result<(), TransportError> {
+            std::future::pending().await
+        }
+        async fn publish(&self, _: &Message, _: &Publish) -> PublishResult {
+            unreachable!("nothing is received")
+        }
+        async fn settle(&self, _: &u64, _: Settlement) -> Result<(), TransportError> {
+            unreachable!("nothing is received")
+        }
+        fn now(&self) -> Timestamp {
+            self.0.now()
+        }
+        fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+            self.0.sleep(duration)
+        }
+    }
+
+    let err = Consumer::builder(NoIsolation(mock), policy(), succeeding)
+        .queue(QUEUE)
+        .build()
+        .unwrap()
+        .run(std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ConsumerError::Isolation { queue, .. } if queue == ISOLATION),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains(ISOLATION));
+}
+
+#[tokio::test(start_paused = true)]
 async fn exhausted_and_permanent_failures_are_parked_and_observed() {
     // Attempt 2 of 2 (one earlier failure in the headers), and a permanent failure.
     let headers: Headers = [(headers::ATTEMPTS, 1i64)].into_iter().collect();
-    let mut mock = broker([
+    let mut b = broker([
         delivery_with(1, "again", headers, BrokerSignals::default()),
         delivery(2, "poison"),
     ]);
-    mock.expect_publish()
+    b.mock
+        .expect_publish()
         .withf(|_, p| {
             &*p.route.routing_key == QUEUE && p.route.exchange.as_ref() == "comments.dead-letter"
         })
         .times(2)
         .returning(|_, _| PublishResult::Confirmed);
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(always(), eq(Settlement::Ack))
         .times(2)
         .returning(|_, _| Ok(()));
@@ -890,7 +1319,7 @@ async fn exhausted_and_permanent_failures_are_parked_and_observed() {
         }
     };
 
-    let report = Consumer::builder(mock, policy(), handler)
+    let report = Consumer::builder(b, policy(), handler)
         .queue(QUEUE)
         .on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), msg.attempt(), *t)))
         .build()
@@ -923,56 +1352,48 @@ async fn exhausted_and_permanent_failures_are_parked_and_observed() {
     );
 }
 
+fn scripted_subscription(answers: Vec<Result<Option<Delivery<u64>>, TransportError>>) -> MockSub {
+    let mut sub = MockSub::new();
+    let mut seq = Sequence::new();
+    for answer in answers {
+        sub.expect_recv()
+            .times(1)
+            .in_sequence(&mut seq)
+            .return_once(move || answer);
+    }
+    sub.expect_cancel().returning(|| Ok(()));
+    sub.expect_flush().returning(|| Ok(()));
+    sub
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_lost_connection_while_receiving_is_retried() {
-    let mut mock = MockBroker::new();
-    virtual_clock(&mut mock);
-    mock.expect_provision().returning(|_| Ok(()));
-    mock.expect_consume().returning(|_, _| Ok(()));
-    let mut seq = Sequence::new();
-    mock.expect_recv()
-        .times(2)
-        .in_sequence(&mut seq)
-        .returning(|| Err(TransportError::Connection("connection reset".into())));
-    mock.expect_recv()
-        .times(1)
-        .in_sequence(&mut seq)
-        .returning(|| Ok(Some(delivery(1, "a"))));
-    mock.expect_recv()
-        .times(1)
-        .in_sequence(&mut seq)
-        .returning(|| Ok(None));
-    mock.expect_settle()
+    let lost = || Err(TransportError::Connection("connection reset".into()));
+    let sub = scripted_subscription(vec![lost(), lost(), Ok(Some(delivery(1, "a"))), Ok(None)]);
+    let mut b = Broker::new(mock_with(sub));
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Ok(()));
 
-    let report = run_to_end(mock, policy(), succeeding).await;
+    let report = run_to_end(b, policy(), succeeding).await;
 
     assert_eq!((report.receive_errors, report.handled), (2, 1));
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_unrecoverable_receive_error_finishes_held_work_then_stops() {
-    let mut mock = MockBroker::new();
-    virtual_clock(&mut mock);
-    mock.expect_provision().returning(|_| Ok(()));
-    mock.expect_consume().returning(|_, _| Ok(()));
-    let mut seq = Sequence::new();
-    mock.expect_recv()
-        .times(1)
-        .in_sequence(&mut seq)
-        .returning(|| Ok(Some(delivery(1, "a"))));
-    mock.expect_recv()
-        .times(1)
-        .in_sequence(&mut seq)
-        .returning(|| {
-            Err(TransportError::MissingAddress {
-                address: "/amq/queue/comments".into(),
-                hint: "declare the queue".into(),
-            })
-        });
-    mock.expect_settle()
+    let sub = scripted_subscription(vec![
+        Ok(Some(delivery(1, "a"))),
+        Err(TransportError::MissingAddress {
+            address: "/amq/queue/comments".into(),
+            hint: "declare the queue".into(),
+        }),
+    ]);
+    let mut b = Broker::new(mock_with(sub));
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Ok(()));
@@ -981,7 +1402,7 @@ async fn an_unrecoverable_receive_error_finishes_held_work_then_stops() {
         Ok::<(), HandlerError>(())
     };
 
-    let err = Consumer::builder(mock, policy(), handler)
+    let err = Consumer::builder(b, policy(), handler)
         .queue(QUEUE)
         .build()
         .unwrap()
@@ -993,17 +1414,19 @@ async fn an_unrecoverable_receive_error_finishes_held_work_then_stops() {
 
 #[tokio::test(start_paused = true)]
 async fn a_failed_settlement_is_counted_and_the_run_goes_on() {
-    let mut mock = broker([delivery(1, "a"), delivery(2, "b")]);
-    mock.expect_settle()
+    let mut b = broker([delivery(1, "a"), delivery(2, "b")]);
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Err(TransportError::Connection("channel closed".into())));
-    mock.expect_settle()
+    b.mock
+        .expect_settle()
         .with(eq(2), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Ok(()));
 
-    let report = run_to_end(mock, policy(), succeeding).await;
+    let report = run_to_end(b, policy(), succeeding).await;
 
     assert_eq!((report.settle_errors, report.handled), (1, 1));
     assert_eq!(report.accounted(), report.received);
@@ -1014,13 +1437,14 @@ async fn malformed_headers_do_not_stop_the_message() {
     let headers: Headers = [(headers::ATTEMPTS, HeaderValue::from("many"))]
         .into_iter()
         .collect();
-    let mut mock = broker([delivery_with(1, "a", headers, BrokerSignals::default())]);
-    mock.expect_settle()
+    let mut b = broker([delivery_with(1, "a", headers, BrokerSignals::default())]);
+    b.mock
+        .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
         .returning(|_, _| Ok(()));
 
-    let report = run_to_end(mock, policy(), succeeding).await;
+    let report = run_to_end(b, policy(), succeeding).await;
     assert_eq!(report.handled, 1);
 }
 
@@ -1030,9 +1454,9 @@ fn assert_send<F: Future + Send>(f: F) -> F {
 
 #[tokio::test(start_paused = true)]
 async fn the_consumer_is_one_send_future() {
-    let mut mock = broker([delivery(1, "a")]);
-    mock.expect_settle().times(1).returning(|_, _| Ok(()));
-    let consumer = Consumer::builder(mock, policy(), succeeding)
+    let mut b = broker([delivery(1, "a")]);
+    b.mock.expect_settle().times(1).returning(|_, _| Ok(()));
+    let consumer = Consumer::builder(b, policy(), succeeding)
         .queue(QUEUE)
         .build()
         .unwrap();

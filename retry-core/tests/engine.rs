@@ -12,15 +12,16 @@ fn secs(n: u64) -> Duration {
 }
 
 fn engine(policy: RetryPolicy) -> Engine {
-    let queue_type = match policy.on_crash() {
-        CrashAction::RunHandler => QueueType::Quorum,
-        _ => QueueType::Classic,
-    };
-    let plan = TopologyPlan::builder("work", &policy)
-        .with_queue_type(queue_type)
-        .build()
-        .unwrap();
+    let plan = TopologyPlan::new("work", &policy).unwrap();
     Engine::new(policy, &plan).unwrap()
+}
+
+/// The default policy, but a publish the broker does not confirm requeues at once.
+fn no_publish_retries() -> RetryPolicy {
+    RetryPolicy::builder()
+        .with_publish_retries(0, Duration::ZERO)
+        .build()
+        .unwrap()
 }
 
 fn drain(engine: &mut Engine, now: Timestamp) -> Vec<Action> {
@@ -75,7 +76,7 @@ fn one_round(
     confirm: Confirm,
 ) -> (Option<Publish>, Settlement, Terminal) {
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, facts);
+    let id = e.handle_delivery(T0, Lane::Work, facts);
     let (run_id, _) = expect_run(&drain(&mut e, T0));
     assert_eq!(run_id, id);
     e.handle_outcome(T0, id, outcome).unwrap();
@@ -233,7 +234,7 @@ fn permanent_failure_is_parked_at_once_with_diagnostics() {
     let h = &publish.headers;
     assert_eq!(h.reason, Some(DeadLetterReason::Permanent));
     assert_eq!((h.attempts, h.crashes), (2, 1));
-    assert_eq!((h.first_failure, h.last_failure), (first, T0));
+    assert_eq!((h.first_failure, h.last_failure), (Some(first), Some(T0)));
     assert!(h.last_error.as_ref().unwrap().len() <= headers::MAX_ERROR_LEN);
 
     // The headers a transport writes carry all of it, plus the origin.
@@ -268,7 +269,7 @@ fn a_refused_returned_or_failed_publish_requeues_the_original() {
             Outcome::Permanent("p".into()),
         ] {
             let (publish, settlement, terminal) =
-                one_round(RetryPolicy::default(), facts(&[], false), outcome, confirm);
+                one_round(no_publish_retries(), facts(&[], false), outcome, confirm);
             assert!(publish.is_some());
             assert_eq!(settlement, Settlement::Requeue, "{confirm:?}");
             assert_eq!(terminal, Terminal::Requeued { cause: confirm });
@@ -279,7 +280,7 @@ fn a_refused_returned_or_failed_publish_requeues_the_original() {
 #[test]
 fn nothing_is_settled_before_the_confirm() {
     let mut e = engine(RetryPolicy::default());
-    let id = e.handle_delivery(T0, facts(&[], false));
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
     drain(&mut e, T0);
     e.handle_outcome(T0, id, Outcome::Transient("x".into()))
         .unwrap();
@@ -302,7 +303,7 @@ fn immediate_retries_run_in_process_before_delayed_ones() {
         .unwrap();
     assert_eq!(policy.max_attempts(), 4);
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, facts(&[], false));
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
     assert_eq!(expect_run(&drain(&mut e, T0)).1, 1);
 
     let mut now = T0;
@@ -322,8 +323,8 @@ fn immediate_retries_run_in_process_before_delayed_ones() {
     let publish = expect_publish(&drain(&mut e, now));
     assert_eq!(&*publish.route.routing_key, "work.retry.30s");
     assert_eq!(publish.headers.attempts, 3);
-    assert_eq!(publish.headers.first_failure, T0);
-    assert_eq!(publish.headers.last_failure, now);
+    assert_eq!(publish.headers.first_failure, Some(T0));
+    assert_eq!(publish.headers.last_failure, Some(now));
     assert_eq!(publish.headers.last_error.as_deref(), Some("fail 3"));
 }
 
@@ -334,7 +335,7 @@ fn zero_wait_immediate_retry_runs_at_once() {
         .build()
         .unwrap();
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, facts(&[], false));
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
     drain(&mut e, T0);
     e.handle_outcome(T0, id, Outcome::Transient("x".into()))
         .unwrap();
@@ -428,19 +429,82 @@ fn elapsed_cap_dead_letters_with_its_reason() {
 }
 
 #[test]
-fn redelivered_deliveries_are_diverted_without_running_the_handler() {
+fn a_redelivered_work_delivery_is_isolated_as_a_suspect_without_counting_a_crash() {
     let policy = RetryPolicy::delays([secs(30), secs(600)]).build().unwrap();
     let mut e = engine(policy);
-    let f = facts(&[(headers::ATTEMPTS, HeaderValue::Int(1))], true);
-    let id = e.handle_delivery(T0, f);
+    let f = facts(
+        &[
+            (headers::ATTEMPTS, HeaderValue::Int(1)),
+            (headers::CRASHES, HeaderValue::Int(2)),
+            (headers::FIRST_FAILURE, HeaderValue::Int(5_000)),
+        ],
+        true,
+    );
+    let id = e.handle_delivery(T0, Lane::Work, f);
     let publish = expect_publish(&drain(&mut e, T0));
-    assert_eq!(&*publish.route.routing_key, "work.retry.30s");
+    assert_eq!(&*publish.route.exchange, "work.retry");
+    assert_eq!(&*publish.route.routing_key, "work.suspect");
+    assert_eq!(publish.expiration, None);
+    let h = &publish.headers;
+    assert_eq!((h.attempts, h.crashes), (1, 2), "nothing is counted");
+    assert_eq!(
+        (h.first_failure, h.last_failure),
+        (None, None),
+        "dates kept"
+    );
+    assert_eq!((&h.last_error, h.reason, h.delay), (&None, None, None));
+    e.handle_confirm(T0, id, Confirm::Ack).unwrap();
+    assert_eq!(
+        expect_settle(&drain(&mut e, T0)),
+        (Settlement::Ack, Terminal::Isolated)
+    );
+
+    // A quorum queue's count is evidence too.
+    let mut e = engine(RetryPolicy::default());
+    e.handle_delivery(
+        T0,
+        Lane::Work,
+        facts(&[("x-delivery-count", HeaderValue::Int(1))], false),
+    );
+    let publish = expect_publish(&drain(&mut e, T0));
+    assert_eq!(&*publish.route.routing_key, "work.suspect");
+}
+
+#[test]
+fn a_fresh_suspect_runs_and_takes_the_normal_retry_path() {
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let mut e = engine(policy);
+    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], false));
+    let (_, attempt) = expect_run(&drain(&mut e, T0));
+    assert_eq!(attempt, 1);
+    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
+        .unwrap();
+    let publish = expect_publish(&drain(&mut e, T0));
+    assert_eq!(
+        &*publish.route.routing_key, "work.retry.30s",
+        "back to the work queue"
+    );
+    assert_eq!(publish.headers.crashes, 0);
+}
+
+#[test]
+fn a_suspect_redelivered_from_the_isolation_queue_counts_a_crash_and_waits_the_crash_delay() {
+    let policy = RetryPolicy::delays([secs(30), secs(600)])
+        .with_crash_delay(secs(5))
+        .build()
+        .unwrap();
+    let mut e = engine(policy);
+    let f = facts(&[(headers::ATTEMPTS, HeaderValue::Int(1))], true);
+    let id = e.handle_delivery(T0, Lane::Isolation, f);
+    let publish = expect_publish(&drain(&mut e, T0));
+    assert_eq!(&*publish.route.routing_key, "work.crash.5s");
     assert_eq!(publish.headers.crashes, 1);
     assert_eq!(
         publish.headers.attempts, 1,
         "a crash is not a failed attempt"
     );
-    assert_eq!(publish.headers.reason, None);
+    assert_eq!(publish.headers.delay, Some(secs(5)));
+    assert_eq!(publish.headers.first_failure, Some(T0));
     assert!(publish.headers.last_error.unwrap().contains("crash"));
     e.handle_confirm(T0, id, Confirm::Ack).unwrap();
     assert_eq!(
@@ -449,7 +513,7 @@ fn redelivered_deliveries_are_diverted_without_running_the_handler() {
             Settlement::Ack,
             Terminal::Diverted {
                 crashes: 1,
-                delay: secs(30)
+                delay: secs(5)
             }
         )
     );
@@ -458,14 +522,15 @@ fn redelivered_deliveries_are_diverted_without_running_the_handler() {
 #[test]
 fn crash_limit_parks_with_reason_crash_loop() {
     let policy = RetryPolicy::default(); // crash limit 3
-    // (crashes recorded, redelivered, x-delivery-count, expected)
+    // (crashes recorded, redelivered, x-delivery-count, expected): one crash per redelivery
+    // from the isolation queue, whatever the broker's count.
     let table: [(i64, bool, Option<i64>, Option<u32>); 6] = [
         (0, true, None, Some(1)),
         (2, true, None, Some(3)),
         (3, true, None, None),
-        (0, false, Some(3), Some(3)),
-        (0, false, Some(4), None),
-        (1, true, Some(3), None),
+        (0, false, Some(3), Some(1)),
+        (3, false, Some(1), None),
+        (1, true, Some(3), Some(2)),
     ];
     for (crashes, redelivered, count, diverted_with) in table {
         let mut h = vec![(headers::CRASHES, HeaderValue::Int(crashes))];
@@ -473,7 +538,7 @@ fn crash_limit_parks_with_reason_crash_loop() {
             h.push(("x-delivery-count", HeaderValue::Int(n)));
         }
         let mut e = engine(policy.clone());
-        let id = e.handle_delivery(T0, facts(&h, redelivered));
+        let id = e.handle_delivery(T0, Lane::Isolation, facts(&h, redelivered));
         let publish = expect_publish(&drain(&mut e, T0));
         e.handle_confirm(T0, id, Confirm::Ack).unwrap();
         let (_, terminal) = expect_settle(&drain(&mut e, T0));
@@ -485,6 +550,7 @@ fn crash_limit_parks_with_reason_crash_loop() {
             None => {
                 assert_eq!(&*publish.route.exchange, "work.dead-letter");
                 assert_eq!(publish.headers.reason, Some(DeadLetterReason::CrashLoop));
+                assert_eq!(publish.headers.crashes, 4);
                 assert_eq!(
                     terminal,
                     Terminal::DeadLettered {
@@ -497,25 +563,149 @@ fn crash_limit_parks_with_reason_crash_loop() {
 }
 
 #[test]
-fn run_handler_mode_runs_crashed_deliveries_but_still_counts_crashes() {
+fn the_work_lane_never_counts_a_crash_however_often_it_is_redelivered() {
+    let mut e = engine(RetryPolicy::default());
+    let h = [
+        (headers::CRASHES, HeaderValue::Int(3)),
+        ("x-delivery-count", HeaderValue::Int(50)),
+    ];
+    e.handle_delivery(T0, Lane::Work, facts(&h, true));
+    let publish = expect_publish(&drain(&mut e, T0));
+    assert_eq!(&*publish.route.routing_key, "work.suspect");
+    assert_eq!(publish.headers.crashes, 3);
+    assert_eq!(publish.headers.reason, None);
+}
+
+#[test]
+fn run_handler_mode_sends_a_crashed_suspect_straight_back_to_the_isolation_queue() {
     let policy = RetryPolicy::delays([secs(30)])
         .with_on_crash(CrashAction::RunHandler)
         .with_crash_limit(1)
         .build()
         .unwrap();
+    let plan = TopologyPlan::new("work", &policy).unwrap();
+    assert_eq!(plan.crash_route(), None, "no crash-delay queue");
     let mut e = engine(policy.clone());
-    let id = e.handle_delivery(T0, facts(&[], true));
-    expect_run(&drain(&mut e, T0));
-    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
-        .unwrap();
+    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
     let publish = expect_publish(&drain(&mut e, T0));
-    assert_eq!(publish.headers.crashes, 1);
+    assert_eq!(&*publish.route.routing_key, "work.suspect");
+    assert_eq!((publish.headers.crashes, publish.headers.delay), (1, None));
+    e.handle_confirm(T0, id, Confirm::Ack).unwrap();
+    assert_eq!(
+        expect_settle(&drain(&mut e, T0)).1,
+        Terminal::Diverted {
+            crashes: 1,
+            delay: Duration::ZERO
+        }
+    );
 
     // A second crash goes past the limit of 1.
     let mut e = engine(policy);
-    e.handle_delivery(T0, facts(&[(headers::CRASHES, HeaderValue::Int(1))], true));
+    let h = [(headers::CRASHES, HeaderValue::Int(1))];
+    e.handle_delivery(T0, Lane::Isolation, facts(&h, true));
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(publish.headers.reason, Some(DeadLetterReason::CrashLoop));
+}
+
+#[test]
+fn an_excused_suspect_runs_again_without_counting_a_crash() {
+    let mut e = engine(RetryPolicy::default());
+    e.excuse(42);
+    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
+    expect_run(&drain(&mut e, T0));
+    e.handle_outcome(T0, id, Outcome::Success).unwrap();
+    assert_eq!(
+        expect_settle(&drain(&mut e, T0)).1,
+        Terminal::Handled { attempt: 1 }
+    );
+    // An excuse is used once.
+    e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
+    let publish = expect_publish(&drain(&mut e, T0));
+    assert_eq!(publish.headers.crashes, 1);
+}
+
+#[test]
+fn a_refused_publish_is_retried_with_doubling_waits_before_the_original_is_requeued() {
+    let policy = RetryPolicy::delays([secs(30)])
+        .with_publish_retries(2, Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let mut e = engine(policy);
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
+    drain(&mut e, T0);
+    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
+        .unwrap();
+    let first = expect_publish(&drain(&mut e, T0));
+    e.handle_confirm(T0, id, Confirm::Nack).unwrap();
+    assert_eq!(
+        drain(&mut e, T0),
+        vec![],
+        "nothing settles while retries remain"
+    );
+    assert_eq!(e.poll_timeout(T0), Some(Duration::from_millis(100)));
+    let t1 = T0 + Duration::from_millis(100);
+    assert_eq!(
+        expect_publish(&drain(&mut e, t1)),
+        first,
+        "the same clone again"
+    );
+    e.handle_confirm(t1, id, Confirm::Returned).unwrap();
+    assert_eq!(e.poll_timeout(t1), Some(Duration::from_millis(200)));
+    assert_eq!(drain(&mut e, t1 + Duration::from_millis(199)), vec![]);
+    let t2 = t1 + Duration::from_millis(200);
+    expect_publish(&drain(&mut e, t2));
+    e.handle_confirm(t2, id, Confirm::Failed).unwrap();
+    assert_eq!(
+        expect_settle(&drain(&mut e, t2)),
+        (
+            Settlement::Requeue,
+            Terminal::Requeued {
+                cause: Confirm::Failed
+            }
+        )
+    );
+
+    // A retry that is confirmed acks as if the first publish had been.
+    let mut e = engine(RetryPolicy::delays([secs(30)]).build().unwrap());
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
+    drain(&mut e, T0);
+    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
+        .unwrap();
+    drain(&mut e, T0);
+    e.handle_confirm(T0, id, Confirm::Nack).unwrap();
+    let t1 = T0 + Duration::from_millis(100);
+    expect_publish(&drain(&mut e, t1));
+    e.handle_confirm(t1, id, Confirm::Ack).unwrap();
+    assert_eq!(
+        expect_settle(&drain(&mut e, t1)),
+        (
+            Settlement::Ack,
+            Terminal::Retried {
+                attempts: 1,
+                delay: secs(30)
+            }
+        )
+    );
+}
+
+#[test]
+fn a_suspect_requeued_after_its_publish_failed_is_not_blamed_when_it_returns() {
+    let policy = RetryPolicy::delays([secs(30)])
+        .with_publish_retries(0, Duration::ZERO)
+        .build()
+        .unwrap();
+    let mut e = engine(policy);
+    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], false));
+    drain(&mut e, T0);
+    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
+        .unwrap();
+    drain(&mut e, T0);
+    e.handle_confirm(T0, id, Confirm::Nack).unwrap();
+    assert_eq!(expect_settle(&drain(&mut e, T0)).0, Settlement::Requeue);
+    // Back from the isolation queue, redelivered: it runs, no crash counted.
+    e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
+    let (_, attempt) = expect_run(&drain(&mut e, T0));
+    assert_eq!(attempt, 1);
 }
 
 #[test]
@@ -614,7 +804,7 @@ fn broker_counters_are_read() {
 #[test]
 fn engine_refuses_inputs_out_of_turn() {
     let mut e = engine(RetryPolicy::default());
-    let id = e.handle_delivery(T0, facts(&[], false));
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
     drain(&mut e, T0);
     assert_eq!(
         e.handle_confirm(T0, id, Confirm::Ack),
@@ -633,7 +823,7 @@ fn engine_refuses_inputs_out_of_turn() {
         e.handle_outcome(T0, id, Outcome::Success),
         Err(EngineError::UnknownDelivery(id))
     );
-    let next = e.handle_delivery(T0, facts(&[], false));
+    let next = e.handle_delivery(T0, Lane::Work, facts(&[], false));
     assert_ne!(next, id);
     assert_eq!(
         e.handle_confirm(T0, id, Confirm::Ack),
@@ -648,8 +838,8 @@ fn forget_leaves_a_delivery_to_the_broker() {
         .build()
         .unwrap();
     let mut e = engine(policy);
-    let waiting = e.handle_delivery(T0, facts(&[], false));
-    let running = e.handle_delivery(T0, facts(&[], false));
+    let waiting = e.handle_delivery(T0, Lane::Work, facts(&[], false));
+    let running = e.handle_delivery(T0, Lane::Work, facts(&[], false));
     drain(&mut e, T0);
     e.handle_outcome(T0, waiting, Outcome::Transient("x".into()))
         .unwrap();
@@ -659,23 +849,6 @@ fn forget_leaves_a_delivery_to_the_broker() {
     assert_eq!(e.in_flight(), 0);
     assert_eq!(e.poll_timeout(T0), None);
     assert_eq!(drain(&mut e, T0 + secs(10)), vec![]);
-}
-
-#[test]
-fn run_handler_crash_mode_needs_a_broker_delivery_count() {
-    let policy = RetryPolicy::builder()
-        .with_on_crash(CrashAction::RunHandler)
-        .build()
-        .unwrap();
-    let classic = TopologyPlan::new("work", &policy).unwrap();
-    let err = Engine::new(policy.clone(), &classic).unwrap_err();
-    assert_eq!(
-        err,
-        EngineError::CrashLimitUnenforceable {
-            queue: "work".into()
-        }
-    );
-    assert!(err.to_string().contains("Quorum"));
 }
 
 #[test]
@@ -692,6 +865,22 @@ fn engine_refuses_a_plan_made_for_another_policy() {
         }
     );
     assert!(err.to_string().contains("60s"));
+
+    let divert = RetryPolicy::delays([secs(1)])
+        .with_crash_delay(secs(20))
+        .build()
+        .unwrap();
+    let plan = TopologyPlan::new("work", &short).unwrap();
+    let err = Engine::new(divert, &plan).unwrap_err();
+    assert_eq!(
+        err,
+        EngineError::MissingCrashDelay {
+            queue: "work".into(),
+            missing: "work.crash.20s".into(),
+            delay: secs(20)
+        }
+    );
+    assert!(err.to_string().contains("work.crash.20s"));
 }
 
 #[test]
@@ -704,7 +893,7 @@ fn jittered_delays_route_to_the_level_that_holds_them() {
     for seed in 0..200u64 {
         let mut e = Engine::new(policy.clone(), &plan).unwrap();
         let f = DeliveryFacts::decode(&Headers::new(), BrokerSignals::default(), seed);
-        let id = e.handle_delivery(T0, f);
+        let id = e.handle_delivery(T0, Lane::Work, f);
         drain(&mut e, T0);
         e.handle_outcome(T0, id, Outcome::Transient("x".into()))
             .unwrap();

@@ -58,7 +58,30 @@ fn documented_defaults() {
     assert_eq!(p.crash_limit(), 3);
     assert_eq!(p.on_crash(), CrashAction::Divert);
     assert_eq!(p.crash_delay(), secs(1));
+    assert_eq!(p.crash_delay_level(), Some(secs(1)));
     assert_eq!(p.on_exhausted(), Exhausted::DeadLetter);
+    assert_eq!(p.publish_retries(), 3);
+    assert_eq!(p.publish_retry_budget(), Duration::from_millis(700));
+}
+
+#[test]
+fn publish_retry_waits_double_and_stay_bounded() {
+    let p = RetryPolicy::builder()
+        .with_publish_retries(40, Duration::from_secs(1))
+        .build()
+        .unwrap();
+    assert_eq!(p.publish_retry_wait(1), secs(1));
+    assert_eq!(p.publish_retry_wait(3), secs(4));
+    assert_eq!(
+        p.publish_retry_wait(40),
+        MAX_TTL,
+        "capped, never overflowing"
+    );
+    let none = RetryPolicy::builder()
+        .with_publish_retries(0, Duration::ZERO)
+        .build()
+        .unwrap();
+    assert_eq!(none.publish_retry_budget(), Duration::ZERO);
 }
 
 #[test]
@@ -108,6 +131,14 @@ fn invalid_policies_name_their_field() {
             RetryPolicy::builder().with_max_elapsed(Duration::ZERO),
             "max_elapsed",
         ),
+        (
+            RetryPolicy::builder().with_publish_retries(2, Duration::ZERO),
+            "publish_retry_wait",
+        ),
+        (
+            RetryPolicy::builder().with_publish_retries(2, too_long),
+            "publish_retry_wait",
+        ),
     ];
     for (builder, field) in cases {
         let err = builder.build().unwrap_err();
@@ -150,7 +181,8 @@ fn schedule_mixes_immediate_and_delayed_retries() {
     assert_eq!(p.delayed_retries(), 0);
     assert_eq!(p.delay_bounds(), None);
     assert_eq!(p.crash_delay(), secs(1));
-    assert_eq!(p.delay_levels(), [secs(1)]);
+    assert_eq!(p.delay_levels(), [], "the crash delay is not a retry level");
+    assert_eq!(p.crash_delay_level(), Some(secs(1)));
 }
 
 #[test]
@@ -234,6 +266,8 @@ mod config {
             on_crash = "run-handler"
             crash_delay = "45s"
             on_exhausted = "drop"
+            publish_retries = 5
+            publish_retry_wait = "50ms"
             backoff = { kind = "linear", initial = "1s", step = "1s", max = "1m" }
             "#,
         )
@@ -254,6 +288,7 @@ mod config {
                 .with_on_crash(CrashAction::RunHandler)
                 .with_crash_delay(secs(45))
                 .with_on_exhausted(Exhausted::Drop)
+                .with_publish_retries(5, Duration::from_millis(50))
                 .build()
                 .unwrap()
         );
@@ -283,6 +318,10 @@ mod config {
                 "unknown field `max_atempts`",
             ),
             (r#"jitter = "none""#, "missing field `backoff`"),
+            (
+                "publish_retry_wait = \"0s\"\nbackoff = { kind = \"fixed\", delay = \"1s\" }",
+                "publish_retry_wait must be greater than zero",
+            ),
             (
                 r#"backoff = { kind = "fibonacci" }"#,
                 "unknown variant `fibonacci`",

@@ -54,6 +54,8 @@ prop_compose! {
         run_on_crash in any::<bool>(),
         drop in any::<bool>(),
         elapsed in prop::option::of(1u64..100_000_000),
+        publish_retries in 0u32..3,
+        publish_wait in 1u64..1_000,
     ) -> RetryPolicy {
         let mut b = RetryPolicy::builder()
             .with_backoff(backoff)
@@ -62,7 +64,8 @@ prop_compose! {
             .with_immediate_retries(immediate, wait)
             .with_crash_limit(crash_limit)
             .with_on_crash(if run_on_crash { CrashAction::RunHandler } else { CrashAction::Divert })
-            .with_on_exhausted(if drop { Exhausted::Drop } else { Exhausted::DeadLetter });
+            .with_on_exhausted(if drop { Exhausted::Drop } else { Exhausted::DeadLetter })
+            .with_publish_retries(publish_retries, Duration::from_millis(publish_wait));
         if let Some(ms) = elapsed {
             b = b.with_max_elapsed(Duration::from_millis(ms));
         }
@@ -76,7 +79,7 @@ enum Fate {
     Transient,
     Permanent,
     RetryAfter(u64),
-    /// The consumer dies holding the delivery: it comes back redelivered.
+    /// The consumer dies holding the delivery: it comes back redelivered to its queue.
     Crash,
 }
 
@@ -90,19 +93,6 @@ fn arb_fate() -> impl Strategy<Value = Fate> {
     ]
 }
 
-/// Run-handler crash handling needs quorum queues (their delivery count is how crashes of
-/// the same message are counted).
-fn plan_for(policy: &RetryPolicy) -> TopologyPlan {
-    let queue_type = match policy.on_crash() {
-        CrashAction::RunHandler => QueueType::Quorum,
-        _ => QueueType::Classic,
-    };
-    TopologyPlan::builder("q", policy)
-        .with_queue_type(queue_type)
-        .build()
-        .unwrap()
-}
-
 fn outcome(fate: &Fate) -> Outcome {
     match fate {
         Fate::Success => Outcome::Success,
@@ -112,18 +102,40 @@ fn outcome(fate: &Fate) -> Outcome {
     }
 }
 
+/// How one message's life went.
+struct Life {
+    /// The run numbers the engine asked for.
+    runs: Vec<u32>,
+    /// Crashes while it ran from the work queue, beside other deliveries.
+    work_crashes: u32,
+    /// Crashes while it ran alone, from the isolation queue.
+    solo_crashes: u32,
+    /// The crash count its last copy carried.
+    recorded_crashes: u32,
+    /// How it ended.
+    terminal: Terminal,
+}
+
 /// Follows one message through the broker: every clone comes back as a new delivery with the
-/// clone's headers, a crash brings the same delivery back redelivered. Returns the run
-/// numbers the engine asked for and how the message finally ended.
-fn life_of_a_message(policy: &RetryPolicy, fates: &[Fate], seed: u64) -> (Vec<u32>, Terminal) {
-    let plan = plan_for(policy);
+/// clone's headers, from the queue its route leads to (the work queue, or the isolation
+/// queue); a crash brings the same delivery back redelivered to the queue it came from.
+fn life_of_a_message(policy: &RetryPolicy, fates: &[Fate], seed: u64) -> Life {
+    let plan = TopologyPlan::new("q", policy).unwrap();
+    let into_isolation = |route: &Route| {
+        route == plan.isolation_route() || plan.crash_route().is_some_and(|(_, r)| r == route)
+    };
     let mut engine = Engine::new(policy.clone(), &plan).unwrap();
     let mut headers = Headers::new();
     let mut redelivered = false;
-    // Quorum queues count returns of the same message; a new clone starts again.
-    let mut delivery_count = 0i64;
+    let mut lane = Lane::Work;
     let mut now = T0;
-    let mut runs = Vec::new();
+    let mut life = Life {
+        runs: Vec::new(),
+        work_crashes: 0,
+        solo_crashes: 0,
+        recorded_crashes: 0,
+        terminal: Terminal::Isolated,
+    };
     let mut fates = fates.iter().cycle();
     for _hop in 0..1_000 {
         let facts = DeliveryFacts::decode(
@@ -134,9 +146,10 @@ fn life_of_a_message(policy: &RetryPolicy, fates: &[Fate], seed: u64) -> (Vec<u3
             },
             seed,
         );
-        let id = engine.handle_delivery(now, facts);
+        let id = engine.handle_delivery(now, lane, facts);
         redelivered = false;
         let mut crashed = false;
+        let mut next_lane = lane;
         while let Some(action) = engine.poll_action(now).or_else(|| {
             let wait = engine.poll_timeout(now)?;
             now = now + wait;
@@ -144,7 +157,7 @@ fn life_of_a_message(policy: &RetryPolicy, fates: &[Fate], seed: u64) -> (Vec<u3
         }) {
             match action {
                 Action::RunHandler { delivery, attempt } => {
-                    runs.push(attempt);
+                    life.runs.push(attempt);
                     let fate = fates.next().unwrap();
                     if let Fate::Crash = fate {
                         assert!(engine.forget(delivery));
@@ -160,6 +173,11 @@ fn life_of_a_message(policy: &RetryPolicy, fates: &[Fate], seed: u64) -> (Vec<u3
                         routing_key: "q",
                     };
                     headers = headers::clone_headers(&headers, origin, &publish.headers);
+                    next_lane = if into_isolation(&publish.route) {
+                        Lane::Isolation
+                    } else {
+                        Lane::Work
+                    };
                     engine.handle_confirm(now, delivery, Confirm::Ack).unwrap();
                 }
                 Action::Settle { terminal, .. } => match terminal {
@@ -167,20 +185,27 @@ fn life_of_a_message(policy: &RetryPolicy, fates: &[Fate], seed: u64) -> (Vec<u3
                         now = now + delay;
                         break;
                     }
-                    other => return (runs, other),
+                    Terminal::Isolated => break,
+                    other => {
+                        life.recorded_crashes = ParkedRecord::decode(&headers).crashes;
+                        life.terminal = other;
+                        return life;
+                    }
                 },
             }
         }
         if crashed {
             redelivered = true;
-            delivery_count += 1;
-            headers.insert("x-delivery-count", delivery_count);
+            match lane {
+                Lane::Work => life.work_crashes += 1,
+                Lane::Isolation => life.solo_crashes += 1,
+            }
         } else {
-            delivery_count = 0;
+            lane = next_lane;
         }
         assert_eq!(engine.in_flight(), 0, "{id:?} left in flight");
     }
-    panic!("message never finished: runs {runs:?}");
+    panic!("message never finished: runs {:?}", life.runs);
 }
 
 proptest! {
@@ -192,12 +217,33 @@ proptest! {
         fates in prop::collection::vec(arb_fate(), 1..20),
         seed in any::<u64>(),
     ) {
-        let (runs, terminal) = life_of_a_message(&policy, &fates, seed);
+        let life = life_of_a_message(&policy, &fates, seed);
+        let runs = &life.runs;
         prop_assert!(runs.iter().all(|a| *a >= 1 && *a <= policy.max_attempts()), "{runs:?}");
         if let Terminal::DeadLettered { reason: DeadLetterReason::AttemptsExhausted }
-            | Terminal::Dropped { reason: DeadLetterReason::AttemptsExhausted } = terminal
+            | Terminal::Dropped { reason: DeadLetterReason::AttemptsExhausted } = life.terminal
         {
             prop_assert_eq!(runs.last().copied(), Some(policy.max_attempts()));
+        }
+    }
+
+    #[test]
+    fn only_crashes_while_running_alone_are_counted(
+        policy in arb_policy(),
+        fates in prop::collection::vec(arb_fate(), 1..20),
+        seed in any::<u64>(),
+    ) {
+        let life = life_of_a_message(&policy, &fates, seed);
+        prop_assert_eq!(life.recorded_crashes, life.solo_crashes);
+        let crash_loop = DeadLetterReason::CrashLoop;
+        let parked_for_crashes = life.terminal == Terminal::DeadLettered { reason: crash_loop };
+        prop_assert_eq!(parked_for_crashes, life.solo_crashes > policy.crash_limit());
+        if parked_for_crashes {
+            prop_assert_eq!(life.solo_crashes, policy.crash_limit() + 1);
+        }
+        // However often it went down beside other deliveries, that alone never parks it.
+        if life.solo_crashes == 0 {
+            prop_assert_ne!(life.terminal, Terminal::DeadLettered { reason: crash_loop });
         }
     }
 
@@ -237,20 +283,21 @@ proptest! {
     #[test]
     fn every_delivery_ends_once_and_never_before_its_confirm(
         policy in arb_policy(),
-        deliveries in prop::collection::vec((any::<bool>(), 0i64..12, 0i64..5), 1..12),
+        deliveries in prop::collection::vec((any::<bool>(), any::<bool>(), 0i64..12, 0i64..5), 1..12),
         choices in prop::collection::vec((any::<prop::sample::Index>(), arb_fate(), 0u8..4), 1..400),
     ) {
-        let plan = plan_for(&policy);
+        let plan = TopologyPlan::new("q", &policy).unwrap();
         let mut engine = Engine::new(policy.clone(), &plan).unwrap();
         let mut now = T0;
         let mut ids = Vec::new();
-        for (i, (redelivered, attempts, crashes)) in deliveries.iter().enumerate() {
+        for (i, (isolation, redelivered, attempts, crashes)) in deliveries.iter().enumerate() {
+            let lane = if *isolation { Lane::Isolation } else { Lane::Work };
             let h: Headers = [
                 (headers::ATTEMPTS, HeaderValue::Int(*attempts)),
                 (headers::CRASHES, HeaderValue::Int(*crashes)),
             ].into_iter().collect();
             let f = DeliveryFacts::decode(&h, BrokerSignals { redelivered: *redelivered, delivery_count: None }, i as u64);
-            ids.push(engine.handle_delivery(now, f));
+            ids.push(engine.handle_delivery(now, lane, f));
         }
         let mut running = BTreeSet::new();
         let mut publishing = BTreeMap::new();
@@ -274,7 +321,7 @@ proptest! {
                         prop_assert!(!publishing.contains_key(&delivery), "settled before the confirm");
                         let published = confirmed.remove(&delivery);
                         match terminal {
-                            Terminal::Retried { .. } | Terminal::Diverted { .. } | Terminal::DeadLettered { .. } => {
+                            Terminal::Retried { .. } | Terminal::Isolated | Terminal::Diverted { .. } | Terminal::DeadLettered { .. } => {
                                 prop_assert_eq!(published, Some(Confirm::Ack));
                                 prop_assert_eq!(settlement, Settlement::Ack);
                             }
@@ -335,7 +382,8 @@ proptest! {
         prop_assert!(u64::from(f.attempts) <= MAX_COUNTER);
         prop_assert!(u64::from(f.delivery_count) <= MAX_COUNTER);
         let _ = ParkedRecord::decode(&h);
-        let _ = admit(&RetryPolicy::default(), &f);
+        let _ = admit(&RetryPolicy::default(), Lane::Work, &f);
+        let _ = admit(&RetryPolicy::default(), Lane::Isolation, &f);
     }
 }
 

@@ -78,6 +78,25 @@ fn per_delay_queue_plan_for_the_article_levels() {
                 QueueRole::Delay { ttl: secs(3600) },
                 delay(3_600_000)
             ),
+            (
+                "comments.suspect",
+                QueueRole::Isolation,
+                args(&[
+                    classic.clone(),
+                    ("x-dead-letter-exchange", s("comments.dead-letter")),
+                    ("x-dead-letter-routing-key", s("comments")),
+                ])
+            ),
+            (
+                "comments.crash.30s",
+                QueueRole::CrashDelay { ttl: secs(30) },
+                args(&[
+                    classic.clone(),
+                    ("x-message-ttl", HeaderValue::Int(30_000)),
+                    ("x-dead-letter-exchange", s("")),
+                    ("x-dead-letter-routing-key", s("comments.suspect")),
+                ])
+            ),
             ("comments.parking", QueueRole::Parking, args(&[classic])),
         ]
     );
@@ -100,9 +119,13 @@ fn per_delay_queue_plan_for_the_article_levels() {
             ("comments.retry", "comments.retry.30s", "comments.retry.30s"),
             ("comments.retry", "comments.retry.10m", "comments.retry.10m"),
             ("comments.retry", "comments.retry.1h", "comments.retry.1h"),
+            ("comments.retry", "comments.suspect", "comments.suspect"),
+            ("comments.retry", "comments.crash.30s", "comments.crash.30s"),
             ("comments.dead-letter", "comments.parking", "comments"),
         ]
     );
+    assert_eq!(plan.isolation_queue(), "comments.suspect");
+    assert_eq!(&*plan.isolation_route().routing_key, "comments.suspect");
     assert_eq!(plan.parking_queue(), "comments.parking");
     assert_eq!(&*plan.parking_route().exchange, "comments.dead-letter");
     assert_eq!(&*plan.parking_route().routing_key, "comments");
@@ -140,8 +163,42 @@ fn every_route_reaches_a_declared_queue() {
         &plan.parking_route().exchange,
         &plan.parking_route().routing_key
     ));
-    // The crash delay has its own level.
-    assert!(plan.delay_routes().iter().any(|(l, _)| *l == secs(7)));
+    // The crash delay has its own queue, which expires into the isolation queue.
+    assert!(plan.delay_routes().iter().all(|(l, _)| *l != secs(7)));
+    let (crash_delay, crash_route) = plan.crash_route().unwrap();
+    assert_eq!(crash_delay, secs(7));
+    assert!(reaches(&crash_route.exchange, &crash_route.routing_key));
+    let crash_queue = plan
+        .queues()
+        .iter()
+        .find(|q| *q.name == *crash_route.routing_key)
+        .unwrap();
+    assert_eq!(crash_queue.role, QueueRole::CrashDelay { ttl: secs(7) });
+    assert_eq!(
+        crash_queue.arguments.dead_letter_routing_key.as_deref(),
+        Some(plan.isolation_queue())
+    );
+    let isolation = plan.isolation_route();
+    assert!(reaches(&isolation.exchange, &isolation.routing_key));
+    let destinations: Vec<_> = plan
+        .delayed_destinations()
+        .map(|(d, _, queue)| (d, queue))
+        .collect();
+    assert_eq!(destinations.last(), Some(&(secs(7), "w.suspect")));
+    assert_eq!(destinations.len(), plan.delay_routes().len() + 1);
+
+    // Suspects that crash go straight back with run-handler: no crash-delay queue.
+    let run = RetryPolicy::builder()
+        .with_on_crash(CrashAction::RunHandler)
+        .build()
+        .unwrap();
+    let plan = TopologyPlan::new("w", &run).unwrap();
+    assert_eq!(plan.crash_route(), None);
+    assert!(
+        plan.queues()
+            .iter()
+            .all(|q| !matches!(q.role, QueueRole::CrashDelay { .. }))
+    );
 }
 
 #[test]
@@ -170,11 +227,14 @@ fn quorum_queues_use_at_least_once_dead_lettering() {
                 .then(|| HeaderValue::from("reject-publish"))
                 .as_ref()
         );
+        // The broker's delivery limit backs up the crash limit on both intakes.
         assert_eq!(
             a.get("x-delivery-limit"),
-            (q.role == QueueRole::Work)
+            matches!(q.role, QueueRole::Work | QueueRole::Isolation)
                 .then_some(HeaderValue::Int(4))
-                .as_ref()
+                .as_ref(),
+            "{}",
+            q.name
         );
     }
 }

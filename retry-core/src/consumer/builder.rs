@@ -7,7 +7,7 @@ use super::{Config, Consumer, Observer};
 use crate::engine::{Engine, EngineError, Terminal};
 use crate::handler::Handler;
 use crate::message::Message;
-use crate::policy::{CrashAction, RetryPolicy};
+use crate::policy::RetryPolicy;
 use crate::time::format_delay;
 use crate::topology::{TopologyBuilder, TopologyError, TopologyPlan};
 use crate::transport::Transport;
@@ -16,7 +16,9 @@ const DEFAULT_PREFETCH: u16 = 10;
 const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
-const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(1);
+const DEFAULT_SOLO_RUNS: u32 = 32;
+const DEFAULT_SOLO_TIME: Duration = Duration::from_secs(5);
+const DEFAULT_SUSPECT_POLL: Duration = Duration::from_secs(5);
 
 type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> + Send>;
 
@@ -29,7 +31,8 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// | [`handler_timeout`](Self::handler_timeout) | 30 s |
 /// | [`consumer_timeout`](Self::consumer_timeout) | 30 min, RabbitMQ's default |
 /// | [`shutdown_grace`](Self::shutdown_grace) | 30 s |
-/// | [`requeue_delay`](Self::requeue_delay) | 1 s |
+/// | [`solo_limit`](Self::solo_limit) | 32 suspects or 5 s per solo phase |
+/// | [`suspect_poll`](Self::suspect_poll) | 5 s |
 /// | [`topology`](Self::topology) | classic queues, one TTL queue per delay |
 /// | [`provision`](Self::provision) | on |
 /// | [`on_terminal`](Self::on_terminal) | none |
@@ -41,13 +44,21 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// # #[async_trait]
 /// # impl Transport for Broker {
 /// #     type Tag = u64;
+/// #     type Subscription = Broker;
 /// #     fn capabilities(&self) -> Capabilities { Capabilities::default() }
 /// #     async fn provision(&self, _: &TopologyPlan) -> Result<(), TransportError> { Ok(()) }
-/// #     async fn consume(&self, _: &str, _: u16) -> Result<(), TransportError> { Ok(()) }
-/// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+/// #     async fn consume(&self, _: &str, _: u16) -> Result<Broker, TransportError> { Ok(Broker) }
+/// #     async fn fetch(&self, _: &str) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+/// #     async fn ready(&self, _: &str, _: std::time::Duration) -> Result<(), TransportError> { Ok(()) }
 /// #     async fn publish(&self, _: &Message, _: &Publish) -> PublishResult { PublishResult::Confirmed }
 /// #     async fn settle(&self, _: &u64, _: Settlement) -> Result<(), TransportError> { Ok(()) }
+/// # }
+/// # #[async_trait]
+/// # impl Subscription for Broker {
+/// #     type Tag = u64;
+/// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
 /// #     async fn cancel(&self) -> Result<(), TransportError> { Ok(()) }
+/// #     async fn flush(&self) -> Result<(), TransportError> { Ok(()) }
 /// # }
 /// use retry_core::{
 ///     Consumer, ConsumerConfigError, HandlerError, Message, QueueType, RetryPolicy, TopologyBuilder,
@@ -87,7 +98,9 @@ pub struct ConsumerBuilder<T: Transport, H: Handler> {
     handler_timeout: Duration,
     consumer_timeout: Duration,
     shutdown_grace: Duration,
-    requeue_delay: Duration,
+    solo_runs: u32,
+    solo_time: Duration,
+    suspect_poll: Duration,
     topology: Option<Customize>,
     provision: bool,
     observer: Option<Observer>,
@@ -104,7 +117,9 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
             consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
-            requeue_delay: DEFAULT_REQUEUE_DELAY,
+            solo_runs: DEFAULT_SOLO_RUNS,
+            solo_time: DEFAULT_SOLO_TIME,
+            suspect_poll: DEFAULT_SUSPECT_POLL,
             topology: None,
             provision: true,
             observer: None,
@@ -133,7 +148,10 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
 
     /// The broker's `consumer_timeout`: how long it lets a consumer hold a delivery before
     /// closing its channel (RabbitMQ's default is 30 min). The consumer refuses settings that
-    /// could hold a delivery that long in-process.
+    /// could hold a delivery that long: the in-process time of one delivery (its handler
+    /// runs, immediate-retry waits and publish-retry waits) three times over (the deliveries
+    /// being drained, the last suspect of a solo phase, its own runs) plus the solo phase's
+    /// time limit.
     pub fn consumer_timeout(mut self, timeout: Duration) -> Self {
         self.consumer_timeout = timeout;
         self
@@ -146,11 +164,22 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         self
     }
 
-    /// How long a delivery is held before it is requeued because its clone's publish failed.
-    /// A requeued delivery comes straight back; without a pause, a broker that keeps refusing
-    /// the clone (a full delay queue) would spin it in a hot loop.
-    pub fn requeue_delay(mut self, delay: Duration) -> Self {
-        self.requeue_delay = delay;
+    /// Bounds one solo phase: at most `runs` suspects (at least 1), or `time`, whichever
+    /// comes first, before the work lane gets a turn as long as the solo phase took. Work
+    /// deliveries prefetched meanwhile wait unstarted, so `time` counts towards the
+    /// [`consumer_timeout`](Self::consumer_timeout) check. Default 32 suspects or 5 s.
+    pub fn solo_limit(mut self, runs: u32, time: Duration) -> Self {
+        self.solo_runs = runs;
+        self.solo_time = time;
+        self
+    }
+
+    /// How often a transport that cannot watch the isolation queue looks at it for suspects
+    /// (AMQP 0-9-1 counts its ready messages; AMQP 1.0 on RabbitMQ 3.x cannot count, so the
+    /// work lane pauses for a fetch at this interval). The in-memory broker watches exactly.
+    /// Above zero; default 5 s.
+    pub fn suspect_poll(mut self, every: Duration) -> Self {
+        self.suspect_poll = every;
         self
     }
 
@@ -191,18 +220,24 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         if self.handler_timeout.is_zero() {
             return Err(ConsumerConfigError::ZeroHandlerTimeout);
         }
-        check_consumer_timeout(&self.policy, self.handler_timeout, self.consumer_timeout)?;
+        if self.solo_runs == 0 {
+            return Err(ConsumerConfigError::ZeroSoloRuns);
+        }
+        if self.suspect_poll.is_zero() {
+            return Err(ConsumerConfigError::ZeroSuspectPoll);
+        }
+        check_consumer_timeout(
+            &self.policy,
+            self.handler_timeout,
+            self.solo_time,
+            self.consumer_timeout,
+        )?;
 
         let mut topology = TopologyPlan::builder(&queue, &self.policy);
         if let Some(customize) = self.topology {
             topology = customize(topology);
         }
         let plan = topology.build()?;
-        if self.policy.on_crash() == CrashAction::RunHandler
-            && !self.transport.capabilities().delivery_count
-        {
-            return Err(ConsumerConfigError::NoDeliveryCount);
-        }
         let engine = Engine::new(self.policy, &plan)?;
         Ok(Consumer {
             transport: self.transport,
@@ -214,7 +249,9 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
                 handler_timeout: self.handler_timeout,
                 consumer_timeout: self.consumer_timeout,
                 shutdown_grace: self.shutdown_grace,
-                requeue_delay: self.requeue_delay,
+                solo_runs: self.solo_runs,
+                solo_time: self.solo_time,
+                suspect_poll: self.suspect_poll,
                 provision: self.provision,
             },
             observer: self.observer,
@@ -230,26 +267,39 @@ impl<T: Transport, H: Handler> fmt::Debug for ConsumerBuilder<T, H> {
             .field("handler_timeout", &self.handler_timeout)
             .field("consumer_timeout", &self.consumer_timeout)
             .field("shutdown_grace", &self.shutdown_grace)
-            .field("requeue_delay", &self.requeue_delay)
+            .field("solo_runs", &self.solo_runs)
+            .field("solo_time", &self.solo_time)
+            .field("suspect_poll", &self.suspect_poll)
             .field("provision", &self.provision)
             .finish_non_exhaustive()
     }
 }
 
-/// A delivery stays with the consumer through all its in-process runs and the waits between
-/// them; if that can reach the broker's `consumer_timeout`, the broker closes the channel and
-/// every delivery on it comes back redelivered, counted as a crash.
+/// A delivery stays with the consumer through all its in-process runs, the waits between
+/// them and its clone's publish retries: at most `in_process`. A work delivery prefetched
+/// just as the work lane starts draining waits for the drain (the deliveries running then,
+/// each at most `in_process`), a solo phase (`solo_time`, overrun by at most one suspect's
+/// `in_process`) and then its own runs: three times `in_process`, plus `solo_time`. If
+/// that can reach the broker's `consumer_timeout`, the broker closes the channel and every
+/// delivery on it comes back redelivered.
 fn check_consumer_timeout(
     policy: &RetryPolicy,
     handler_timeout: Duration,
+    solo_time: Duration,
     consumer_timeout: Duration,
 ) -> Result<(), ConsumerConfigError> {
     let immediate_retries = policy.immediate_retries();
     let immediate_wait = policy.immediate_wait();
+    let publish_retry_waits = policy.publish_retry_budget();
     let runs = immediate_retries.saturating_add(1);
-    let worst_case = handler_timeout
+    let in_process = handler_timeout
         .checked_mul(runs)
         .and_then(|t| t.checked_add(immediate_wait.checked_mul(immediate_retries)?))
+        .and_then(|t| t.checked_add(publish_retry_waits))
+        .unwrap_or(Duration::MAX);
+    let worst_case = in_process
+        .checked_mul(3)
+        .and_then(|t| t.checked_add(solo_time))
         .unwrap_or(Duration::MAX);
     if worst_case >= consumer_timeout {
         return Err(ConsumerConfigError::ExceedsConsumerTimeout {
@@ -257,6 +307,9 @@ fn check_consumer_timeout(
             runs,
             immediate_retries,
             immediate_wait,
+            publish_retry_waits,
+            in_process,
+            solo_time,
             worst_case,
             consumer_timeout,
         });
@@ -284,12 +337,22 @@ pub enum ConsumerConfigError {
     /// `handler_timeout` was zero, which would cancel every handler run.
     #[error("handler_timeout must be above zero")]
     ZeroHandlerTimeout,
-    /// The longest a delivery can be held in-process reaches the broker's `consumer_timeout`.
+    /// `solo_limit` allowed no suspect per solo phase, so suspects would never run.
+    #[error("solo_limit must allow at least 1 suspect per solo phase, got 0")]
+    ZeroSoloRuns,
+    /// `suspect_poll` was zero, which would look at the isolation queue in a hot loop.
+    #[error("suspect_poll must be above zero")]
+    ZeroSuspectPoll,
+    /// The longest a delivery can be held unsettled reaches the broker's
+    /// `consumer_timeout`: see [`ConsumerBuilder::consumer_timeout`].
     #[error(
-        "worst-case in-process time reaches consumer_timeout ({}): handler_timeout ({}) × {runs} runs (immediate_retries {immediate_retries} + 1) + immediate_wait ({}) × {immediate_retries} = {}; lower handler_timeout, immediate_retries or immediate_wait, or raise consumer_timeout",
+        "worst-case time a delivery is held reaches consumer_timeout ({}): 3 × in-process time ({}: handler_timeout {} × {runs} runs (immediate_retries {immediate_retries} + 1) + immediate_wait {} × {immediate_retries} + publish retry waits {}) + solo_time {} = {}; lower handler_timeout, immediate_retries, immediate_wait, publish_retries or the solo_limit time, or raise consumer_timeout",
         human(.consumer_timeout),
+        human(.in_process),
         human(.handler_timeout),
         human(.immediate_wait),
+        human(.publish_retry_waits),
+        human(.solo_time),
         human(.worst_case)
     )]
     ExceedsConsumerTimeout {
@@ -301,17 +364,18 @@ pub enum ConsumerConfigError {
         immediate_retries: u32,
         /// The policy's wait before each immediate retry.
         immediate_wait: Duration,
-        /// `handler_timeout × runs + immediate_wait × immediate_retries`.
+        /// The sum of the policy's publish-retry waits.
+        publish_retry_waits: Duration,
+        /// `handler_timeout × runs + immediate_wait × immediate_retries + publish_retry_waits`:
+        /// the longest one delivery is worked on.
+        in_process: Duration,
+        /// The time limit of one solo phase.
+        solo_time: Duration,
+        /// `3 × in_process + solo_time`: the longest a prefetched delivery can be held.
         worst_case: Duration,
         /// The broker's consumer timeout.
         consumer_timeout: Duration,
     },
-    /// The policy runs the handler on redelivered deliveries, which needs the broker's
-    /// delivery count to enforce the crash limit, and this transport has none.
-    #[error(
-        "on_crash = run-handler needs a broker delivery count to enforce the crash limit, and this transport reports none: use CrashAction::Divert"
-    )]
-    NoDeliveryCount,
     /// The topology plan could not be made for the queue.
     #[error(transparent)]
     Topology(#[from] TopologyError),

@@ -4,9 +4,10 @@ use crate::engine::Terminal;
 
 /// Counts of what happened during [`Consumer::run`](super::Consumer::run).
 ///
-/// Every received delivery ends in exactly one of `handled`, `retried`, `diverted`,
-/// `dead_lettered`, `dropped`, `requeued` (settled on the broker), `left_unsettled` (still
-/// held at shutdown) or `settle_errors` (its settlement failed; the broker redelivers it).
+/// Every received delivery ends in exactly one of `handled`, `retried`, `isolated`,
+/// `diverted`, `dead_lettered`, `dropped`, `requeued` (settled on the broker),
+/// `left_unsettled` (still held at shutdown) or `settle_errors` (its settlement failed; the
+/// broker redelivers it).
 ///
 /// ```
 /// use retry_core::RunReport;
@@ -17,20 +18,27 @@ use crate::engine::Terminal;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RunReport {
-    /// Deliveries received from the transport.
+    /// Deliveries received from the transport, from both lanes.
     pub received: u64,
+    /// Of those, suspects fetched from the isolation queue, each run with nothing else
+    /// running.
+    pub suspects: u64,
     /// Acknowledged after the handler succeeded.
     pub handled: u64,
     /// Acknowledged after a clone was confirmed on a delay route.
     pub retried: u64,
-    /// Redelivered after a crash, and acknowledged after a clone was confirmed on a delay
-    /// route without running the handler.
+    /// Redelivered from the work queue (their consumer went away holding them), and
+    /// acknowledged after a clone was confirmed in the isolation queue, without a handler
+    /// run and without counting a crash.
+    pub isolated: u64,
+    /// Suspects that took their consumer down while running alone: acknowledged after a
+    /// clone, with the crash counted, was confirmed on its way back to the isolation queue.
     pub diverted: u64,
     /// Acknowledged after a clone was confirmed in the parking queue.
     pub dead_lettered: u64,
     /// Acknowledged without a copy, as the policy allows.
     pub dropped: u64,
-    /// Returned to the queue because the clone's publish did not succeed.
+    /// Returned to the queue because the clone's publish did not succeed, retries included.
     pub requeued: u64,
     /// Still held when the shutdown grace ran out, left for the broker to redeliver.
     pub left_unsettled: u64,
@@ -50,6 +58,7 @@ impl RunReport {
     pub fn accounted(&self) -> u64 {
         self.handled
             + self.retried
+            + self.isolated
             + self.diverted
             + self.dead_lettered
             + self.dropped
@@ -62,6 +71,7 @@ impl RunReport {
         let counter = match terminal {
             Terminal::Handled { .. } => &mut self.handled,
             Terminal::Retried { .. } => &mut self.retried,
+            Terminal::Isolated => &mut self.isolated,
             Terminal::Diverted { .. } => &mut self.diverted,
             Terminal::DeadLettered { .. } => &mut self.dead_lettered,
             Terminal::Dropped { .. } => &mut self.dropped,

@@ -1,11 +1,26 @@
-//! The run loop: one future that receives, runs handlers, publishes and settles concurrently,
-//! feeding every result back into the engine.
+//! The run loop: one future that takes deliveries from two intakes, runs handlers, publishes
+//! and settles concurrently, feeding every result back into the engine.
+//!
+//! The intakes take turns ([`Phase`]):
+//!
+//! ```text
+//!        suspects waiting                 nothing held             acks flushed
+//!  Work ─────────────────────▶ Draining ─────────────▶ Flushing ───────────────▶ Solo
+//!   ▲                                                                              │
+//!   └──────────── isolation queue empty, or the solo limit reached ────────────────┘
+//! ```
+//!
+//! In `Work` the subscription to the work queue feeds up to `prefetch` concurrent handlers.
+//! Once the isolation queue has suspects, no new work starts; when every held delivery has
+//! been settled and the subscription's acknowledgements flushed, suspects are fetched one at
+//! a time, each run with nothing else running and settled before the next fetch.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::{Pin, pin};
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -16,17 +31,19 @@ use tracing::field::{Empty, debug as debug_value};
 use tracing::{Instrument, Span, debug, error, info, info_span, warn};
 
 use super::{Config, Consumer, Observer, RunReport};
-use crate::decision::Outcome;
+use crate::decision::{Lane, Outcome};
 use crate::engine::{Action, DeliveryId, Engine, EngineError, Settlement, Terminal};
 use crate::handler::{Handler, HandlerError};
 use crate::message::{Delivery, Message};
 use crate::time::{Timestamp, format_delay};
-use crate::transport::{PublishResult, Transport, TransportError};
+use crate::transport::{PublishResult, Subscription, Transport, TransportError};
 
 /// The first wait before receiving again after a lost connection; it doubles per failure.
 const MIN_RECEIVE_BACKOFF: Duration = Duration::from_millis(100);
 /// Waits stay short so a recovered connection is used soon.
 const MAX_RECEIVE_BACKOFF: Duration = Duration::from_secs(5);
+/// How long the last flush of acknowledgements may take when the consumer stops.
+const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a consumer run stopped early.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +74,15 @@ pub enum ConsumerError {
         /// The transport's error.
         source: TransportError,
     },
+    /// Taking suspects from the isolation queue failed in a way that trying again cannot
+    /// fix (the queue does not exist, say). Deliveries already held were finished first.
+    #[error("taking suspects from the isolation queue {queue:?} failed: {source}")]
+    Isolation {
+        /// The isolation queue.
+        queue: String,
+        /// The transport's error.
+        source: TransportError,
+    },
     /// The engine refused an input: a bug in the driver, never a broker condition.
     #[error("the retry engine refused the consumer's input: {0}")]
     Engine(#[from] EngineError),
@@ -72,7 +98,7 @@ enum HandlerRun {
 }
 
 /// Something that finished inside the consumer's future.
-enum Event {
+enum Event<T: Transport> {
     Handled {
         id: DeliveryId,
         run: HandlerRun,
@@ -85,16 +111,35 @@ enum Event {
         id: DeliveryId,
         result: Result<(), TransportError>,
     },
+    Subscribed(Result<T::Subscription, TransportError>),
     Cancelled(Result<(), TransportError>),
+    Flushed(Result<(), TransportError>),
+    Fetched(Received<T::Tag>),
 }
 
 /// Why the loop woke up.
-enum Wake<Tag> {
+enum Wake<T: Transport> {
     Shutdown,
     GraceOver,
-    Event(Event),
+    Event(Event<T>),
     Timer,
-    Received(Received<Tag>),
+    Received(Received<T::Tag>),
+    SuspectsWaiting(Result<(), TransportError>),
+    TurnOver,
+}
+
+/// Which intake has the turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Work-queue deliveries run, up to `prefetch` at once.
+    Work,
+    /// Suspects wait: no new work starts until everything held is settled.
+    Draining,
+    /// Sending the work subscription's batched acknowledgements, so that a crash during
+    /// the solo run cannot send handled work back to the queue.
+    Flushing,
+    /// Suspects run one at a time with nothing else running.
+    Solo { started: Timestamp, runs: u32 },
 }
 
 /// A delivery between its receipt and the end of its settlement.
@@ -102,6 +147,8 @@ struct Held<Tag> {
     tag: Tag,
     message: Message,
     span: Span,
+    lane: Lane,
+    identity: u64,
     terminal: Option<Terminal>,
 }
 
@@ -133,28 +180,19 @@ pub(super) async fn run<T: Transport, H: Handler>(
             Some(Ok(())) => {}
         }
     }
-    let consuming = transport.consume(&config.queue, config.prefetch);
-    match until_shutdown(consuming, shutdown.as_mut()).await {
-        None => return Ok(RunReport::default()),
-        Some(Err(source)) => {
-            return Err(ConsumerError::Consume {
-                queue: config.queue.clone(),
-                source,
-            });
-        }
-        Some(Ok(())) => {}
-    }
-    info!(queue = %config.queue, prefetch = config.prefetch, "consuming");
 
+    let isolation = engine.plan().isolation_queue().to_owned();
     let driver = Driver {
         transport: &transport,
         handler: &handler,
         config: &config,
         observer: observer.as_ref(),
+        isolation,
         engine,
         held: HashMap::with_capacity(usize::from(config.prefetch)),
         tasks: FuturesUnordered::new(),
         report: RunReport::default(),
+        subscription: None,
     };
     driver.drive(shutdown).await
 }
@@ -174,10 +212,38 @@ struct Driver<'a, T: Transport, H: Handler> {
     handler: &'a H,
     config: &'a Config,
     observer: Option<&'a Observer>,
+    isolation: String,
     engine: Engine,
     held: HashMap<DeliveryId, Held<T::Tag>>,
-    tasks: FuturesUnordered<BoxFuture<'a, Event>>,
+    tasks: FuturesUnordered<BoxFuture<'a, Event<T>>>,
     report: RunReport,
+    subscription: Option<Arc<T::Subscription>>,
+}
+
+/// The loop's own state, apart from the deliveries.
+struct Intake<'a, T: Transport> {
+    phase: Phase,
+    /// The isolation queue may hold suspects: drain and fetch when the work lane's turn is
+    /// over.
+    suspects: bool,
+    /// A receive in progress, kept across turns rather than restarted: dropping one midway
+    /// could lose a delivery inside the transport.
+    recv: Option<BoxFuture<'a, Received<T::Tag>>>,
+    /// A work delivery that arrived after the work lane's turn ended; it starts when the
+    /// work lane has the turn again.
+    deferred: Option<Delivery<T::Tag>>,
+    /// The work queue is still being read: not shut down, and the stream has not ended.
+    receiving: bool,
+    subscribing: bool,
+    fetching: bool,
+    flushing: bool,
+    backoff: Option<Duration>,
+    next_backoff: Duration,
+    /// Resolves when the isolation queue may have suspects.
+    watch: Option<BoxFuture<'a, Result<(), TransportError>>>,
+    /// Until this ends the work lane keeps its turn, after a solo phase that hit its limit.
+    turn: Option<BoxFuture<'static, ()>>,
+    fatal: Option<ConsumerError>,
 }
 
 impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
@@ -185,13 +251,27 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         mut self,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
     ) -> Result<RunReport, ConsumerError> {
-        // A receive in progress is kept across turns rather than restarted: dropping one
-        // midway could lose a delivery inside the transport.
-        let mut recv: Option<BoxFuture<'a, Received<T::Tag>>> = None;
-        let mut receiving = true;
-        let mut backoff: Option<Duration> = None;
-        let mut next_backoff = MIN_RECEIVE_BACKOFF;
-        let mut fatal: Option<TransportError> = None;
+        // A consumer starts by running the suspects left by the last one, before it takes
+        // any work: a work delivery prefetched during a solo run that crashes comes back a
+        // suspect itself.
+        let mut intake: Intake<'a, T> = Intake {
+            phase: Phase::Solo {
+                started: self.transport.now(),
+                runs: 0,
+            },
+            suspects: true,
+            recv: None,
+            deferred: None,
+            receiving: true,
+            subscribing: false,
+            fetching: false,
+            flushing: false,
+            backoff: None,
+            next_backoff: MIN_RECEIVE_BACKOFF,
+            watch: None,
+            turn: None,
+            fatal: None,
+        };
         let mut timer: Option<(Timestamp, BoxFuture<'static, ()>)> = None;
         let mut shutting_down = false;
         let mut grace: Option<BoxFuture<'static, ()>> = None;
@@ -206,10 +286,26 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 (Some(wait), Some((due, sleep))) if due == now + wait => Some((due, sleep)),
                 (Some(wait), _) => Some((now + wait, self.transport.sleep(wait))),
             };
-            if receiving && recv.is_none() && self.held.len() < usize::from(self.config.prefetch) {
-                recv = Some(self.receive(backoff.take()));
+            if let Some(fatal) = intake.fatal.as_ref()
+                && intake.receiving
+            {
+                error!(queue = %self.config.queue, error = %fatal, "finishing the deliveries held, then stopping");
+                intake.receiving = false;
+                intake.recv = None;
+                intake.watch = None;
+                if let Some(delivery) = intake.deferred.take() {
+                    // Never started: it goes back with the connection.
+                    drop(delivery);
+                }
             }
-            if !receiving && self.held.is_empty() && self.tasks.is_empty() {
+            self.advance(&mut intake, now, shutting_down);
+            let stopping = shutting_down || !intake.receiving;
+            if stopping
+                && self.held.is_empty()
+                && self.tasks.is_empty()
+                && !intake.fetching
+                && !intake.subscribing
+            {
                 break;
             }
 
@@ -230,10 +326,20 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 {
                     return Poll::Ready(Wake::Timer);
                 }
-                if let Some(pending) = recv.as_mut()
+                if let Some(pending) = intake.recv.as_mut()
                     && let Poll::Ready(received) = pending.as_mut().poll(cx)
                 {
                     return Poll::Ready(Wake::Received(received));
+                }
+                if let Some(watch) = intake.watch.as_mut()
+                    && let Poll::Ready(result) = watch.as_mut().poll(cx)
+                {
+                    return Poll::Ready(Wake::SuspectsWaiting(result));
+                }
+                if let Some(turn) = intake.turn.as_mut()
+                    && turn.as_mut().poll(cx).is_ready()
+                {
+                    return Poll::Ready(Wake::TurnOver);
                 }
                 Poll::Pending
             })
@@ -248,101 +354,247 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                         "shutdown requested: no more deliveries, finishing the ones held",
                     );
                     shutting_down = true;
-                    recv = None;
-                    // A transport that already ended the stream has nothing to cancel.
-                    if receiving {
-                        let cancel = self.transport.cancel();
-                        self.tasks.push(Box::pin(cancel.map(Event::Cancelled)));
+                    intake.recv = None;
+                    intake.watch = None;
+                    intake.turn = None;
+                    intake.deferred = None;
+                    if let Some(subscription) = self.subscription.clone()
+                        && intake.receiving
+                    {
+                        self.tasks.push(Box::pin(async move {
+                            Event::Cancelled(subscription.cancel().await)
+                        }));
                     }
-                    receiving = false;
+                    intake.receiving = false;
                     grace = Some(self.transport.sleep(self.config.shutdown_grace));
                 }
                 Wake::GraceOver => {
                     self.abandon_held();
                     break;
                 }
-                Wake::Event(event) => self.finish(event)?,
+                Wake::Event(event) => self.finish(event, &mut intake)?,
                 Wake::Timer => timer = None,
-                Wake::Received(received) => {
-                    recv = None;
-                    match received {
-                        Ok(Some(delivery)) => {
-                            next_backoff = MIN_RECEIVE_BACKOFF;
-                            self.admit(delivery);
-                        }
-                        Ok(None) => {
-                            info!(queue = %self.config.queue, "the transport has no more deliveries");
-                            receiving = false;
-                        }
-                        Err(TransportError::Closed) => {
-                            info!(queue = %self.config.queue, "the transport was closed");
-                            receiving = false;
-                        }
-                        Err(
-                            e @ (TransportError::Connection(_) | TransportError::Timeout { .. }),
-                        ) => {
-                            self.report.receive_errors += 1;
-                            warn!(
-                                queue = %self.config.queue,
-                                error = %e,
-                                retry_in = %format_delay(next_backoff),
-                                "receive failed; trying again",
-                            );
-                            backoff = Some(next_backoff);
-                            next_backoff = (next_backoff * 2).min(MAX_RECEIVE_BACKOFF);
-                        }
-                        Err(e) => {
-                            error!(
-                                queue = %self.config.queue,
-                                error = %e,
-                                "receive failed; finishing the deliveries held, then stopping",
-                            );
-                            receiving = false;
-                            fatal = Some(e);
-                        }
+                Wake::TurnOver => intake.turn = None,
+                Wake::SuspectsWaiting(result) => {
+                    intake.watch = None;
+                    match result {
+                        Ok(()) => intake.suspects = true,
+                        Err(e) => self.isolation_error(&mut intake, e),
                     }
+                }
+                Wake::Received(received) => {
+                    intake.recv = None;
+                    self.received(&mut intake, received);
                 }
             }
         }
 
-        if let Some(source) = fatal {
-            return Err(ConsumerError::Receive {
-                queue: self.config.queue.clone(),
-                source,
-            });
+        self.flush_at_exit().await;
+        if let Some(fatal) = intake.fatal {
+            return Err(fatal);
         }
         info!(queue = %self.config.queue, report = ?self.report, "consumer stopped");
         Ok(self.report)
     }
 
-    fn receive(&self, backoff: Option<Duration>) -> BoxFuture<'a, Received<T::Tag>> {
-        let transport = self.transport;
-        match backoff {
-            None => transport.recv(),
-            Some(wait) => {
-                let sleep = transport.sleep(wait);
-                Box::pin(async move {
-                    sleep.await;
-                    transport.recv().await
-                })
+    /// Moves the intakes along: starts the next receive, fetch, flush or watch that the
+    /// phase calls for, and changes phase when its work is done.
+    fn advance(&mut self, intake: &mut Intake<'a, T>, now: Timestamp, shutting_down: bool) {
+        loop {
+            match intake.phase {
+                Phase::Work => {
+                    let turn_over = intake.turn.is_none();
+                    if intake.suspects && turn_over && intake.receiving {
+                        intake.phase = Phase::Draining;
+                        debug!(queue = %self.config.queue, held = self.held.len(), "suspects waiting: draining the work lane");
+                        continue;
+                    }
+                    if !intake.receiving {
+                        return;
+                    }
+                    let Some(subscription) = self.subscription.clone() else {
+                        if !intake.subscribing && !shutting_down {
+                            intake.subscribing = true;
+                            let transport = self.transport;
+                            let (queue, prefetch) = (&self.config.queue, self.config.prefetch);
+                            self.tasks.push(Box::pin(async move {
+                                Event::Subscribed(transport.consume(queue, prefetch).await)
+                            }));
+                        }
+                        return;
+                    };
+                    if intake.watch.is_none() && !intake.suspects {
+                        let (transport, queue) = (self.transport, self.isolation.clone());
+                        let poll = self.config.suspect_poll;
+                        intake.watch =
+                            Some(Box::pin(async move { transport.ready(&queue, poll).await }));
+                    }
+                    if self.held.len() >= usize::from(self.config.prefetch) {
+                        return;
+                    }
+                    if let Some(delivery) = intake.deferred.take() {
+                        self.admit(delivery, Lane::Work);
+                        continue;
+                    }
+                    if intake.recv.is_none() {
+                        intake.recv = Some(self.receive(subscription, intake.backoff.take()));
+                    }
+                    return;
+                }
+                Phase::Draining => {
+                    if !self.held.is_empty() {
+                        return;
+                    }
+                    intake.phase = Phase::Flushing;
+                    let Some(subscription) = self.subscription.clone() else {
+                        continue;
+                    };
+                    intake.flushing = true;
+                    self.tasks.push(Box::pin(async move {
+                        Event::Flushed(subscription.flush().await)
+                    }));
+                    return;
+                }
+                Phase::Flushing => {
+                    if intake.flushing {
+                        return;
+                    }
+                    info!(queue = %self.config.queue, "running suspects alone");
+                    intake.phase = Phase::Solo {
+                        started: now,
+                        runs: 0,
+                    };
+                }
+                Phase::Solo { started, runs } => {
+                    if !self.held.is_empty() || intake.fetching {
+                        return;
+                    }
+                    let spent = now.saturating_duration_since(started);
+                    let limit_reached =
+                        runs >= self.config.solo_runs || spent >= self.config.solo_time;
+                    if intake.suspects && !limit_reached && !shutting_down && intake.fatal.is_none()
+                    {
+                        intake.fetching = true;
+                        let (transport, queue) = (self.transport, self.isolation.clone());
+                        self.tasks.push(Box::pin(async move {
+                            Event::Fetched(transport.fetch(&queue).await)
+                        }));
+                        return;
+                    }
+                    if intake.suspects && limit_reached {
+                        // The work lane gets a turn as long as the solo phase took (at
+                        // least the poll interval), so a stream of suspects cannot starve it.
+                        let turn = spent.max(self.config.suspect_poll);
+                        debug!(queue = %self.config.queue, runs, spent = %format_delay(spent), "solo limit reached: the work lane takes a turn");
+                        intake.turn = Some(self.transport.sleep(turn));
+                    }
+                    intake.phase = Phase::Work;
+                }
             }
         }
     }
 
-    fn admit(&mut self, delivery: Delivery<T::Tag>) {
+    fn receive(
+        &self,
+        subscription: Arc<T::Subscription>,
+        backoff: Option<Duration>,
+    ) -> BoxFuture<'a, Received<T::Tag>> {
+        let sleep = backoff.map(|wait| self.transport.sleep(wait));
+        Box::pin(async move {
+            if let Some(sleep) = sleep {
+                sleep.await;
+            }
+            subscription.recv().await
+        })
+    }
+
+    fn received(&mut self, intake: &mut Intake<'a, T>, received: Received<T::Tag>) {
+        match received {
+            Ok(Some(delivery)) => {
+                intake.next_backoff = MIN_RECEIVE_BACKOFF;
+                if intake.phase == Phase::Work {
+                    self.admit(delivery, Lane::Work);
+                } else {
+                    intake.deferred = Some(delivery);
+                }
+            }
+            Ok(None) => {
+                info!(queue = %self.config.queue, "the transport has no more deliveries");
+                intake.receiving = false;
+                intake.watch = None;
+            }
+            Err(TransportError::Closed) => {
+                info!(queue = %self.config.queue, "the transport was closed");
+                intake.receiving = false;
+                intake.watch = None;
+            }
+            Err(e @ (TransportError::Connection(_) | TransportError::Timeout { .. })) => {
+                self.report.receive_errors += 1;
+                warn!(
+                    queue = %self.config.queue,
+                    error = %e,
+                    retry_in = %format_delay(intake.next_backoff),
+                    "receive failed; trying again",
+                );
+                intake.backoff = Some(intake.next_backoff);
+                intake.next_backoff = (intake.next_backoff * 2).min(MAX_RECEIVE_BACKOFF);
+            }
+            Err(source) => {
+                intake.fatal = Some(ConsumerError::Receive {
+                    queue: self.config.queue.clone(),
+                    source,
+                });
+            }
+        }
+    }
+
+    /// A fetch or watch of the isolation queue failed. A lost connection ends the solo phase
+    /// and tries again after the poll interval; anything else stops the consumer.
+    fn isolation_error(&mut self, intake: &mut Intake<'a, T>, e: TransportError) {
+        match e {
+            TransportError::Connection(_) | TransportError::Timeout { .. } => {
+                self.report.receive_errors += 1;
+                warn!(
+                    queue = %self.isolation,
+                    error = %e,
+                    retry_in = %format_delay(self.config.suspect_poll),
+                    "taking suspects failed; trying again",
+                );
+                intake.suspects = true;
+                intake.turn = Some(self.transport.sleep(self.config.suspect_poll));
+                if matches!(intake.phase, Phase::Solo { .. }) {
+                    intake.phase = Phase::Work;
+                }
+            }
+            source => {
+                intake.fatal = Some(ConsumerError::Isolation {
+                    queue: self.isolation.clone(),
+                    source,
+                });
+            }
+        }
+    }
+
+    fn admit(&mut self, delivery: Delivery<T::Tag>, lane: Lane) {
         let Delivery {
             tag,
             message,
             facts,
         } = delivery;
         self.report.received += 1;
+        if lane == Lane::Isolation {
+            self.report.suspects += 1;
+        }
         // The run number the engine admits it at, so a delivery that never reaches a handler
-        // (a crash diversion) still reports where it stood.
+        // (an isolation or a crash diversion) still reports where it stood.
         let message = message.with_attempt(facts.attempts.saturating_add(1));
-        let id = self.engine.handle_delivery(self.transport.now(), facts);
+        let id = self
+            .engine
+            .handle_delivery(self.transport.now(), lane, facts);
         let span = info_span!(
             "delivery",
             queue = %self.config.queue,
+            lane = ?lane,
             delivery = %id,
             attempt = Empty,
             terminal = Empty,
@@ -369,6 +621,8 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 tag,
                 message,
                 span,
+                lane,
+                identity: facts.identity,
                 terminal: None,
             },
         );
@@ -435,17 +689,8 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 log_terminal(&held.span, &terminal, settlement);
                 let tag = held.tag.clone();
                 let span = held.span.clone();
-                let pause = match terminal {
-                    Terminal::Requeued { .. } if !self.config.requeue_delay.is_zero() => {
-                        Some(transport.sleep(self.config.requeue_delay))
-                    }
-                    _ => None,
-                };
                 self.tasks.push(Box::pin(
                     async move {
-                        if let Some(pause) = pause {
-                            pause.await;
-                        }
                         let result = transport.settle(&tag, settlement).await;
                         Event::Settled {
                             id: delivery,
@@ -459,7 +704,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         Ok(())
     }
 
-    fn finish(&mut self, event: Event) -> Result<(), ConsumerError> {
+    fn finish(&mut self, event: Event<T>, intake: &mut Intake<'a, T>) -> Result<(), ConsumerError> {
         let now = self.transport.now();
         match event {
             Event::Handled { id, run } => {
@@ -472,26 +717,28 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 }
                 self.engine.handle_confirm(now, id, result.confirm())?;
             }
-            Event::Settled { id, result } => {
-                let held = self
-                    .held
-                    .remove(&id)
-                    .ok_or(EngineError::UnknownDelivery(id))?;
-                match (result, held.terminal) {
-                    (Ok(()), Some(terminal)) => {
-                        self.report.count(&terminal);
-                        if let Some(observer) = self.observer {
-                            observer(&held.message, &terminal);
+            Event::Settled { id, result } => self.settled(id, result, intake)?,
+            Event::Subscribed(result) => {
+                intake.subscribing = false;
+                match result {
+                    Ok(subscription) => {
+                        let subscription = Arc::new(subscription);
+                        if intake.receiving {
+                            info!(queue = %self.config.queue, prefetch = self.config.prefetch, "consuming");
+                        } else {
+                            // Shut down while it was being made.
+                            let cancel = Arc::clone(&subscription);
+                            self.tasks.push(Box::pin(async move {
+                                Event::Cancelled(cancel.cancel().await)
+                            }));
                         }
+                        self.subscription = Some(subscription);
                     }
-                    (Ok(()), None) => {}
-                    (Err(e), _) => {
-                        self.report.settle_errors += 1;
-                        warn!(
-                            parent: &held.span,
-                            error = %e,
-                            "settling failed; the broker will redeliver",
-                        );
+                    Err(source) => {
+                        intake.fatal = Some(ConsumerError::Consume {
+                            queue: self.config.queue.clone(),
+                            source,
+                        });
                     }
                 }
             }
@@ -499,6 +746,69 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 warn!(queue = %self.config.queue, error = %e, "stopping the consumer failed");
             }
             Event::Cancelled(Ok(())) => {}
+            Event::Flushed(result) => {
+                intake.flushing = false;
+                if let Err(e) = result {
+                    warn!(queue = %self.config.queue, error = %e, "sending acknowledgements failed; the broker redelivers what it did not see settled");
+                }
+            }
+            Event::Fetched(result) => {
+                intake.fetching = false;
+                match result {
+                    Ok(Some(delivery)) => {
+                        if let Phase::Solo { runs, .. } = &mut intake.phase {
+                            *runs += 1;
+                        }
+                        self.admit(delivery, Lane::Isolation);
+                    }
+                    Ok(None) => intake.suspects = false,
+                    Err(e) => self.isolation_error(intake, e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn settled(
+        &mut self,
+        id: DeliveryId,
+        result: Result<(), TransportError>,
+        intake: &mut Intake<'a, T>,
+    ) -> Result<(), ConsumerError> {
+        let held = self
+            .held
+            .remove(&id)
+            .ok_or(EngineError::UnknownDelivery(id))?;
+        match (result, held.terminal) {
+            (Ok(()), Some(terminal)) => {
+                // A clone just went into the isolation queue: it waits for a solo run.
+                let into_isolation = match terminal {
+                    Terminal::Isolated => true,
+                    Terminal::Diverted { delay, .. } => delay.is_zero(),
+                    Terminal::Requeued { .. } => held.lane == Lane::Isolation,
+                    _ => false,
+                };
+                intake.suspects |= into_isolation;
+                self.report.count(&terminal);
+                if let Some(observer) = self.observer {
+                    observer(&held.message, &terminal);
+                }
+            }
+            (Ok(()), None) => {}
+            (Err(e), _) => {
+                self.report.settle_errors += 1;
+                if held.lane == Lane::Isolation {
+                    // The broker puts it back in the isolation queue redelivered, and this
+                    // process knows why: not a crash.
+                    self.engine.excuse(held.identity);
+                    intake.suspects = true;
+                }
+                warn!(
+                    parent: &held.span,
+                    error = %e,
+                    "settling failed; the broker will redeliver",
+                );
+            }
         }
         Ok(())
     }
@@ -538,6 +848,25 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 parent: &held.span,
                 "shutdown grace over: left unsettled for the broker to redeliver",
             );
+        }
+    }
+
+    /// Sends the acknowledgements still batched, so that everything the report counts as
+    /// settled is settled on the broker when `run` returns.
+    async fn flush_at_exit(&mut self) {
+        let Some(subscription) = self.subscription.take() else {
+            return;
+        };
+        let flushed = subscription.flush();
+        let deadline = self.transport.sleep(FINAL_FLUSH_TIMEOUT);
+        match future::select(flushed, deadline).await {
+            Either::Left((Ok(()), _)) => {}
+            Either::Left((Err(e), _)) => {
+                error!(queue = %self.config.queue, error = %e, "the last acknowledgements were not sent; the broker redelivers those deliveries");
+            }
+            Either::Right(((), _)) => {
+                error!(queue = %self.config.queue, after = %format_delay(FINAL_FLUSH_TIMEOUT), "sending the last acknowledgements timed out; the broker may redeliver those deliveries");
+            }
         }
     }
 
@@ -595,12 +924,18 @@ fn log_terminal(span: &Span, terminal: &Terminal, settlement: Settlement) {
                 "retry scheduled through the broker",
             );
         }
+        Terminal::Isolated => {
+            info!(
+                parent: span,
+                "redelivered: isolated as a suspect, to run alone; no crash counted",
+            );
+        }
         Terminal::Diverted { crashes, delay } => {
             warn!(
                 parent: span,
                 crashes,
                 delay = %format_delay(delay),
-                "crashed delivery diverted through a delay without running the handler",
+                "running alone, it took its consumer down: crash counted, back to the isolation queue",
             );
         }
         Terminal::DeadLettered { reason } => {
@@ -610,7 +945,7 @@ fn log_terminal(span: &Span, terminal: &Terminal, settlement: Settlement) {
             warn!(parent: span, reason = %reason, "dropped, as the policy allows");
         }
         Terminal::Requeued { cause } => {
-            warn!(parent: span, ?cause, "the clone was not confirmed; requeueing the original");
+            warn!(parent: span, ?cause, "the clone was not confirmed after its retries; requeueing the original");
         }
     }
 }
