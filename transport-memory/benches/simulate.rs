@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 use std::hint::black_box;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -24,8 +24,8 @@ use futures::FutureExt;
 use retry_core::headers::{Origin, clone_headers};
 use retry_core::{
     BrokerSignals, Capabilities, Consumer, Delivery, DeliveryFacts, HandlerError, Message,
-    MessageParts, Properties, Publish, PublishResult, RetryPolicy, Settlement, Timestamp,
-    TopologyPlan, Transport, TransportError, message_identity,
+    MessageParts, Properties, Publish, PublishResult, RetryPolicy, Settlement, Subscription,
+    Timestamp, TopologyPlan, Transport, TransportError, message_identity,
 };
 use transport_memory::{Broker, Outgoing, QueueOptions, Script, Simulation};
 
@@ -75,7 +75,8 @@ fn raw_broker(n: usize) -> (Duration, u64) {
         .declare_queue("bench", QueueOptions::new())
         .expect("declared");
     let conn = broker.connect();
-    conn.consume("bench", 50)
+    let subscription = conn
+        .consume("bench", 50)
         .now_or_never()
         .expect("consume is immediate")
         .expect("consuming");
@@ -87,7 +88,7 @@ fn raw_broker(n: usize) -> (Duration, u64) {
     }
     let total = (n * (FAILURES + 1)) as u64;
     let mut delivered = 0u64;
-    while let Some(d) = conn.try_recv().expect("open") {
+    while let Some(d) = subscription.try_recv().expect("open") {
         delivered += 1;
         if delivered + (n as u64) <= total {
             let again = Outgoing::to_queue("bench", d.message.body().to_vec())
@@ -104,12 +105,37 @@ fn raw_broker(n: usize) -> (Duration, u64) {
 /// A transport that keeps deliveries in a list, confirms every publish by putting the clone
 /// back in the list, and has no clock: what the driver costs by itself.
 struct NullTransport {
-    inbox: Mutex<VecDeque<Delivery<u64>>>,
+    inbox: Arc<Mutex<VecDeque<Delivery<u64>>>>,
+}
+
+/// The one subscription of a [`NullTransport`], reading its list.
+struct NullSubscription(Arc<Mutex<VecDeque<Delivery<u64>>>>);
+
+#[async_trait]
+impl Subscription for NullSubscription {
+    type Tag = u64;
+
+    async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> {
+        Ok(self
+            .0
+            .lock()
+            .map_err(|_| TransportError::Closed)?
+            .pop_front())
+    }
+
+    async fn cancel(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
 }
 
 #[async_trait]
 impl Transport for NullTransport {
     type Tag = u64;
+    type Subscription = NullSubscription;
 
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
@@ -119,16 +145,16 @@ impl Transport for NullTransport {
         Ok(())
     }
 
-    async fn consume(&self, _: &str, _: u16) -> Result<(), TransportError> {
-        Ok(())
+    async fn consume(&self, _: &str, _: u16) -> Result<NullSubscription, TransportError> {
+        Ok(NullSubscription(Arc::clone(&self.inbox)))
     }
 
-    async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> {
-        Ok(self
-            .inbox
-            .lock()
-            .map_err(|_| TransportError::Closed)?
-            .pop_front())
+    async fn fetch(&self, _: &str) -> Result<Option<Delivery<u64>>, TransportError> {
+        Ok(None)
+    }
+
+    async fn ready(&self, _: &str, _: Duration) -> Result<(), TransportError> {
+        futures::future::pending().await
     }
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
@@ -152,10 +178,6 @@ impl Transport for NullTransport {
     }
 
     async fn settle(&self, _: &u64, _: Settlement) -> Result<(), TransportError> {
-        Ok(())
-    }
-
-    async fn cancel(&self) -> Result<(), TransportError> {
         Ok(())
     }
 
@@ -195,7 +217,7 @@ fn driver_floor(n: usize) -> (Duration, u64) {
         })
         .collect();
     let transport = NullTransport {
-        inbox: Mutex::new(inbox),
+        inbox: Arc::new(Mutex::new(inbox)),
     };
     let handler = |msg: Message| async move {
         let failed = retry_core::ParkedRecord::decode(msg.headers()).attempts as usize;

@@ -1,5 +1,7 @@
-//! A poison message that kills its consumer every time, next to a message that recovers
-//! after two failures, on the in-memory broker in virtual time.
+//! A poison message that kills its consumer every time, beside a message that recovers
+//! after two failures and three healthy ones sharing its prefetch window, on the in-memory
+//! broker in virtual time. Only the poison is ever blamed: the others go down with it once,
+//! come back as suspects, run alone and are handled.
 //!
 //! ```text
 //! cargo run -p transport-memory --example crash_loop            # timeline and summary
@@ -15,18 +17,27 @@ use transport_memory::{MessageEvent, MessageReport, Report, Script, Simulation, 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let policy = RetryPolicy::delays([60, 600, 3600].map(Duration::from_secs)).build()?;
     println!(
-        "queue \"comments\": delays 1m, 10m, 1h; crash limit {}; a crashed consumer restarts after 5s",
-        policy.crash_limit()
+        "queue \"comments\": delays 1m, 10m, 1h; crash limit {}, crash delay {}; prefetch 10; a crashed consumer restarts after 5s",
+        policy.crash_limit(),
+        format_delay(policy.crash_delay()),
     );
     let mut sim = Simulation::builder("comments", policy)
-        .prefetch(1)
+        .prefetch(10)
         .restart_delay(Duration::from_secs(5))
         .build()?;
-    sim.publish("poison", Script::always(Step::Crash))?;
-    sim.publish("flaky", Script::fail_times(2))?;
+    // Each run takes a moment, so the healthy ones are running when the poison strikes.
+    let second = Duration::from_secs(1);
+    sim.publish("poison", Script::always(Step::Crash).taking(second))?;
+    sim.publish("flaky", Script::fail_times(2).taking(2 * second))?;
+    for i in 1..=3 {
+        sim.publish(
+            &format!("healthy-{i}"),
+            Script::succeed().taking(2 * second),
+        )?;
+    }
     let report = sim.run_until_quiet();
 
-    print_timeline(&report, ["poison", "flaky"]);
+    print_timeline(&report, ["poison", "flaky", "healthy-1"]);
     println!();
     print!("{}", report.summary());
     println!();
@@ -60,7 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// One column per message, one row per instant something happened to either.
 fn print_timeline<const N: usize>(report: &Report, ids: [&str; N]) {
-    const WIDTH: usize = 46;
+    const WIDTH: usize = 42;
     let mut rows: BTreeMap<Timestamp, [Vec<String>; N]> = BTreeMap::new();
     for (column, id) in ids.iter().enumerate() {
         let Some(m) = report.message(id) else {
@@ -107,23 +118,19 @@ fn story(m: &MessageReport) -> Vec<(Timestamp, String)> {
                         Step::Crash => "CRASH, consumer dies".to_owned(),
                         other => other.to_string(),
                     };
-                    format!(
-                        "run {runs} (attempt {}) on #{}: {what}",
-                        run.attempt, run.consumer
-                    )
+                    let alone = if run.solo { " alone" } else { "" };
+                    format!("run {runs}{alone} on #{}: {what}", run.consumer)
                 }
                 MessageEvent::Ended(_, t) => match *t {
                     Terminal::Handled { attempt } => format!("handled on attempt {attempt}"),
                     Terminal::Retried { delay, .. } => {
                         format!("-> retry in {}", format_delay(delay))
                     }
+                    Terminal::Isolated => "redelivered: suspect, isolated".to_owned(),
                     Terminal::Diverted { crashes, delay } => {
-                        format!(
-                            "redelivered: crash {crashes}, diverted {}",
-                            format_delay(delay)
-                        )
+                        format!("crash {crashes}, waits {}", format_delay(delay))
                     }
-                    Terminal::DeadLettered { reason } => format!("redelivered: PARKED ({reason})"),
+                    Terminal::DeadLettered { reason } => format!("PARKED ({reason})"),
                     Terminal::Dropped { reason } => format!("dropped ({reason})"),
                     Terminal::Requeued { cause } => format!("requeued ({cause:?})"),
                 },

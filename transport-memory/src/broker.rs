@@ -194,12 +194,16 @@ impl Shared {
     }
 }
 
-/// A consumer on a connection.
+/// A consumer on a connection: one subscription, with its own prefetch and its own
+/// deliveries waiting to be received.
 #[derive(Debug)]
 pub(crate) struct ConsumerState {
     pub(crate) prefetch: u16,
     pub(crate) unacked: usize,
     pub(crate) active: bool,
+    /// Deliveries pushed to the client and not yet taken by `recv`.
+    pub(crate) inbox: VecDeque<Delivery<DeliveryTag>>,
+    pub(crate) waker: Option<Waker>,
 }
 
 /// A delivery the broker waits to hear about. The message's content moved into the
@@ -208,7 +212,8 @@ pub(crate) struct ConsumerState {
 #[derive(Debug)]
 pub(crate) struct Unacked {
     pub(crate) queue: QueueIndex,
-    pub(crate) consumer: usize,
+    /// The consumer it was pushed to; `None` for a message taken with a get.
+    pub(crate) consumer: Option<usize>,
     pub(crate) key: MessageKey,
     pub(crate) label: Arc<str>,
     seq: u64,
@@ -253,12 +258,8 @@ impl Unacked {
 pub(crate) struct Connection {
     pub(crate) closed: Option<Arc<str>>,
     pub(crate) consumers: Vec<ConsumerState>,
-    /// Deliveries pushed to the client and not yet taken by `recv`.
-    pub(crate) inbox: VecDeque<Delivery<DeliveryTag>>,
-    pub(crate) recv_waker: Option<Waker>,
     pub(crate) unacked: BTreeMap<u64, Unacked>,
     pub(crate) next_tag: u64,
-    pub(crate) cancelled: bool,
 }
 
 /// Everything inside the broker.
@@ -628,24 +629,70 @@ impl State {
     }
 
     fn dispatch(&mut self, q: QueueIndex) {
-        loop {
-            let now = self.now;
-            let Some(head) = self.queues[q].ready.front() else {
-                return;
-            };
-            if head.expires_at.is_some_and(|t| t <= now) {
-                if let Some(m) = self.queues[q].ready.pop_front() {
-                    self.dead_letter(q, m, DeathReason::Expired);
-                }
-                continue;
-            }
+        while self.expire_head(q) {
             let Some((conn, consumer)) = self.pick_consumer(q) else {
+                // Ready with nobody to take it: whoever watches the queue can come for it.
+                let watchers = std::mem::take(&mut self.queues[q].watchers);
+                self.wakes.extend(watchers);
                 return;
             };
             if let Some(m) = self.queues[q].ready.pop_front() {
                 self.deliver(q, conn, consumer, m);
             }
         }
+    }
+
+    /// Dead-letters expired messages at the head of `q`; whether a live one is left there.
+    fn expire_head(&mut self, q: QueueIndex) -> bool {
+        let now = self.now;
+        loop {
+            let Some(head) = self.queues[q].ready.front() else {
+                return false;
+            };
+            if !head.expires_at.is_some_and(|t| t <= now) {
+                return true;
+            }
+            if let Some(m) = self.queues[q].ready.pop_front() {
+                self.dead_letter(q, m, DeathReason::Expired);
+            }
+        }
+    }
+
+    /// Takes the message at the head of `queue` for `conn`, as `basic.get` does; `None` when
+    /// nothing is ready. A missing queue is a channel error.
+    pub(crate) fn get(
+        &mut self,
+        conn: usize,
+        queue: &str,
+    ) -> Result<Option<Delivery<DeliveryTag>>, BrokerError> {
+        if let Some(reason) = &self.connections[conn].closed {
+            return Err(BrokerError::ConnectionClosed(reason.to_string()));
+        }
+        let q = match self.queue_index(queue) {
+            Ok(q) => q,
+            Err(e) => {
+                self.close_connection(conn, &e.to_string());
+                return Err(e);
+            }
+        };
+        if !self.expire_head(q) {
+            return Ok(None);
+        }
+        let m = self.queues[q].ready.pop_front();
+        Ok(m.map(|m| self.hand_out(q, conn, None, m)))
+    }
+
+    /// Whether `queue` has a message ready; if not, `waker` is woken when one is.
+    pub(crate) fn watch(&mut self, queue: &str, waker: &Waker) -> Result<bool, BrokerError> {
+        let q = self.queue_index(queue)?;
+        if self.expire_head(q) {
+            return Ok(true);
+        }
+        let watchers = &mut self.queues[q].watchers;
+        if !watchers.iter().any(|w| w.will_wake(waker)) {
+            watchers.push(waker.clone());
+        }
+        Ok(false)
     }
 
     /// The next consumer of `q` with room under its prefetch, round-robin.
@@ -665,6 +712,24 @@ impl State {
     }
 
     fn deliver(&mut self, q: QueueIndex, conn: usize, consumer: usize, m: Stored) {
+        let delivery = self.hand_out(q, conn, Some(consumer), m);
+        let c = &mut self.connections[conn].consumers[consumer];
+        c.unacked += 1;
+        c.inbox.push_back(delivery);
+        if let Some(w) = c.waker.take() {
+            self.wakes.push(w);
+        }
+    }
+
+    /// Delivers `m` from `q` on `conn`, to a consumer or to a get: it is unacknowledged
+    /// there until settled or the connection closes.
+    fn hand_out(
+        &mut self,
+        q: QueueIndex,
+        conn: usize,
+        consumer: Option<usize>,
+        m: Stored,
+    ) -> Delivery<DeliveryTag> {
         self.deliveries += 1;
         let queue = &mut self.queues[q];
         queue.unacked += 1;
@@ -720,18 +785,14 @@ impl State {
         let connection = &mut self.connections[conn];
         connection.next_tag += 1;
         let tag = connection.next_tag;
-        connection.consumers[consumer].unacked += 1;
-        connection.inbox.push_back(Delivery {
+        let delivery = Delivery {
             tag: DeliveryTag {
                 connection: conn as u64,
                 tag,
             },
             message: message.clone(),
             facts,
-        });
-        if let Some(w) = connection.recv_waker.take() {
-            self.wakes.push(w);
-        }
+        };
         self.live
             .insert(message_address(&message), (key, label.clone()));
         let message_ref = self.tracing.then(|| MessageRef::new(key, &label));
@@ -761,6 +822,7 @@ impl State {
                 redelivered,
             });
         }
+        delivery
     }
 
     /// Settles a delivery on `conn`. An unknown tag closes the channel, as on RabbitMQ.
@@ -779,7 +841,9 @@ impl State {
             return Err(BrokerError::ConnectionClosed(reason));
         };
         self.live.remove(&message_address(&u.message));
-        self.connections[conn].consumers[u.consumer].unacked -= 1;
+        if let Some(ci) = u.consumer {
+            self.connections[conn].consumers[ci].unacked -= 1;
+        }
         let q = u.queue;
         self.queues[q].unacked -= 1;
         let message = MessageRef::new(u.key, &u.label);
@@ -974,12 +1038,13 @@ impl State {
         id
     }
 
+    /// Starts a consumer on `conn`; returns its index there.
     pub(crate) fn consume(
         &mut self,
         conn: usize,
         queue: &str,
         prefetch: u16,
-    ) -> Result<(), BrokerError> {
+    ) -> Result<usize, BrokerError> {
         if let Some(reason) = &self.connections[conn].closed {
             return Err(BrokerError::ConnectionClosed(reason.to_string()));
         }
@@ -992,12 +1057,13 @@ impl State {
             }
         };
         let connection = &mut self.connections[conn];
-        connection.cancelled = false;
         let ci = connection.consumers.len();
         connection.consumers.push(ConsumerState {
             prefetch,
             unacked: 0,
             active: true,
+            inbox: VecDeque::new(),
+            waker: None,
         });
         self.queues[q].consumers.push((conn, ci));
         let queue = self.queues[q].name.clone();
@@ -1008,21 +1074,22 @@ impl State {
         });
         self.dirty.push_back(q);
         self.pump();
-        Ok(())
+        Ok(ci)
     }
 
-    pub(crate) fn cancel(&mut self, conn: usize) {
-        let connection = &mut self.connections[conn];
-        connection.cancelled = true;
-        for c in &mut connection.consumers {
-            c.active = false;
+    /// Cancels consumer `ci` of `conn`: nothing more is pushed to it, and its receiver
+    /// learns that the stream ended. What it holds stays unacknowledged.
+    pub(crate) fn cancel(&mut self, conn: usize, ci: usize) {
+        let Some(c) = self.connections[conn].consumers.get_mut(ci) else {
+            return;
+        };
+        c.active = false;
+        if let Some(w) = c.waker.take() {
+            self.wakes.push(w);
         }
         for queue in &mut self.queues {
-            queue.consumers.retain(|(c, _)| *c != conn);
+            queue.consumers.retain(|&(c, i)| (c, i) != (conn, ci));
             queue.next_consumer = 0;
-        }
-        if let Some(w) = self.connections[conn].recv_waker.take() {
-            self.wakes.push(w);
         }
     }
 
@@ -1038,12 +1105,11 @@ impl State {
         let reason: Arc<str> = Arc::from(reason);
         connection.closed = Some(reason.clone());
         self.open.remove(&conn);
-        connection.inbox.clear();
         let unacked = std::mem::take(&mut connection.unacked);
-        if let Some(w) = connection.recv_waker.take() {
-            self.wakes.push(w);
+        for c in 0..connection.consumers.len() {
+            self.connections[conn].consumers[c].inbox.clear();
+            self.cancel(conn, c);
         }
-        self.cancel(conn);
         self.record(|| EventKind::ConnectionClosed {
             connection: conn as u64,
             reason,

@@ -17,9 +17,11 @@
 //!   fires at its exact virtual time.
 //! * [`MemoryTransport`]: one client connection, implementing
 //!   [`Transport`](retry_core::Transport). Its [`now`](retry_core::Transport::now) and
-//!   [`sleep`](retry_core::Transport::sleep) are the broker's virtual clock, `recv` is a
-//!   future woken when a delivery arrives, and it recovers a closed connection the way
-//!   lapin's automatic recovery does.
+//!   [`sleep`](retry_core::Transport::sleep) are the broker's virtual clock; each
+//!   subscription ([`MemorySubscription`]) is a consumer of its own whose `recv` is a future
+//!   woken when a delivery arrives; `fetch` is `basic.get`; `ready` wakes exactly when a
+//!   message becomes ready in the watched queue; and it recovers a closed connection the
+//!   way lapin's automatic recovery does.
 //! * [`Simulation`]: a single-threaded executor that polls consumer futures until none can
 //!   make progress, then moves the clock to the earliest deadline and fires it, until
 //!   nothing is left (or a virtual-time horizon is reached). Handlers follow per-message
@@ -40,10 +42,12 @@
 //! sim.publish("flaky", Script::fail_times(2))?;              // fails twice, then succeeds
 //!
 //! let report = sim.run_until_quiet();
-//! // Three crashes are survived (the default crash limit); the fourth parks the message.
+//! // Its first crash only makes it a suspect; then it runs alone. Three solo crashes are
+//! // survived (the default crash limit); the fourth parks the message.
 //! let poison = report.message("poison").unwrap();
 //! assert_eq!(poison.fate, Fate::Parked { reason: "crash-loop".into() });
-//! assert_eq!(poison.runs.len(), 4);
+//! assert_eq!((poison.runs.len(), poison.crashes), (5, 4));
+//! assert!(poison.runs[1..].iter().all(|run| run.solo));
 //! assert!(matches!(report.fate("flaky"), Some(Fate::Handled { attempt: 3, .. })));
 //! let totals = report.totals();
 //! assert_eq!(totals.published, totals.handled + totals.parked);
@@ -117,10 +121,11 @@
 //! * Publisher confirms: ack, nack when a queue refuses, a return for an unroutable
 //!   `mandatory` publish (the engine's clones are mandatory), a channel error for a
 //!   missing exchange.
-//! * Consumers: prefetch, round-robin between consumers of a queue, unacknowledged deliveries
-//!   returned to their place in the queue flagged redelivered when their connection closes,
-//!   an unknown delivery tag closing the channel, and `consumer_timeout` (30 min by default)
-//!   closing the channel of a consumer that holds a delivery too long.
+//! * Consumers: prefetch per consumer, round-robin between consumers of a queue, `basic.get`,
+//!   unacknowledged deliveries returned to their place in the queue flagged redelivered when
+//!   their connection closes, an unknown delivery tag closing the channel, and
+//!   `consumer_timeout` (30 min by default) closing the channel of a consumer that holds a
+//!   delivery too long.
 //!
 //! Not modelled: exchange-to-exchange bindings, headers exchanges, alternate exchanges,
 //! priorities, `x-max-length-bytes`, `reject-publish-dlx`, queue expiry (`x-expires`),
@@ -167,4 +172,4 @@ pub use report::{
 pub use script::{Script, Step};
 pub use simulation::{DEFAULT_HORIZON, SimEvent, Simulation, SimulationBuilder, SimulationError};
 pub use trace::{DeathReason, Event, EventKind, MessageRef, PublishOutcome, Publisher, Trace};
-pub use transport::{DeliveryTag, MemoryTransport};
+pub use transport::{DeliveryTag, MemorySubscription, MemoryTransport};

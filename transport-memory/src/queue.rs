@@ -337,6 +337,8 @@ pub(crate) struct Queue {
     /// At-least-once dead letters that could not be routed yet; retried when the topology
     /// changes, as RabbitMQ retries them until they are routed.
     pub(crate) stuck_dead_letters: Vec<(Stored, crate::trace::DeathReason)>,
+    /// Clients waiting for a message to be ready here (a watch of the isolation queue).
+    pub(crate) watchers: Vec<std::task::Waker>,
 }
 
 impl Queue {
@@ -351,6 +353,7 @@ impl Queue {
             next_consumer: 0,
             unacked: 0,
             stuck_dead_letters: Vec::new(),
+            watchers: Vec::new(),
         }
     }
 

@@ -63,6 +63,8 @@ pub struct Run {
     pub attempt: u32,
     /// The simulation's consumer number.
     pub consumer: u32,
+    /// Whether it ran alone: a suspect taken from the isolation queue.
+    pub solo: bool,
     /// What it did: its script's step, or for your own handler, `Succeed` or `Fail` with
     /// the error's text.
     pub step: Step,
@@ -110,8 +112,11 @@ pub struct MessageReport {
     pub terminals: Vec<(Timestamp, Terminal)>,
     /// The delays the engine sent it through, in order (retries and crash diversions).
     pub delays: Vec<Duration>,
-    /// Crashes counted by the engine (diversions, and the crash-loop park).
+    /// Crashes counted by the engine (diversions, and the crash-loop park): solo runs that
+    /// took their consumer down.
     pub crashes: u32,
+    /// Times it came back redelivered from the work queue and was isolated as a suspect.
+    pub isolations: u32,
     /// Copies that ended beyond the first (handled, parked or dropped again): the
     /// duplicates that at-least-once delivery allows.
     pub duplicates: u32,

@@ -539,6 +539,7 @@ impl Simulation {
             consumer: number,
             link: link.clone(),
             custom: self.settings.handler.clone(),
+            isolation: Arc::from(self.plan.isolation_queue()),
         };
         let s = &self.settings;
         let (queue_type, limit) = (s.queue_type, s.delivery_limit);
@@ -812,6 +813,7 @@ impl Entry {
         let mut dropped = None;
         let mut delays = Vec::new();
         let mut crashes = 0;
+        let mut isolations = 0;
         for (at, t) in &self.terminals {
             match *t {
                 Terminal::Handled { attempt } => {
@@ -827,6 +829,7 @@ impl Entry {
                     delays.push(delay);
                     crashes = crashes.max(c);
                 }
+                Terminal::Isolated => isolations += 1,
                 Terminal::DeadLettered { .. } | Terminal::Requeued { .. } => {}
             }
         }
@@ -861,6 +864,7 @@ impl Entry {
             terminals: self.terminals.clone(),
             delays,
             crashes,
+            isolations,
             duplicates: ended.saturating_sub(1),
             order: self.order.clone(),
         }
@@ -885,7 +889,7 @@ impl Ledger {
     }
 
     /// Starts a handler run: records it and says what it does.
-    fn begin(&self, id: &str, attempt: u32, consumer: u32, now: Timestamp) -> Begun {
+    fn begin(&self, id: &str, attempt: u32, consumer: u32, solo: bool, now: Timestamp) -> Begun {
         let mut guard = self.lock();
         let l = &mut *guard;
         let crash = l.rng.chance(l.crash_rate);
@@ -909,6 +913,7 @@ impl Ledger {
             at: now,
             attempt,
             consumer,
+            solo,
             step: step.clone(),
         });
         Begun {
@@ -980,6 +985,8 @@ struct SimHandler {
     consumer: u32,
     link: LinkHandle,
     custom: Option<Arc<dyn Handler>>,
+    /// The isolation queue: a message from it is a suspect running alone.
+    isolation: Arc<str>,
 }
 
 impl SimHandler {
@@ -1015,7 +1022,9 @@ impl Handler for SimHandler {
             step,
             takes,
             drop_connection,
-        } = self.ledger.begin(id, attempt, consumer, now);
+        } = self
+            .ledger
+            .begin(id, attempt, consumer, msg.queue() == &*self.isolation, now);
         self.record(|| EventKind::HandlerStarted {
             message: message_ref(key, id),
             consumer,

@@ -351,6 +351,10 @@ pub(crate) fn describe_terminal(t: &Terminal) -> String {
         Terminal::Retried { attempts, delay } => {
             format!("retry {attempts} scheduled in {}", format_delay(*delay))
         }
+        Terminal::Isolated => "suspect: isolated to run alone".to_owned(),
+        Terminal::Diverted { crashes, delay } if delay.is_zero() => {
+            format!("crash {crashes}: back to the isolation queue")
+        }
         Terminal::Diverted { crashes, delay } => {
             format!("crash {crashes}: diverted for {}", format_delay(*delay))
         }

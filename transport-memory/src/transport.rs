@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 use retry_core::headers::{Origin, clone_headers};
 use retry_core::{
-    Capabilities, Confirm, Delivery, Message, Publish, PublishResult, Settlement, Timestamp,
-    TopologyPlan, Transport, TransportError,
+    Capabilities, Confirm, Delivery, Message, Publish, PublishResult, Settlement, Subscription,
+    Timestamp, TopologyPlan, Transport, TransportError,
 };
 
 use crate::broker::{Broker, Publishing, message_address};
@@ -31,8 +31,13 @@ pub struct DeliveryTag {
 /// A client connection (with one channel in confirm mode) to a [`Broker`]: the retry
 /// engine's [`Transport`] on the in-memory broker and its virtual clock.
 ///
+/// Each [`consume`](Transport::consume) starts a consumer of its own, with its own prefetch,
+/// returned as a [`MemorySubscription`]. [`fetch`](Transport::fetch) takes one message as
+/// `basic.get` does, and [`ready`](Transport::ready) watches a queue exactly: it wakes when a
+/// message becomes ready there, with no polling and no virtual time spent.
+///
 /// Like a lapin connection with automatic recovery, it reopens itself after the broker
-/// closes it: the first `recv` after the close fails with
+/// closes it: the first `recv` of a subscription after the close fails with
 /// [`TransportError::Connection`], the next one opens a new connection and consumes again.
 /// Deliveries held across the close come back redelivered, and settling one of them fails
 /// (its tag belongs to the closed connection). [`without_recovery`] turns that off.
@@ -42,7 +47,7 @@ pub struct DeliveryTag {
 ///
 /// ```
 /// use futures::FutureExt;
-/// use retry_core::{Settlement, Transport};
+/// use retry_core::{Settlement, Subscription, Transport};
 /// use transport_memory::{Broker, Outgoing, QueueOptions};
 ///
 /// let broker = Broker::new();
@@ -51,8 +56,8 @@ pub struct DeliveryTag {
 ///
 /// // Nothing here waits on the clock, so each future completes on its first poll.
 /// let conn = broker.connect();
-/// conn.consume("work", 10).now_or_never().expect("ready")?;
-/// let delivery = conn.recv().now_or_never().expect("ready")?.expect("a delivery");
+/// let subscription = conn.consume("work", 10).now_or_never().expect("ready")?;
+/// let delivery = subscription.recv().now_or_never().expect("ready")?.expect("a delivery");
 /// assert_eq!(delivery.message.body(), b"hi");
 /// assert!(!delivery.facts.redelivered);
 /// conn.settle(&delivery.tag, Settlement::Ack).now_or_never().expect("ready")?;
@@ -77,13 +82,23 @@ impl LinkHandle {
     }
 }
 
-/// The connection currently in use, and what to redo on a new one.
+/// The connection currently in use, and the subscriptions to redo on a new one.
 #[derive(Debug)]
 struct Link {
     id: usize,
-    consumes: Vec<(String, u16)>,
+    subscriptions: Vec<SubscriptionState>,
     recover: bool,
-    /// Whether the close of the current connection was reported by a `recv` yet.
+}
+
+#[derive(Debug)]
+struct SubscriptionState {
+    queue: String,
+    prefetch: u16,
+    /// The connection and consumer index it consumes on now.
+    connection: usize,
+    consumer: usize,
+    cancelled: bool,
+    /// Whether the close of its connection was reported by a `recv` yet.
     close_reported: bool,
 }
 
@@ -101,15 +116,14 @@ impl MemoryTransport {
             broker,
             link: Arc::new(Mutex::new(Link {
                 id,
-                consumes: Vec::new(),
+                subscriptions: Vec::new(),
                 recover: true,
-                close_reported: false,
             })),
         }
     }
 
     fn link(&self) -> MutexGuard<'_, Link> {
-        self.link.lock().unwrap_or_else(|e| e.into_inner())
+        lock_link(&self.link)
     }
 
     fn id(&self) -> usize {
@@ -141,19 +155,6 @@ impl MemoryTransport {
     /// Whether the connection in use is open.
     pub fn is_open(&self) -> bool {
         self.broker.is_open(self.connection_id())
-    }
-
-    /// The next delivery if one is waiting, without waiting: for tests that drive the
-    /// broker by hand. `Ok(None)` when nothing is waiting. Does not recover a closed
-    /// connection.
-    pub fn try_recv(&self) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
-        let id = self.id();
-        let mut state = self.broker.shared.lock();
-        let c = &mut state.connections[id];
-        if let Some(reason) = &c.closed {
-            return Err(TransportError::Connection(reason.to_string()));
-        }
-        Ok(c.inbox.pop_front())
     }
 
     /// Publishes a message through this connection, with confirms; injected faults apply.
@@ -220,11 +221,12 @@ impl MemoryTransport {
     fn recover(link: &mut Link, s: &mut crate::broker::State) -> Result<(), TransportError> {
         let old = link.id;
         link.id = s.open_connection();
-        link.close_reported = false;
         let description = Arc::from(format!("conn {old} recovered as conn {}", link.id));
         s.record(|| EventKind::Fault { description });
-        for (queue, prefetch) in &link.consumes {
-            s.consume(link.id, queue, *prefetch)?;
+        for sub in link.subscriptions.iter_mut().filter(|sub| !sub.cancelled) {
+            sub.consumer = s.consume(link.id, &sub.queue, sub.prefetch)?;
+            sub.connection = link.id;
+            sub.close_reported = false;
         }
         Ok(())
     }
@@ -243,36 +245,10 @@ impl MemoryTransport {
             Ok(link.id)
         })
     }
+}
 
-    /// Polls for a delivery. A closed connection is reported once, then recovered.
-    fn poll_recv(
-        &self,
-        cx: &mut std::task::Context<'_>,
-    ) -> Poll<Result<Option<Delivery<DeliveryTag>>, TransportError>> {
-        let mut link = self.link();
-        self.broker.shared.with(|s| {
-            if let Some(reason) = &s.connections[link.id].closed {
-                if !link.recover || !link.close_reported {
-                    link.close_reported = true;
-                    return Poll::Ready(Err(TransportError::Connection(reason.to_string())));
-                }
-                if let Err(e) = Self::recover(&mut link, s) {
-                    return Poll::Ready(Err(e));
-                }
-            }
-            let c = &mut s.connections[link.id];
-            if c.cancelled {
-                return Poll::Ready(Ok(None));
-            }
-            match c.inbox.pop_front() {
-                Some(d) => Poll::Ready(Ok(Some(d))),
-                None => {
-                    c.recv_waker = Some(cx.waker().clone());
-                    Poll::Pending
-                }
-            }
-        })
-    }
+fn lock_link(link: &Mutex<Link>) -> MutexGuard<'_, Link> {
+    link.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drop for MemoryTransport {
@@ -284,9 +260,113 @@ impl Drop for MemoryTransport {
     }
 }
 
+/// A consumer of one queue on a [`MemoryTransport`]'s connection, with its own prefetch.
+/// Made by [`Transport::consume`]; it follows its transport to a recovered connection.
+pub struct MemorySubscription {
+    broker: Broker,
+    link: Arc<Mutex<Link>>,
+    index: usize,
+}
+
+impl fmt::Debug for MemorySubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let link = lock_link(&self.link);
+        let sub = &link.subscriptions[self.index];
+        f.debug_struct("MemorySubscription")
+            .field("queue", &sub.queue)
+            .field("prefetch", &sub.prefetch)
+            .field("connection", &sub.connection)
+            .finish()
+    }
+}
+
+impl MemorySubscription {
+    /// The next delivery if one is waiting, without waiting: for tests that drive the
+    /// broker by hand. `Ok(None)` when nothing is waiting. Does not recover a closed
+    /// connection.
+    pub fn try_recv(&self) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
+        let link = lock_link(&self.link);
+        let sub = &link.subscriptions[self.index];
+        let mut state = self.broker.shared.lock();
+        let c = &mut state.connections[sub.connection];
+        if let Some(reason) = &c.closed {
+            return Err(TransportError::Connection(reason.to_string()));
+        }
+        Ok(c.consumers[sub.consumer].inbox.pop_front())
+    }
+
+    /// Polls for a delivery. A closed connection is reported once, then recovered.
+    fn poll_recv(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Result<Option<Delivery<DeliveryTag>>, TransportError>> {
+        let mut link = lock_link(&self.link);
+        self.broker.shared.with(|s| {
+            let sub = &mut link.subscriptions[self.index];
+            if sub.cancelled {
+                return Poll::Ready(Ok(None));
+            }
+            if let Some(reason) = &s.connections[sub.connection].closed {
+                if !sub.close_reported {
+                    sub.close_reported = true;
+                    return Poll::Ready(Err(TransportError::Connection(reason.to_string())));
+                }
+                if !link.recover {
+                    return Poll::Ready(Err(TransportError::Connection(reason.to_string())));
+                }
+                if s.connections[link.id].closed.is_some()
+                    && let Err(e) = MemoryTransport::recover(&mut link, s)
+                {
+                    return Poll::Ready(Err(e));
+                }
+            }
+            let sub = &link.subscriptions[self.index];
+            let c = &mut s.connections[sub.connection].consumers[sub.consumer];
+            match c.inbox.pop_front() {
+                Some(d) => Poll::Ready(Ok(Some(d))),
+                // Cancelled by the broker (its queue was deleted, say).
+                None if !c.active => Poll::Ready(Ok(None)),
+                None => {
+                    c.waker = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+        })
+    }
+}
+
+#[async_trait]
+impl Subscription for MemorySubscription {
+    type Tag = DeliveryTag;
+
+    async fn recv(&self) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
+        futures::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    async fn cancel(&self) -> Result<(), TransportError> {
+        let mut link = lock_link(&self.link);
+        let sub = &mut link.subscriptions[self.index];
+        sub.cancelled = true;
+        let (conn, ci) = (sub.connection, sub.consumer);
+        self.broker.shared.with(|s| {
+            if let Some(reason) = &s.connections[conn].closed {
+                return Err(TransportError::Connection(reason.to_string()));
+            }
+            s.cancel(conn, ci);
+            Ok(())
+        })
+    }
+
+    /// Settlements are applied when made: nothing waits to be sent.
+    async fn flush(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
 #[async_trait]
 impl Transport for MemoryTransport {
     type Tag = DeliveryTag;
+    type Subscription = MemorySubscription;
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
@@ -303,18 +383,50 @@ impl Transport for MemoryTransport {
         self.broker.provision(plan).map_err(TransportError::from)
     }
 
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError> {
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<MemorySubscription, TransportError> {
         let id = self.ensure_open()?;
-        self.broker
+        let consumer = self
+            .broker
             .shared
             .with(|s| s.consume(id, queue, prefetch))
             .map_err(TransportError::from)?;
-        self.link().consumes.push((queue.to_owned(), prefetch));
-        Ok(())
+        let mut link = self.link();
+        link.subscriptions.push(SubscriptionState {
+            queue: queue.to_owned(),
+            prefetch,
+            connection: id,
+            consumer,
+            cancelled: false,
+            close_reported: false,
+        });
+        Ok(MemorySubscription {
+            broker: self.broker.clone(),
+            link: self.link.clone(),
+            index: link.subscriptions.len() - 1,
+        })
     }
 
-    async fn recv(&self) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
-        futures::future::poll_fn(|cx| self.poll_recv(cx)).await
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
+        let id = self.ensure_open()?;
+        self.broker
+            .shared
+            .with(|s| s.get(id, queue))
+            .map_err(TransportError::from)
+    }
+
+    async fn ready(&self, queue: &str, _poll: Duration) -> Result<(), TransportError> {
+        futures::future::poll_fn(|cx| {
+            match self.broker.shared.with(|s| s.watch(queue, cx.waker())) {
+                Ok(true) => Poll::Ready(Ok(())),
+                Ok(false) => Poll::Pending,
+                Err(e) => Poll::Ready(Err(TransportError::from(e))),
+            }
+        })
+        .await
     }
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
@@ -350,19 +462,6 @@ impl Transport for MemoryTransport {
     ) -> Result<(), TransportError> {
         self.settle_now(tag, settlement)
             .map_err(TransportError::from)
-    }
-
-    async fn cancel(&self) -> Result<(), TransportError> {
-        let mut link = self.link();
-        link.consumes.clear();
-        let id = link.id;
-        self.broker.shared.with(|s| {
-            if let Some(reason) = &s.connections[id].closed {
-                return Err(TransportError::Connection(reason.to_string()));
-            }
-            s.cancel(id);
-            Ok(())
-        })
     }
 
     fn now(&self) -> Timestamp {

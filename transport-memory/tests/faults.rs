@@ -67,20 +67,61 @@ fn lost_publishes_requeue_the_original() {
     assert_eq!(lost_in_transit, 8, "the fault was exercised");
 }
 
+fn count_terminals(report: &Report, f: impl Fn(&retry_core::Terminal) -> bool) -> usize {
+    report
+        .messages
+        .values()
+        .flat_map(|m| &m.terminals)
+        .filter(|(_, t)| f(t))
+        .count()
+}
+
+fn refusals(report: &Report) -> usize {
+    report
+        .trace
+        .events()
+        .iter()
+        .filter(|e| e.kind.to_string().ends_with(": nacked"))
+        .count()
+}
+
 #[test]
-fn refused_publishes_requeue_the_original() {
+fn refused_publishes_are_published_again_without_requeueing() {
     let mut sim = simulation("q", policy()).build().unwrap();
     publish_mix(&mut sim, 20);
     sim.schedule(Duration::ZERO, SimEvent::RefusePublishes(8));
     let report = sim.run_until_quiet();
     assert_accounted(&report);
-    let requeued = report
-        .messages
-        .values()
-        .flat_map(|m| &m.terminals)
-        .filter(|(_, t)| matches!(t, retry_core::Terminal::Requeued { .. }))
-        .count();
-    assert_eq!(requeued, 8, "each refused clone requeued its original");
+    assert_eq!(refusals(&report), 8, "the fault was exercised");
+    let requeued = count_terminals(&report, |t| {
+        matches!(t, retry_core::Terminal::Requeued { .. })
+    });
+    assert_eq!(requeued, 0, "each refused clone was confirmed on a retry");
+}
+
+#[test]
+fn refusals_past_the_publish_retries_requeue_the_original_and_blame_no_one() {
+    let policy = RetryPolicy::delays([mins(1), mins(10), mins(60)])
+        .with_publish_retries(1, Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let mut sim = simulation("q", policy).build().unwrap();
+    publish_mix(&mut sim, 20);
+    sim.schedule(Duration::ZERO, SimEvent::RefusePublishes(30));
+    let report = sim.run_until_quiet();
+    assert_accounted(&report);
+    let requeued = count_terminals(&report, |t| {
+        matches!(t, retry_core::Terminal::Requeued { .. })
+    });
+    assert!(requeued > 0, "some clones were refused twice");
+    // A requeued original comes back redelivered: a suspect, never a crash.
+    let isolated = count_terminals(&report, |t| matches!(t, retry_core::Terminal::Isolated));
+    assert!(isolated > 0);
+    assert!(
+        report.messages.values().all(|m| m.crashes == 0),
+        "{}",
+        report.summary()
+    );
 }
 
 #[test]

@@ -1,15 +1,20 @@
 //! The broker model against the RabbitMQ 3.10 behaviour the retry engine relies on.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use futures::FutureExt;
 use retry_core::headers::EngineHeaders;
 use retry_core::{
     Confirm, DeliveryFacts, ExchangeKind, HeaderValue, Headers, Publish, PublishResult, QueueType,
-    RetryPolicy, Route, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
+    RetryPolicy, Route, Settlement, Subscription, Timestamp, TopologyPlan, Transport,
+    TransportError,
 };
 use transport_memory::{
-    Broker, DeathReason, EventKind, MemoryTransport, Outgoing, Overflow, QueueOptions,
+    Broker, BrokerError, DeathReason, DeliveryTag, EventKind, MemorySubscription, MemoryTransport,
+    Outgoing, Overflow, QueueOptions,
 };
 
 const S: Duration = Duration::from_secs(1);
@@ -51,16 +56,54 @@ fn fill_work(broker: &Broker, bodies: impl IntoIterator<Item = Vec<u8>>) {
     }
 }
 
-fn consumer(broker: &Broker, queue: &str, prefetch: u16) -> MemoryTransport {
+/// A connection with one subscription, driven by hand.
+struct Client {
+    conn: MemoryTransport,
+    sub: MemorySubscription,
+}
+
+type Received = Result<Option<retry_core::Delivery<DeliveryTag>>, TransportError>;
+
+impl Client {
+    fn try_recv(&self) -> Received {
+        self.sub.try_recv()
+    }
+
+    async fn recv(&self) -> Received {
+        self.sub.recv().await
+    }
+
+    fn settle_now(&self, tag: &DeliveryTag, settlement: Settlement) -> Result<(), BrokerError> {
+        self.conn.settle_now(tag, settlement)
+    }
+
+    fn connection_id(&self) -> u64 {
+        self.conn.connection_id()
+    }
+
+    fn is_open(&self) -> bool {
+        self.conn.is_open()
+    }
+
+    fn without_recovery(self) -> Self {
+        Client {
+            conn: self.conn.without_recovery(),
+            sub: self.sub,
+        }
+    }
+}
+
+fn consumer(broker: &Broker, queue: &str, prefetch: u16) -> Client {
     let conn = broker.connect();
-    conn.consume(queue, prefetch)
+    let sub = conn
+        .consume(queue, prefetch)
         .now_or_never()
         .expect("consume completes at once")
         .unwrap();
-    conn
+    Client { conn, sub }
 }
 
-fn drain(conn: &MemoryTransport) -> Vec<retry_core::Delivery<transport_memory::DeliveryTag>> {
+fn drain(conn: &Client) -> Vec<retry_core::Delivery<DeliveryTag>> {
     std::iter::from_fn(|| conn.try_recv().unwrap()).collect()
 }
 
@@ -452,8 +495,8 @@ fn the_engine_clone_publish_is_mandatory_and_keeps_the_message_identity() {
     let engine_headers = EngineHeaders {
         attempts: 1,
         crashes: 0,
-        first_failure: broker.now(),
-        last_failure: broker.now(),
+        first_failure: Some(broker.now()),
+        last_failure: Some(broker.now()),
         last_error: Some("boom".into()),
         reason: None,
         delay: Some(secs(30)),
@@ -464,7 +507,11 @@ fn the_engine_clone_publish_is_mandatory_and_keeps_the_message_identity() {
         expiration: None,
         headers: engine_headers.clone(),
     };
-    let result = conn.publish(&d.message, &publish).now_or_never().unwrap();
+    let result = conn
+        .conn
+        .publish(&d.message, &publish)
+        .now_or_never()
+        .unwrap();
     assert!(matches!(result, PublishResult::Confirmed));
     let clone = &broker.messages("comments.retry.30s").unwrap()[0];
     assert_eq!(clone.label.as_ref(), "c-1");
@@ -500,6 +547,7 @@ fn the_engine_clone_publish_is_mandatory_and_keeps_the_message_identity() {
         headers: engine_headers,
     };
     let result = conn
+        .conn
         .publish(&d.message, &unroutable)
         .now_or_never()
         .unwrap();
@@ -700,13 +748,15 @@ fn a_recovering_transport_reports_the_close_then_reconnects() {
     assert_ne!(conn.connection_id(), first);
     assert!(d.facts.redelivered);
     assert!(
-        conn.settle(&stale.tag, Settlement::Ack)
+        conn.conn
+            .settle(&stale.tag, Settlement::Ack)
             .now_or_never()
             .unwrap()
             .is_err(),
         "a tag from the closed connection settles nothing"
     );
-    conn.settle(&d.tag, Settlement::Ack)
+    conn.conn
+        .settle(&d.tag, Settlement::Ack)
         .now_or_never()
         .unwrap()
         .unwrap();
@@ -845,4 +895,107 @@ fn dead_letters_reach_the_parking_queue_of_a_plan_with_reasons() {
     );
     let facts = DeliveryFacts::decode(&parked[0].headers, Default::default(), 0);
     assert_eq!(facts.deaths, 1);
+}
+
+#[test]
+fn two_subscriptions_on_one_connection_have_their_own_prefetch_and_stream() {
+    let broker = Broker::new();
+    fill_work(&broker, (0..4u8).map(|i| vec![i]));
+    let conn = broker.connect();
+    let consume = |prefetch| {
+        conn.consume("work", prefetch)
+            .now_or_never()
+            .unwrap()
+            .unwrap()
+    };
+    let (one, two) = (consume(1), consume(2));
+    let a = one.try_recv().unwrap().expect("one delivery for the first");
+    assert!(one.try_recv().unwrap().is_none(), "its prefetch is 1");
+    let b: Vec<_> = std::iter::from_fn(|| two.try_recv().unwrap()).collect();
+    assert_eq!(b.len(), 2, "the second has its own prefetch of 2");
+    assert_eq!(
+        broker.stats("work").map(|s| (s.ready, s.unacked)),
+        Some((1, 3))
+    );
+
+    // Cancelling one ends its stream and leaves the other consuming.
+    one.cancel().now_or_never().unwrap().unwrap();
+    assert!(one.recv().now_or_never().unwrap().unwrap().is_none());
+    conn.settle_now(&a.tag, Settlement::Ack).unwrap();
+    assert!(
+        one.try_recv().unwrap().is_none(),
+        "nothing more for the cancelled one"
+    );
+    for d in b {
+        conn.settle_now(&d.tag, Settlement::Ack).unwrap();
+    }
+    assert!(
+        two.try_recv().unwrap().is_some(),
+        "the last message goes to the other"
+    );
+}
+
+#[test]
+fn fetch_takes_one_message_which_returns_redelivered_if_its_connection_closes() {
+    let broker = Broker::new();
+    fill_work(&broker, [b"first".to_vec(), b"second".to_vec()]);
+    let conn = broker.connect();
+    let got = conn.fetch("work").now_or_never().unwrap().unwrap().unwrap();
+    assert_eq!(got.message.body(), b"first");
+    assert!(!got.facts.redelivered);
+    assert_eq!(
+        broker.stats("work").map(|s| (s.ready, s.unacked)),
+        Some((1, 1))
+    );
+    drop(conn);
+    let conn = broker.connect();
+    let again = conn.fetch("work").now_or_never().unwrap().unwrap().unwrap();
+    assert_eq!(
+        again.message.body(),
+        b"first",
+        "back at its place, at the head"
+    );
+    assert!(again.facts.redelivered);
+    conn.settle_now(&again.tag, Settlement::Ack).unwrap();
+    let next = conn.fetch("work").now_or_never().unwrap().unwrap().unwrap();
+    conn.settle_now(&next.tag, Settlement::Ack).unwrap();
+    assert!(
+        conn.fetch("work")
+            .now_or_never()
+            .unwrap()
+            .unwrap()
+            .is_none()
+    );
+    // A missing queue is a channel error, as on RabbitMQ.
+    let err = conn.fetch("nowhere").now_or_never().unwrap().unwrap_err();
+    assert!(err.to_string().contains("nowhere"), "{err}");
+}
+
+#[test]
+fn ready_wakes_when_a_message_arrives_without_spending_virtual_time() {
+    let broker = Broker::new();
+    broker
+        .declare_queue("isolation", QueueOptions::new())
+        .unwrap();
+    let conn = broker.connect();
+    let woken = Arc::new(AtomicBool::new(false));
+    let waker = Waker::from(Arc::new(Flag(woken.clone())));
+    let mut cx = Context::from_waker(&waker);
+    let mut watch = Box::pin(conn.ready("isolation", Duration::from_secs(5)));
+    assert!(watch.as_mut().poll(&mut cx).is_pending());
+    assert_eq!(broker.next_deadline(), None, "a watch sets no timer");
+    broker
+        .publish(Outgoing::to_queue("isolation", b"suspect".to_vec()))
+        .unwrap();
+    assert!(woken.load(Ordering::SeqCst));
+    assert!(matches!(watch.as_mut().poll(&mut cx), Poll::Ready(Ok(()))));
+    assert_eq!(broker.ready("isolation"), Some(1), "nothing was taken");
+}
+
+struct Flag(Arc<AtomicBool>);
+
+impl std::task::Wake for Flag {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }

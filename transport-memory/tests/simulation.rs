@@ -56,7 +56,7 @@ fn run_times(report: &Report, id: &str) -> Vec<Duration> {
 }
 
 #[test]
-fn a_poison_message_is_parked_after_exactly_the_crash_limit() {
+fn a_poison_message_is_parked_after_exactly_the_crash_limit_of_solo_crashes() {
     for limit in [0, 1, 3, 5] {
         let policy = RetryPolicy::delays([mins(1), mins(10)])
             .with_crash_limit(limit)
@@ -75,9 +75,13 @@ fn a_poison_message_is_parked_after_exactly_the_crash_limit() {
             },
             "crash limit {limit}"
         );
-        // The crash limit is how many crashes a message survives: each is diverted through
-        // one delay, and the next one parks it.
-        assert_eq!(poison.runs.len() as u32, limit + 1, "crash limit {limit}");
+        // Its first crash, in the work lane, only makes it a suspect. The crash limit is
+        // how many solo crashes it survives: each is diverted through the crash delay, and
+        // the next one parks it.
+        assert_eq!(poison.isolations, 1);
+        assert_eq!(poison.runs.len() as u32, limit + 2, "crash limit {limit}");
+        assert!(!poison.runs[0].solo);
+        assert!(poison.runs[1..].iter().all(|r| r.solo));
         assert!(poison.runs.iter().all(|r| r.step == Step::Crash));
         assert_eq!(poison.delays, vec![mins(1); limit as usize]);
         assert_eq!(poison.crashes, limit + 1);
@@ -92,17 +96,48 @@ fn a_poison_message_is_parked_after_exactly_the_crash_limit() {
             .iter()
             .filter(|c| c.state == ConsumerState::Crashed)
             .count();
-        assert_eq!(crashed as u32, limit + 1, "one process died per crash");
+        assert_eq!(crashed as u32, limit + 2, "one process died per run");
 
         let parked = sim.broker().messages("comments.parking").unwrap();
         let record = ParkedRecord::decode(&parked[0].headers);
         assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
         assert_eq!(record.crashes, limit + 1);
+        assert_eq!(record.origin_queue, Some("comments"));
         assert_eq!(
             record.attempts, 0,
             "crashes are not counted as failed attempts"
         );
     }
+}
+
+#[test]
+fn run_handler_sends_a_crashed_suspect_straight_back_to_run_alone() {
+    let policy = RetryPolicy::delays([mins(1)])
+        .with_on_crash(CrashAction::RunHandler)
+        .with_crash_limit(2)
+        .build()
+        .unwrap();
+    let mut sim = simulation("orders", policy)
+        .prefetch(1)
+        .restart_delay(secs(5))
+        .build()
+        .unwrap();
+    sim.publish("poison", Script::always(Step::Crash)).unwrap();
+    let report = sim.run_until_quiet();
+    let m = report.message("poison").unwrap();
+    assert_eq!(m.crashes, 3);
+    assert_eq!(m.delays, [Duration::ZERO; 2], "no crash delay");
+    // A run per process, each 5 s restart apart.
+    assert_eq!(
+        run_times(&report, "poison"),
+        [Duration::ZERO, secs(5), secs(10), secs(15)]
+    );
+    assert_eq!(
+        m.fate,
+        Fate::Parked {
+            reason: "crash-loop".into()
+        }
+    );
 }
 
 #[test]
@@ -116,12 +151,13 @@ fn a_poison_message_next_to_a_flaky_one_with_exact_virtual_times() {
     sim.publish("flaky", Script::fail_times(2)).unwrap();
     let report = sim.run_until_quiet();
 
-    // The poison message crashes consumer 1 at once; the replacement starts 5 s later, sees
-    // it redelivered and diverts it through the 1 min delay without running it. Every later
-    // crash costs a 5 s restart plus the 1 min diversion.
+    // The poison message crashes consumer 1 at once. Consumer 2 starts 5 s later, finds it
+    // redelivered, isolates it and runs it alone: it dies again. Consumer 3 (10 s) finds it
+    // redelivered from the isolation queue, counts crash 1 and diverts it through the 1 min
+    // crash delay; every later solo crash costs the 1 min delay plus a 5 s restart.
     assert_eq!(
         run_times(&report, "poison"),
-        [Duration::ZERO, secs(65), secs(65 + 65), secs(65 + 65 + 65),]
+        [Duration::ZERO, secs(5), secs(70), secs(135), secs(200)]
     );
     assert_eq!(
         report.fate("poison"),
@@ -129,19 +165,21 @@ fn a_poison_message_next_to_a_flaky_one_with_exact_virtual_times() {
             reason: "crash-loop".into()
         })
     );
-    // The flaky one waits behind the poison message (prefetch 1), then follows its
-    // schedule: fail, 1 min, fail, 10 min, success.
-    // At 65 s both come back from the 1 min queue; the poison message is first, kills
-    // consumer 2, and the flaky one runs on consumer 3 after its 5 s restart.
+    // The flaky one was prefetched behind the poison message when consumer 2 died, so it
+    // comes back a suspect once (never a crash) and runs alone on consumer 3 at 10 s; then
+    // it follows its schedule: fail, 1 min, fail, 10 min, success. At 70 s it is back in
+    // the work queue as the poison message is back in the isolation queue: the flaky run
+    // ends before the poison message's solo run starts, at the same virtual instant.
     let flaky = report.message("flaky").unwrap();
+    assert_eq!(flaky.crashes, 0);
     assert_eq!(flaky.delays, [mins(1), mins(10)]);
     assert!(matches!(flaky.fate, Fate::Handled { attempt: 3, .. }));
     assert_eq!(
         run_times(&report, "flaky"),
-        [secs(5), secs(70), secs(70) + mins(10)]
+        [secs(10), secs(70), secs(70) + mins(10)],
+        "{}",
+        report.message("flaky").unwrap().timeline(report.started_at)
     );
-    let consumers: Vec<u32> = flaky.runs.iter().map(|r| r.consumer).collect();
-    assert_eq!(consumers, [2, 3, 5]);
     let totals = report.totals();
     assert_eq!((totals.published, totals.handled, totals.parked), (2, 1, 1));
 }
@@ -183,7 +221,7 @@ fn attempts_run_out_and_the_message_is_parked_with_its_record() {
 }
 
 #[test]
-fn crash_on_attempt_two_is_diverted_then_recovers() {
+fn a_crash_on_attempt_two_makes_a_suspect_that_recovers_alone_uncounted() {
     let (_, report) = run_one(Script::steps([
         Step::fail("timeout"),
         Step::Crash,
@@ -195,11 +233,13 @@ fn crash_on_attempt_two_is_diverted_then_recovers() {
         steps,
         [&Step::fail("timeout"), &Step::Crash, &Step::Succeed]
     );
-    // The crash does not use up an attempt: the run after the diversion is attempt 2 again.
+    // The crash does not use up an attempt: the solo run after it is attempt 2 again.
     let attempts: Vec<u32> = m.runs.iter().map(|r| r.attempt).collect();
     assert_eq!(attempts, [1, 2, 2]);
-    assert_eq!(m.delays, [mins(1), mins(1)]);
-    assert_eq!(m.crashes, 1);
+    let solo: Vec<bool> = m.runs.iter().map(|r| r.solo).collect();
+    assert_eq!(solo, [false, false, true]);
+    assert_eq!(m.delays, [mins(1)]);
+    assert_eq!((m.crashes, m.isolations), (0, 1));
     assert!(matches!(m.fate, Fate::Handled { attempt: 2, .. }));
 }
 
@@ -275,7 +315,7 @@ fn retry_after_and_slow_handlers_take_virtual_time() {
 }
 
 #[test]
-fn bystanders_of_a_crash_are_redelivered_and_never_lost() {
+fn bystanders_of_a_crash_run_alone_once_and_are_never_blamed() {
     let mut sim = simulation("orders", policy()).prefetch(10).build().unwrap();
     sim.publish("poison", Script::always(Step::Crash)).unwrap();
     for i in 0..3 {
@@ -292,31 +332,74 @@ fn bystanders_of_a_crash_are_redelivered_and_never_lost() {
     );
     for i in 0..3 {
         let m = report.message(&format!("ok{i}")).unwrap();
-        assert!(
-            m.crashes >= 1,
-            "held when the process died, so redelivered and counted as a crash"
-        );
+        assert_eq!(m.crashes, 0, "held when the process died, but never blamed");
+        assert!(m.isolations >= 1, "redelivered, so a suspect");
         assert!(m.runs.iter().all(|r| r.step == Step::Succeed));
-        // Bystanders go through the same crash delay as the poison message and come back
-        // in the same batch, so with prefetch above one they can be held again at its next
-        // crash: whether they end handled or parked, they end somewhere.
-        assert!(
-            matches!(m.fate, Fate::Handled { .. } | Fate::Parked { .. }),
-            "{:?}",
-            m.fate
-        );
+        assert!(matches!(m.fate, Fate::Handled { .. }), "{:?}", m.fate);
     }
     let totals = report.totals();
-    assert_eq!(totals.handled + totals.parked, 4);
+    assert_eq!((totals.handled, totals.parked), (3, 1));
     assert_eq!((totals.pending, totals.lost), (0, 0));
 }
 
 #[test]
-fn a_quorum_delivery_limit_backs_up_the_crash_limit() {
-    // The handler runs on redeliveries, so only the broker's delivery limit stops the loop.
+fn a_crash_during_the_drain_never_blames_the_waiting_suspect() {
+    // Two consumers. "w" runs on consumer 1 for 20 s, then kills it. "s" kills consumer 2
+    // after 12 s, comes back redelivered to consumer 1, and is isolated there while "w"
+    // still runs: consumer 1 drains, waiting for "w", and dies during the drain. The suspect
+    // was never taken from the isolation queue (had it been, its 12 s run would have been
+    // under way when consumer 1 died, and it would have been blamed).
+    let mut sim = simulation("orders", policy())
+        .consumers(2)
+        .prefetch(10)
+        .restart_delay(secs(60))
+        .build()
+        .unwrap();
+    for (id, script) in [
+        ("w", Script::always(Step::Crash).taking(secs(20))),
+        (
+            "s",
+            Script::steps([Step::Crash, Step::Succeed]).taking(secs(12)),
+        ),
+    ] {
+        let id = id.to_owned();
+        sim.schedule(Duration::from_millis(1), SimEvent::Publish { id, script });
+    }
+    let report = sim.run_until_quiet();
+
+    let s = report.message("s").unwrap();
+    let consumers: Vec<(u32, bool)> = s.runs.iter().map(|r| (r.consumer, r.solo)).collect();
+    assert_eq!(consumers[0], (2, false), "{consumers:?}");
+    assert!(
+        s.terminals
+            .iter()
+            .any(|(at, t)| *t == Terminal::Isolated && since_start(&report, *at) < secs(20)),
+        "isolated while w ran: {:?}",
+        s.terminals
+    );
+    assert!(s.runs[1].solo);
+    assert!(
+        since_start(&report, s.runs[1].at) > secs(20),
+        "after the drain's crash"
+    );
+    assert_eq!(s.crashes, 0);
+    assert!(matches!(s.fate, Fate::Handled { .. }));
+    let w = report.message("w").unwrap();
+    assert_eq!(
+        w.fate,
+        Fate::Parked {
+            reason: "crash-loop".into()
+        }
+    );
+}
+
+#[test]
+fn a_quorum_delivery_limit_backs_up_the_engine_when_no_clone_can_be_published() {
+    // Every publish is refused, so a failed message can be neither retried nor isolated:
+    // it is requeued each time, and the broker's delivery count grows until its limit
+    // parks it.
     let policy = RetryPolicy::delays([mins(1)])
-        .with_on_crash(CrashAction::RunHandler)
-        .with_crash_limit(100)
+        .with_publish_retries(0, Duration::ZERO)
         .build()
         .unwrap();
     let mut sim = simulation("orders", policy)
@@ -325,16 +408,23 @@ fn a_quorum_delivery_limit_backs_up_the_crash_limit() {
         .prefetch(1)
         .build()
         .unwrap();
-    sim.publish("poison", Script::always(Step::Crash)).unwrap();
+    sim.publish("m", Script::always(Step::fail("down")))
+        .unwrap();
+    sim.schedule(Duration::ZERO, SimEvent::RefusePublishes(1_000));
     let report = sim.run_until_quiet();
-    let m = report.message("poison").unwrap();
-    assert_eq!(m.runs.len(), 3, "the first delivery and two redeliveries");
+    let m = report.message("m").unwrap();
+    assert_eq!(
+        m.runs.len(),
+        1,
+        "a redelivery is a suspect, never run in the work lane"
+    );
     assert_eq!(
         m.fate,
         Fate::Parked {
             reason: "delivery_limit".into()
         }
     );
+    assert_eq!(m.crashes, 0);
 }
 
 #[test]
@@ -376,7 +466,8 @@ fn your_own_handler_runs_under_simulated_crashes() {
     assert!(matches!(a.fate, Fate::Handled { attempt: 2, .. }));
     let b = report.message("b").unwrap();
     assert_eq!(b.runs[0].step, Step::Crash);
-    assert_eq!(b.crashes, 1);
+    assert_eq!((b.crashes, b.isolations), (0, 1), "a suspect, not a crash");
+    assert!(b.runs[1].solo);
     assert!(matches!(b.fate, Fate::Handled { .. }));
 }
 

@@ -318,6 +318,13 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 {
                     return Poll::Ready(Wake::GraceOver);
                 }
+                // Deliveries already waiting are taken before finished work is looked at:
+                // after a crash, the redelivered ones all get isolated in one drain.
+                if let Some(pending) = intake.recv.as_mut()
+                    && let Poll::Ready(received) = pending.as_mut().poll(cx)
+                {
+                    return Poll::Ready(Wake::Received(received));
+                }
                 if let Poll::Ready(Some(event)) = self.tasks.poll_next_unpin(cx) {
                     return Poll::Ready(Wake::Event(event));
                 }
@@ -325,11 +332,6 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     && sleep.as_mut().poll(cx).is_ready()
                 {
                     return Poll::Ready(Wake::Timer);
-                }
-                if let Some(pending) = intake.recv.as_mut()
-                    && let Poll::Ready(received) = pending.as_mut().poll(cx)
-                {
-                    return Poll::Ready(Wake::Received(received));
                 }
                 if let Some(watch) = intake.watch.as_mut()
                     && let Poll::Ready(result) = watch.as_mut().poll(cx)
@@ -443,6 +445,16 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 }
                 Phase::Draining => {
                     if !self.held.is_empty() {
+                        // Redelivered deliveries still arriving are isolated meanwhile: after
+                        // a crash they come first, and a handler never runs for them.
+                        if let Some(subscription) = self.subscription.clone()
+                            && intake.receiving
+                            && intake.recv.is_none()
+                            && intake.deferred.is_none()
+                            && self.held.len() < usize::from(self.config.prefetch)
+                        {
+                            intake.recv = Some(self.receive(subscription, intake.backoff.take()));
+                        }
                         return;
                     }
                     intake.phase = Phase::Flushing;
@@ -512,7 +524,10 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         match received {
             Ok(Some(delivery)) => {
                 intake.next_backoff = MIN_RECEIVE_BACKOFF;
-                if intake.phase == Phase::Work {
+                let isolating = intake.phase == Phase::Draining
+                    && !self.held.is_empty()
+                    && delivery.facts.crash_evidence() > 0;
+                if intake.phase == Phase::Work || isolating {
                     self.admit(delivery, Lane::Work);
                 } else {
                     intake.deferred = Some(delivery);
