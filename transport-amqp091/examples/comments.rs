@@ -87,8 +87,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                             retry_core::format_delay(*delay)
                         )
                     }
+                    Terminal::Isolated => "redelivered: isolated, to run alone".to_owned(),
                     Terminal::Diverted { crashes, .. } => {
-                        format!("redelivered after a crash (crash {crashes}), diverted")
+                        format!("took its consumer down running alone (crash {crashes}), diverted")
                     }
                     Terminal::DeadLettered { reason } => {
                         *finished.lock().unwrap() += 1;

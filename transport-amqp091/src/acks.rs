@@ -20,6 +20,7 @@ use std::sync::Mutex;
 
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use retry_core::TransportError;
 use tracing::warn;
 
 /// One ack to send: the delivery tag, the acker to send it through, and whether it is a
@@ -180,11 +181,12 @@ impl Acks {
 
     /// Marks a delivery done, sending the batch if it is full. `false` if it was stale.
     /// Marking needs no ordering; only taking and sending do, so the wire lock is taken only
-    /// when there is a batch to send.
+    /// when there is a batch to send. A batch that could not be sent is logged: its
+    /// deliveries go back to the broker with the channel.
     pub(crate) async fn done(&self, epoch: u64, tag: u64) -> bool {
         match self.batcher.done(epoch, tag) {
             Some(true) => {
-                self.flush().await;
+                let _ = self.flush().await;
                 true
             }
             Some(false) => true,
@@ -216,21 +218,39 @@ impl Acks {
         }
     }
 
-    /// Sends every finished delivery's ack now.
-    pub(crate) async fn flush(&self) {
+    /// Sends every finished delivery's ack now, and returns once they are written. An error
+    /// says how many acks could not be sent: their channel is gone, and the broker
+    /// redelivers those deliveries.
+    pub(crate) async fn flush(&self) -> Result<(), TransportError> {
         let _wire = self.wire.lock().await;
-        send(self.batcher.flush()).await;
+        send(self.batcher.flush()).await
     }
 }
 
-async fn send(acks: Vec<PendingAck>) {
+async fn send(acks: Vec<PendingAck>) -> Result<(), TransportError> {
+    let mut unsent = 0;
+    let mut last_error = None;
     for (tag, acker, multiple) in acks {
         match acker.ack(BasicAckOptions { multiple }).await {
             Ok(true) => {}
-            // The channel died since: the broker redelivers these, the engine counts them.
-            Ok(false) => warn!(tag, multiple, "ack not sent: its channel is gone"),
-            Err(e) => warn!(tag, multiple, error = %e, "ack failed; the broker will redeliver"),
+            // The channel died since: the broker redelivers these.
+            Ok(false) => {
+                unsent += 1;
+                warn!(tag, multiple, "ack not sent: its channel is gone");
+            }
+            Err(e) => {
+                unsent += 1;
+                warn!(tag, multiple, error = %e, "ack failed; the broker will redeliver");
+                last_error = Some(e.to_string());
+            }
         }
+    }
+    match unsent {
+        0 => Ok(()),
+        n => Err(TransportError::Connection(format!(
+            "{n} acknowledgement(s) not sent, their channel is gone ({}); the broker redelivers those deliveries",
+            last_error.as_deref().unwrap_or("closed")
+        ))),
     }
 }
 

@@ -2,15 +2,17 @@
 //!
 //! RabbitMQ (and other AMQP 0-9-1 brokers) for `retry-core`, through lapin 4.
 //!
-//! * [`AmqpTransport::connect`] opens one connection with a consuming channel and a
-//!   publishing channel in confirm mode; `amqps://` URLs use rustls.
+//! * [`AmqpTransport::connect`] opens one connection with a publishing channel in confirm
+//!   mode; each subscription ([`AmqpSubscription`]) gets a channel of its own, and suspects
+//!   are fetched with `basic.get` on another. `amqps://` URLs use rustls.
 //! * `provision` declares a [`TopologyPlan`](retry_core::TopologyPlan) idempotently and
 //!   reports an existing, differently declared object by name and argument
 //!   ([`TransportError::TopologyConflict`](retry_core::TransportError::TopologyConflict)).
 //! * Clones are published `mandatory` with confirms: the original is acknowledged only after
 //!   a plain positive confirm. Returned, nacked, timed-out or failed publishes requeue it.
-//! * Acknowledgements are batched with `multiple` where it is safe, and several confirms are
-//!   in flight at once; that is what makes the consumer faster than a naive one.
+//! * Acknowledgements are batched with `multiple` where it is safe, per subscription, and
+//!   sent before a consumer stops and when the transport closes; several confirms are in
+//!   flight at once. That is what makes the consumer faster than a naive one.
 //! * Automatic recovery: consuming resumes after a dropped connection, each recovery is
 //!   logged, and a delivery tag from before the drop is never acknowledged on the new
 //!   channel.
@@ -27,9 +29,11 @@ mod config;
 mod convert;
 mod error;
 mod provision;
+mod subscription;
 mod transport;
 
 pub use config::AmqpConfig;
 pub use convert::{headers_from_table, table_from_headers};
 pub use provision::ProvisionReport;
+pub use subscription::AmqpSubscription;
 pub use transport::{AmqpTag, AmqpTransport};

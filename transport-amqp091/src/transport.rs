@@ -7,56 +7,88 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt;
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
+    BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, Event};
+use lapin::{Acker, Channel, Confirmation, Connection, ConnectionProperties, Event};
 use retry_core::headers::{Origin, clone_headers};
 use retry_core::{
-    BrokerSignals, Capabilities, Delivery, DeliveryFacts, Message, MessageParts, Publish,
-    PublishResult, Settlement, TopologyPlan, Transport, TransportError, message_identity,
+    Capabilities, Delivery, Message, Publish, PublishResult, Settlement, TopologyPlan, Transport,
+    TransportError,
 };
 use tokio::sync::Mutex;
 use tracing::{debug, info, warn};
 
 use crate::acks::{Acks, Refusal};
 use crate::config::AmqpConfig;
-use crate::convert::{headers_from_table, properties_from_amqp, properties_to_amqp};
+use crate::convert::{properties_to_amqp, received};
 use crate::error::{connection_error, short};
 use crate::provision::{self, ProvisionReport};
+use crate::subscription::AmqpSubscription;
 
-/// Settles one delivery: the channel incarnation it came on and its tag.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Settles one delivery: where it came from and its delivery tag there.
+///
+/// A delivery from a subscription is acknowledged through that subscription's batcher,
+/// for the channel incarnation (epoch) it came on; one from a fetch is settled at once
+/// through its own acker. After a reconnection, neither settles on the new channel: the
+/// broker has already put the delivery back.
+#[derive(Clone)]
 pub struct AmqpTag {
-    epoch: u64,
+    settler: Settler,
     delivery_tag: u64,
 }
 
+#[derive(Clone)]
+enum Settler {
+    Batched { acks: Arc<Acks>, epoch: u64 },
+    Direct(Acker),
+}
+
 impl AmqpTag {
+    pub(crate) fn batched(acks: Arc<Acks>, epoch: u64, delivery_tag: u64) -> Self {
+        AmqpTag {
+            settler: Settler::Batched { acks, epoch },
+            delivery_tag,
+        }
+    }
+
     /// The broker's delivery tag.
     pub fn delivery_tag(&self) -> u64 {
         self.delivery_tag
     }
 }
 
-struct Consuming {
-    queue: String,
-    consumer_tag: String,
-    consumer: lapin::Consumer,
+impl std::fmt::Debug for AmqpTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("AmqpTag");
+        d.field("delivery_tag", &self.delivery_tag);
+        match &self.settler {
+            Settler::Batched { epoch, .. } => d.field("epoch", epoch),
+            Settler::Direct(_) => d.field("fetched", &true),
+        };
+        d.finish()
+    }
 }
 
-/// A RabbitMQ (AMQP 0-9-1) transport: one connection, a consuming channel with a prefetch,
-/// and a publishing channel in confirm mode.
+/// A RabbitMQ (AMQP 0-9-1) transport: one connection, a publishing channel in confirm mode,
+/// a channel per subscription, one for fetching and one for looking at queues.
 ///
+/// * Each [`consume`](Transport::consume) opens a channel of its own with its prefetch and
+///   acknowledgement batching: an [`AmqpSubscription`]. Two subscriptions never share a
+///   channel, so a `multiple` ack of one can never cover the other's deliveries.
+/// * [`fetch`](Transport::fetch) is `basic.get` on a channel used only for it, and its
+///   deliveries are settled at once, never batched. [`ready`](Transport::ready) counts a
+///   queue's ready messages with a passive declare, on a channel used only for that (a
+///   missing queue closes the channel it is asked on).
 /// * Clones are published `mandatory`, and only a plain positive confirm counts: a returned
-///   (unroutable) or nacked publish, a channel error or a confirm timeout is a failure, and
-///   the engine requeues the original.
+///   (unroutable) or nacked publish, a channel error or a confirm timeout is a failure.
 /// * Acknowledgements are batched with `multiple` where that is safe (see the `acks`
-///   module); requeues and rejects are sent at once.
+///   module); requeues and rejects are sent at once. [`close`](Self::close) sends every
+///   batched ack first.
 /// * With automatic recovery on, a dropped connection is re-established; deliveries held
-///   across the drop come back redelivered, and their old tags are never acked on the new
-///   channel.
+///   across the drop come back redelivered, and settling one of their old tags fails with
+///   [`TransportError::Connection`] instead of reaching the new channel.
 ///
 /// ```no_run
 /// use retry_core::{RetryPolicy, TopologyPlan, Transport};
@@ -74,9 +106,10 @@ pub struct AmqpTransport {
     config: AmqpConfig,
     connection: Connection,
     publish_channel: Mutex<Channel>,
-    consume_channel: Channel,
-    consuming: Mutex<Option<Consuming>>,
-    acks: Arc<Acks>,
+    get_channel: Mutex<Option<Channel>>,
+    inspect_channel: Mutex<Option<Channel>>,
+    /// The batchers of the subscriptions still alive, for `close` and `flush_acks`.
+    subscriptions: StdMutex<Vec<Weak<Acks>>>,
     recoveries: Arc<AtomicU64>,
     last_report: StdMutex<Option<ProvisionReport>>,
 }
@@ -91,7 +124,7 @@ impl std::fmt::Debug for AmqpTransport {
 }
 
 impl AmqpTransport {
-    /// Connects, opens the channels and puts the publishing one in confirm mode.
+    /// Connects and opens the publishing channel in confirm mode.
     pub async fn connect(config: AmqpConfig) -> Result<Self, TransportError> {
         let mut properties = ConnectionProperties::default();
         if config.auto_recover() {
@@ -109,22 +142,16 @@ impl AmqpTransport {
                 ))
             })?;
         let publish_channel = confirm_channel(&connection).await?;
-        let consume_channel = connection
-            .create_channel()
-            .await
-            .map_err(connection_error)?;
         let recoveries = Arc::new(AtomicU64::new(0));
         watch_connection(&connection, Arc::clone(&recoveries));
-        let acks = Arc::new(Acks::default());
-        spawn_flusher(Arc::downgrade(&acks), config.ack_flush_interval());
         info!(url = %config.redacted_url(), "connected");
         Ok(AmqpTransport {
             config,
             connection,
             publish_channel: Mutex::new(publish_channel),
-            consume_channel,
-            consuming: Mutex::new(None),
-            acks,
+            get_channel: Mutex::new(None),
+            inspect_channel: Mutex::new(None),
+            subscriptions: StdMutex::new(Vec::new()),
             recoveries,
             last_report: StdMutex::new(None),
         })
@@ -154,15 +181,17 @@ impl AmqpTransport {
         provision::teardown(&self.connection, plan).await
     }
 
-    /// Sends the batched acknowledgements and closes the connection. Deliveries left
-    /// unsettled (a consumer stopped past its shutdown grace) go back to their queue now;
-    /// while the connection stays open the broker keeps them as unacknowledged.
+    /// Sends every subscription's batched acknowledgements, then closes the connection.
+    /// Deliveries left unsettled (a consumer stopped past its shutdown grace, or prefetched
+    /// and never received) go back to their queue now; while the connection stays open the
+    /// broker keeps them as unacknowledged.
     pub async fn close(&self) -> Result<(), TransportError> {
-        self.acks.flush().await;
+        let flushed = self.flush_acks().await;
         self.connection
             .close(200, "closing".into())
             .await
-            .map_err(connection_error)
+            .map_err(connection_error)?;
+        flushed
     }
 
     /// How many times the connection has been recovered.
@@ -170,9 +199,20 @@ impl AmqpTransport {
         self.recoveries.load(Ordering::Relaxed)
     }
 
-    /// Sends every batched acknowledgement now.
-    pub async fn flush_acks(&self) {
-        self.acks.flush().await;
+    /// Sends every subscription's batched acknowledgements now.
+    pub async fn flush_acks(&self) -> Result<(), TransportError> {
+        let live: Vec<Arc<Acks>> = {
+            let mut subscriptions = self.subscriptions.lock().unwrap_or_else(|e| e.into_inner());
+            subscriptions.retain(|w| w.strong_count() > 0);
+            subscriptions.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut result = Ok(());
+        for acks in live {
+            if let Err(e) = acks.flush().await {
+                result = Err(e);
+            }
+        }
+        result
     }
 
     async fn publish_channel(&self) -> Result<Channel, TransportError> {
@@ -183,6 +223,28 @@ impl AmqpTransport {
             debug!("publishing channel reopened");
         }
         Ok(channel.clone())
+    }
+
+    /// A channel of its own for one kind of request, reopened when a channel error (a
+    /// missing queue) closed it.
+    async fn side_channel(&self, slot: &Mutex<Option<Channel>>) -> Result<Channel, TransportError> {
+        let mut slot = slot.lock().await;
+        match slot.as_ref() {
+            Some(channel)
+                if channel.status().connected() || !self.connection.status().connected() =>
+            {
+                Ok(channel.clone())
+            }
+            _ => {
+                let channel = self
+                    .connection
+                    .create_channel()
+                    .await
+                    .map_err(connection_error)?;
+                *slot = Some(channel.clone());
+                Ok(channel)
+            }
+        }
     }
 
     async fn publish_inner(
@@ -215,13 +277,21 @@ impl AmqpTransport {
             .map_err(connection_error)?;
         confirm.await.map_err(connection_error)
     }
+}
 
-    async fn recover_consumer(&self, err: lapin::Error) -> Result<(), TransportError> {
-        warn!(error = %err, "consuming channel lost; waiting for recovery");
-        self.consume_channel
-            .wait_for_recovery(err)
-            .await
-            .map_err(connection_error)
+/// A missing queue, as the error that names it.
+pub(crate) fn missing_queue(queue: &str) -> TransportError {
+    TransportError::MissingAddress {
+        address: format!("queue {queue:?}"),
+        hint: "provision the topology first (Transport::provision)".into(),
+    }
+}
+
+/// A lapin error on a request about `queue`: NOT_FOUND names the queue.
+pub(crate) fn queue_error(queue: &str, e: lapin::Error) -> TransportError {
+    match crate::error::amqp_code(&e) {
+        Some(404) => missing_queue(queue),
+        _ => connection_error(e),
     }
 }
 
@@ -265,8 +335,8 @@ fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>) {
 }
 
 /// Flushes batched acks on a timer, so a quiet consumer never sits on finished deliveries.
-/// Stops when the transport is dropped.
-fn spawn_flusher(acks: Weak<Acks>, every: Duration) {
+/// Stops when the batcher is dropped.
+pub(crate) fn spawn_flusher(acks: Weak<Acks>, every: Duration) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -274,7 +344,8 @@ fn spawn_flusher(acks: Weak<Acks>, every: Duration) {
             tick.tick().await;
             let Some(acks) = acks.upgrade() else { break };
             if acks.has_done() {
-                acks.flush().await;
+                // A failure is logged by the batcher; the broker redelivers those.
+                let _ = acks.flush().await;
             }
         }
     });
@@ -283,6 +354,7 @@ fn spawn_flusher(acks: Weak<Acks>, every: Duration) {
 #[async_trait]
 impl Transport for AmqpTransport {
     type Tag = AmqpTag;
+    type Subscription = AmqpSubscription;
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
@@ -301,14 +373,22 @@ impl Transport for AmqpTransport {
         Ok(())
     }
 
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError> {
-        self.consume_channel
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<AmqpSubscription, TransportError> {
+        let channel = self
+            .connection
+            .create_channel()
+            .await
+            .map_err(connection_error)?;
+        channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await
             .map_err(connection_error)?;
-        let consumer_tag = format!("retry-{}-{}", queue, self.consume_channel.id());
-        let consumer = self
-            .consume_channel
+        let consumer_tag = format!("retry-{}-{}", queue, channel.id());
+        let consumer = channel
             .basic_consume(
                 short(queue)?,
                 short(&consumer_tag)?,
@@ -316,74 +396,65 @@ impl Transport for AmqpTransport {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| match crate::error::amqp_code(&e) {
-                Some(404) => TransportError::MissingAddress {
-                    address: format!("queue {queue:?}"),
-                    hint: "provision the topology first (Transport::provision)".into(),
-                },
-                _ => connection_error(e),
-            })?;
-        self.acks.set_batch(usize::from(prefetch / 2));
-        *self.consuming.lock().await = Some(Consuming {
-            queue: queue.to_owned(),
+            .map_err(|e| queue_error(queue, e))?;
+        let acks = Arc::new(Acks::default());
+        acks.set_batch(usize::from(prefetch / 2));
+        spawn_flusher(Arc::downgrade(&acks), self.config.ack_flush_interval());
+        {
+            let mut subscriptions = self.subscriptions.lock().unwrap_or_else(|e| e.into_inner());
+            subscriptions.retain(|w| w.strong_count() > 0);
+            subscriptions.push(Arc::downgrade(&acks));
+        }
+        info!(queue, prefetch, channel = channel.id(), "consuming");
+        Ok(AmqpSubscription::new(
+            queue.to_owned(),
             consumer_tag,
+            channel,
             consumer,
-        });
-        info!(queue, prefetch, "consuming");
-        Ok(())
+            acks,
+        ))
     }
 
-    async fn recv(&self) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
-        let mut guard = self.consuming.lock().await;
-        let Some(consuming) = guard.as_mut() else {
-            return Ok(None);
-        };
-        loop {
-            // Acks left below the batch size are sent by the flusher within its interval, so
-            // a broker holding deliveries back for them is never kept waiting for long.
-            let delivery = match consuming.consumer.next().await {
-                None => return Ok(None),
-                Some(Err(err)) => {
-                    self.recover_consumer(err).await?;
-                    continue;
-                }
-                Some(Ok(d)) => d,
-            };
-            let epoch = self
-                .acks
-                .received(delivery.delivery_tag, delivery.acker.clone());
-            let headers = delivery
-                .properties
-                .headers()
-                .as_ref()
-                .map(headers_from_table)
-                .unwrap_or_default();
-            let properties = properties_from_amqp(&delivery.properties);
-            let identity = message_identity(properties.message_id.as_deref(), &delivery.data);
-            let facts = DeliveryFacts::decode(
-                &headers,
-                BrokerSignals {
-                    redelivered: delivery.redelivered,
-                    delivery_count: None,
-                },
-                identity,
-            );
-            let message = Message::new(MessageParts {
-                queue: consuming.queue.clone(),
-                exchange: delivery.exchange.as_str().to_owned(),
-                routing_key: delivery.routing_key.as_str().to_owned(),
-                body: delivery.data,
-                properties,
-                headers,
-            });
-            return Ok(Some(Delivery {
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
+        let channel = self.side_channel(&self.get_channel).await?;
+        let got = channel
+            .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
+            .await
+            .map_err(|e| queue_error(queue, e))?;
+        Ok(got.map(|got| {
+            let (delivery_tag, acker, message, facts) = received(got.delivery, queue);
+            Delivery {
                 tag: AmqpTag {
-                    epoch,
-                    delivery_tag: delivery.delivery_tag,
+                    settler: Settler::Direct(acker),
+                    delivery_tag,
                 },
                 message,
                 facts,
-            }));
+            }
+        }))
+    }
+
+    /// Counts `queue`'s ready messages with a passive declare every `poll`, until there is
+    /// one.
+    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
+        let name = short(queue)?;
+        loop {
+            let channel = self.side_channel(&self.inspect_channel).await?;
+            let declared = channel
+                .queue_declare(
+                    name.clone(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| queue_error(queue, e))?;
+            if declared.message_count() > 0 {
+                return Ok(());
+            }
+            tokio::time::sleep(poll).await;
         }
     }
 
@@ -409,27 +480,39 @@ impl Transport for AmqpTransport {
     }
 
     async fn settle(&self, tag: &AmqpTag, settlement: Settlement) -> Result<(), TransportError> {
-        let sent = match settlement {
-            Settlement::Ack => self.acks.done(tag.epoch, tag.delivery_tag).await,
-            Settlement::Requeue => self
-                .acks
-                .refuse(tag.epoch, tag.delivery_tag, Refusal::Requeue)
-                .await
-                .map_err(connection_error)?,
-            Settlement::Reject => self
-                .acks
-                .refuse(tag.epoch, tag.delivery_tag, Refusal::Reject)
-                .await
-                .map_err(connection_error)?,
+        let sent = match &tag.settler {
+            Settler::Batched { acks, epoch } => match settlement {
+                Settlement::Ack => acks.done(*epoch, tag.delivery_tag).await,
+                Settlement::Requeue => acks
+                    .refuse(*epoch, tag.delivery_tag, Refusal::Requeue)
+                    .await
+                    .map_err(connection_error)?,
+                Settlement::Reject => acks
+                    .refuse(*epoch, tag.delivery_tag, Refusal::Reject)
+                    .await
+                    .map_err(connection_error)?,
+            },
+            Settler::Direct(acker) => match settlement {
+                Settlement::Ack => acker.ack(BasicAckOptions::default()).await,
+                Settlement::Requeue => {
+                    acker
+                        .nack(BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        })
+                        .await
+                }
+                Settlement::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
+            }
+            .map_err(connection_error)?,
         };
         if !sent {
-            // The delivery belongs to a channel that has since been recovered: the broker
-            // has it back and will redeliver it. Never settle it on the new channel.
-            warn!(
-                tag = tag.delivery_tag,
-                ?settlement,
-                "stale delivery not settled; the broker redelivers it"
-            );
+            // The delivery belongs to a channel that has since been recovered or closed: the
+            // broker has it back and will redeliver it. Never settle it on the new channel.
+            return Err(TransportError::Connection(format!(
+                "delivery {} was on a channel that is gone; the broker has it back",
+                tag.delivery_tag
+            )));
         }
         Ok(())
     }
@@ -437,18 +520,5 @@ impl Transport for AmqpTransport {
     /// tokio's timer wheel: far cheaper per handler run than the default's timer thread.
     fn sleep(&self, duration: Duration) -> futures::future::BoxFuture<'static, ()> {
         Box::pin(tokio::time::sleep(duration))
-    }
-
-    async fn cancel(&self) -> Result<(), TransportError> {
-        let consuming = self.consuming.lock().await.take();
-        if let Some(c) = consuming {
-            self.consume_channel
-                .basic_cancel(short(&c.consumer_tag)?, BasicCancelOptions::default())
-                .await
-                .map_err(connection_error)?;
-            info!(queue = c.queue, "stopped consuming");
-        }
-        self.acks.flush().await;
-        Ok(())
     }
 }

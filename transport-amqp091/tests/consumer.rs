@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use retry_core::{
-    CrashAction, DeadLetterReason, HandlerError, HeaderValue, Message, ParkedRecord, QueueType,
-    RetryPolicy, Terminal, TopologyPlan, Transport, headers,
+    DeadLetterReason, HandlerError, HeaderValue, Message, ParkedRecord, QueueType, RetryPolicy,
+    Terminal, TopologyPlan, Transport, headers,
 };
 use transport_amqp091::AmqpTransport;
 
@@ -205,7 +205,7 @@ async fn a_permanent_failure_is_parked_at_once() {
 }
 
 #[tokio::test]
-async fn a_delivery_held_by_a_closed_connection_is_diverted_when_it_comes_back() {
+async fn a_delivery_held_by_a_closed_connection_comes_back_a_suspect_and_runs_alone() {
     let policy = RetryPolicy::delays([ms(300)]).build().unwrap();
     let Some(config) = broker("crash").await else {
         return;
@@ -234,7 +234,7 @@ async fn a_delivery_held_by_a_closed_connection_is_diverted_when_it_comes_back()
             }
         },
         &q,
-        |b| b,
+        |b| b.suspect_poll(ms(200)),
     );
     publish(&ch, &q, b"held", "c-1").await;
     let started = {
@@ -251,16 +251,16 @@ async fn a_delivery_held_by_a_closed_connection_is_diverted_when_it_comes_back()
     };
     assert!(started);
     assert_eq!(close_connection(&name).await, 1);
-    // The broker gives the delivery back, flagged; the engine diverts it through the delay
-    // queue (no handler run) and it is handled when it returns.
+    // The broker gives the delivery back, flagged: a suspect, isolated without a run.
     assert!(
         running
-            .until(ms(20_000), |t| t.iter().any(|(_, t)| matches!(
-                t,
-                Terminal::Diverted { crashes: 1, .. }
-            )))
+            .until(ms(20_000), |t| t
+                .iter()
+                .any(|(_, t)| *t == Terminal::Isolated))
             .await
     );
+    // It runs alone only once the first run, still going, has finished.
+    assert_eq!(runs.0.lock().unwrap()["c-1"], 1);
     release.notify_waiters();
     assert!(
         running
@@ -269,16 +269,31 @@ async fn a_delivery_held_by_a_closed_connection_is_diverted_when_it_comes_back()
                 .any(|(_, t)| matches!(t, Terminal::Handled { .. })))
             .await
     );
-    running.stop().await;
+    let report = running.stop().await;
+    assert_eq!(runs.0.lock().unwrap()["c-1"], 2);
+    assert_eq!((report.suspects, report.diverted), (1, 0));
+    assert_eq!(
+        report.settle_errors, 1,
+        "the first run's ack found its channel gone"
+    );
     assert!(t.recoveries() >= 1);
-    assert_eq!(message_count(&ch, &q).await, 0);
-    assert_eq!(message_count(&ch, plan.parking_queue()).await, 0);
-    t.teardown(&plan).await.unwrap();
+    t.close().await.unwrap();
+    for queue in [
+        plan.work_queue(),
+        plan.isolation_queue(),
+        plan.parking_queue(),
+    ] {
+        assert_eq!(message_count(&ch, queue).await, 0, "{queue}");
+    }
+    transport(&config).await.teardown(&plan).await.unwrap();
 }
 
 #[tokio::test]
-async fn a_refused_publish_requeues_the_original_and_loses_nothing() {
-    let policy = RetryPolicy::delays([ms(300)]).build().unwrap();
+async fn a_publish_refused_every_time_requeues_once_then_runs_as_a_suspect_uncounted() {
+    let policy = RetryPolicy::delays([ms(300)])
+        .with_publish_retries(2, ms(50))
+        .build()
+        .unwrap();
     let Some((t, q, plan, _c, ch)) = setup("refused", &policy).await else {
         return;
     };
@@ -311,45 +326,61 @@ async fn a_refused_publish_requeues_the_original_and_loses_nothing() {
     )
     .await
     .unwrap();
+    let runs = Runs::default();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (r, s) = (runs.clone(), Arc::clone(&seen));
     let running = start(
         Arc::clone(&t),
         policy.clone(),
-        |_m: Message| async { Err::<(), _>(HandlerError::transient("down")) },
+        move |m: Message| {
+            let n = r.next(&m);
+            s.lock()
+                .unwrap()
+                .push(m.headers().get(headers::CRASHES).cloned());
+            async move {
+                match n {
+                    1 => Err(HandlerError::transient("down")),
+                    _ => Ok(()),
+                }
+            }
+        },
         &q,
-        |b| b.provision(false),
+        |b| b.provision(false).suspect_poll(ms(200)),
     );
     publish(&ch, &q, b"keep me", "r-1").await;
-    let requeued = running
-        .until(ms(10_000), |t| {
-            t.iter().any(|(_, t)| {
-                matches!(
-                    t,
-                    Terminal::Requeued {
-                        cause: retry_core::Confirm::Nack
-                    }
-                )
-            })
+    let handled = running
+        .until(ms(20_000), |t| {
+            t.iter().any(|(_, t)| matches!(t, Terminal::Handled { .. }))
         })
         .await;
-    assert!(requeued, "{:?}", running.terminals.lock().unwrap());
+    assert!(handled, "{:?}", running.terminals.lock().unwrap());
+    assert_eq!(
+        running.of("r-1"),
+        [
+            Terminal::Requeued {
+                cause: retry_core::Confirm::Nack
+            },
+            Terminal::Isolated,
+            Terminal::Handled { attempt: 1 }
+        ]
+    );
     let report = running.stop().await;
-    assert!(report.requeued >= 1);
-    assert_eq!(report.retried + report.diverted + report.dead_lettered, 0);
-    // Nothing was lost: once the consumer's connection closes, the message is back in the
-    // work queue, untouched.
+    assert_eq!(report.diverted + report.dead_lettered + report.retried, 0);
+    // The solo run saw no crash recorded on the message.
+    assert_eq!(*seen.lock().unwrap(), [None, Some(HeaderValue::Int(0))]);
     t.close().await.unwrap();
-    let back = wait_get(&ch, &q, ms(5_000))
-        .await
-        .expect("the original is still in the queue");
-    assert_eq!(back.body, b"keep me");
-    assert_eq!(back.headers.get(headers::ATTEMPTS), None);
+    assert_eq!(message_count(&ch, &q).await, 0);
     assert_eq!(message_count(&ch, &delay_queue).await, 0);
     let config = broker("refused-teardown").await.unwrap();
     transport(&config).await.teardown(&plan).await.unwrap();
 }
 
+fn quorum(p: retry_core::TopologyBuilder<'_>) -> retry_core::TopologyBuilder<'_> {
+    p.with_queue_type(QueueType::Quorum).with_delivery_limit(10)
+}
+
 #[tokio::test]
-async fn quorum_delivery_counts_feed_the_crash_limit_and_the_broker_limit_backs_it_up() {
+async fn quorum_redelivery_counts_make_a_suspect_and_the_broker_limit_backs_up() {
     let Some(config) = broker("quorum").await else {
         return;
     };
@@ -378,44 +409,55 @@ async fn quorum_delivery_counts_feed_the_crash_limit_and_the_broker_limit_backs_
         }
     }
 
-    // 1. The engine's crash limit (1) is reached first: x-delivery-count 2 parks it.
+    // 1. Returned twice (x-delivery-count 2): a suspect like any redelivery, run alone and
+    // handled, with no crash counted.
     let policy = RetryPolicy::delays([ms(300)])
-        .with_on_crash(CrashAction::RunHandler)
         .with_crash_limit(1)
         .build()
         .unwrap();
     let q = unique("quorum-engine");
-    let plan = TopologyPlan::builder(&q, &policy)
-        .with_queue_type(QueueType::Quorum)
-        .with_delivery_limit(10)
-        .build()
-        .unwrap();
+    let plan = quorum(TopologyPlan::builder(&q, &policy)).build().unwrap();
     t.provision(&plan).await.unwrap();
     publish(&ch, &q, b"q", "q-1").await;
     crash(&ch, &q, 2).await;
+    let count = Arc::new(Mutex::new(None));
+    let c = Arc::clone(&count);
     let running = start(
         Arc::clone(&t),
         policy,
-        |_m: Message| async { Ok::<(), HandlerError>(()) },
-        &q,
-        |b| {
-            b.provision(false)
-                .topology(|p| p.with_queue_type(QueueType::Quorum).with_delivery_limit(10))
+        move |m: Message| {
+            *c.lock().unwrap() = Some((
+                m.queue().to_owned(),
+                m.headers().get("x-delivery-count").cloned(),
+            ));
+            async { Ok::<(), HandlerError>(()) }
         },
+        &q,
+        |b| b.provision(false).topology(quorum),
     );
-    let parked = wait_get(&ch, plan.parking_queue(), ms(10_000))
-        .await
-        .unwrap();
+    assert!(running.until(ms(10_000), |t| t.len() == 2).await);
+    assert_eq!(
+        running.of("q-1"),
+        [Terminal::Isolated, Terminal::Handled { attempt: 1 }]
+    );
     running.stop().await;
-    let record = ParkedRecord::decode(&parked.headers);
-    assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
-    assert_eq!(record.crashes, 2);
+    let (queue, delivery_count) = count.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        queue,
+        plan.isolation_queue(),
+        "it ran from the isolation queue"
+    );
+    // A fresh copy: RabbitMQ 3.10 counts no return (it sends 0 on a basic.get).
+    assert!(
+        matches!(delivery_count, None | Some(HeaderValue::Int(0))),
+        "{delivery_count:?}"
+    );
+    assert_eq!(message_count(&ch, plan.parking_queue()).await, 0);
     t.teardown(&plan).await.unwrap();
 
-    // 2. The broker's delivery limit (1) is lower: RabbitMQ itself dead-letters the message
-    // into the parking queue, and x-death says why.
+    // 2. The broker's delivery limit (1) stays a backstop: returned past it, RabbitMQ itself
+    // dead-letters the message into the parking queue, and x-death says why.
     let policy = RetryPolicy::delays([ms(300)])
-        .with_on_crash(CrashAction::RunHandler)
         .with_crash_limit(5)
         .build()
         .unwrap();
@@ -491,7 +533,100 @@ async fn consuming_recovers_after_a_forced_close_and_nothing_is_lost() {
         "every message published after the drop was handled"
     );
     assert_eq!(t.recoveries(), 1);
-    tokio::time::sleep(ms(200)).await;
-    assert_eq!(message_count(&ch, &q).await, 0);
-    t.teardown(&plan).await.unwrap();
+    // Closed, the transport holds nothing back: whatever is left was never acked.
+    t.close().await.unwrap();
+    for queue in [
+        plan.work_queue(),
+        plan.isolation_queue(),
+        plan.parking_queue(),
+    ] {
+        assert_eq!(message_count(&ch, queue).await, 0, "{queue}");
+    }
+    transport(&config).await.teardown(&plan).await.unwrap();
+}
+
+/// Ready and unacknowledged messages of `queue`, as the broker counts them.
+async fn ready_and_unacked(queue: &str) -> (u64, u64) {
+    let rows = list_queues_with(queue, &["messages_ready", "messages_unacknowledged"]).await;
+    let row = rows
+        .iter()
+        .find(|r| r["name"] == queue)
+        .unwrap_or_else(|| panic!("no queue {queue} in {rows:?}"));
+    (
+        row["messages_ready"].as_u64().unwrap(),
+        row["messages_unacknowledged"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn a_graceful_shutdown_mid_handler_sends_every_ack_before_run_returns() {
+    // 25 messages: prefetch 15 holds 15 and acks go in batches of 7, so the last ack is
+    // never part of a full batch; 10 stay in the queue. Shutdown comes while the 300 ms
+    // handlers run.
+    const N: usize = 25;
+    let policy = RetryPolicy::delays([ms(300)]).build().unwrap();
+    let Some(config) = broker("shutdown").await else {
+        return;
+    };
+    // No timer sends acks behind the consumer's back: what reaches the broker is what the
+    // consumer sent before `run` returned (its subscription's channel closes as it returns).
+    let config = config.with_ack_flush_interval(Duration::from_secs(3600));
+    let q = unique("shutdown");
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = Arc::new(transport(&config).await);
+    t.provision(&plan).await.unwrap();
+    let (_c, ch) = raw().await;
+    for i in 0..N {
+        publish(&ch, &q, b"slow", &format!("s-{i:02}")).await;
+    }
+    let started = Arc::new(AtomicU32::new(0));
+    let s = Arc::clone(&started);
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        move |_m: Message| {
+            s.fetch_add(1, Ordering::SeqCst);
+            async {
+                tokio::time::sleep(ms(300)).await;
+                Ok::<(), HandlerError>(())
+            }
+        },
+        &q,
+        |b| b.prefetch(15),
+    );
+    let deadline = Instant::now() + ms(10_000);
+    while started.load(Ordering::SeqCst) < 15 && Instant::now() < deadline {
+        tokio::time::sleep(ms(10)).await;
+    }
+    let handled: Vec<String> = {
+        let terminals = Arc::clone(&running.terminals);
+        let report = running.stop().await;
+        assert_eq!(report.handled, 15, "{report:?}");
+        assert_eq!(report.left_unsettled, 0);
+        let t = terminals.lock().unwrap();
+        t.iter()
+            .filter(|(_, t)| matches!(t, Terminal::Handled { .. }))
+            .map(|(id, _)| id.clone())
+            .collect()
+    };
+    // `run` has returned and the transport is still open: had any ack stayed batched, its
+    // message would still be unacknowledged here.
+    tokio::time::sleep(ms(300)).await;
+    assert_eq!(ready_and_unacked(&q).await, ((N - handled.len()) as u64, 0));
+    t.close().await.unwrap();
+    assert_eq!(ready_and_unacked(&q).await, ((N - handled.len()) as u64, 0));
+    let mut left = Vec::new();
+    while let Some(got) = get(&ch, &q).await {
+        left.push(got.message_id.unwrap());
+    }
+    assert_eq!(left.len(), N - handled.len());
+    assert!(
+        left.iter().all(|id| !handled.contains(id)),
+        "handled messages still in the queue: {left:?}"
+    );
+    transport(&broker("shutdown-teardown").await.unwrap())
+        .await
+        .teardown(&plan)
+        .await
+        .unwrap();
 }

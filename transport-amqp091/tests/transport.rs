@@ -9,7 +9,7 @@ use common::*;
 use retry_core::headers::{self, EngineHeaders};
 use retry_core::{
     HeaderValue, Message, MessageParts, Properties, Publish, PublishResult, QueueType, RetryPolicy,
-    Route, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
+    Route, Settlement, Subscription, Timestamp, TopologyPlan, Transport, TransportError,
 };
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
@@ -42,8 +42,8 @@ fn publish_to(route: Route) -> Publish {
         headers: EngineHeaders {
             attempts: 1,
             crashes: 0,
-            first_failure: Timestamp::from_millis(1_000),
-            last_failure: Timestamp::from_millis(2_000),
+            first_failure: Some(Timestamp::from_millis(1_000)),
+            last_failure: Some(Timestamp::from_millis(2_000)),
             last_error: Some("boom".into()),
             reason: None,
             delay: Some(secs(1)),
@@ -64,7 +64,9 @@ async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
     let t = transport(&config).await;
     t.provision(&plan).await.unwrap();
     let first = t.last_provision_report().unwrap();
-    assert_eq!(first.created.len(), 2 + 5, "{first:?}");
+    // Two exchanges; the work queue, three delay queues, the isolation queue, its
+    // crash-delay queue and the parking queue.
+    assert_eq!(first.created.len(), 2 + 7, "{first:?}");
 
     let queues = list_queues(&q).await;
     let mut names: Vec<_> = queues.iter().map(|r| r["name"].as_str().unwrap()).collect();
@@ -117,7 +119,7 @@ async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
     t.provision(&plan).await.unwrap();
     let second = t.last_provision_report().unwrap();
     assert!(second.created.is_empty(), "{second:?}");
-    assert_eq!(second.verified.len(), 7);
+    assert_eq!(second.verified.len(), 9);
     t.teardown(&plan).await.unwrap();
     assert!(list_queues(&q).await.is_empty());
 }
@@ -287,13 +289,13 @@ async fn consuming_resumes_after_a_forced_close_and_stale_tags_are_not_acked() {
     t.provision(&plan).await.unwrap();
     let (_conn, ch) = raw().await;
     publish(&ch, &q, b"one", "one").await;
-    t.consume(&q, 10).await.unwrap();
-    let first = t.recv().await.unwrap().unwrap();
+    let sub = t.consume(&q, 10).await.unwrap();
+    let first = sub.recv().await.unwrap().unwrap();
     assert!(!first.facts.redelivered);
 
     assert_eq!(close_connection(&name).await, 1);
     // The held delivery comes back, flagged, on the recovered channel.
-    let again = tokio::time::timeout(secs(30), t.recv())
+    let again = tokio::time::timeout(secs(30), sub.recv())
         .await
         .expect("consuming resumes")
         .unwrap()
@@ -302,13 +304,14 @@ async fn consuming_resumes_after_a_forced_close_and_stale_tags_are_not_acked() {
     assert!(again.facts.redelivered);
     assert_eq!(t.recoveries(), 1);
 
-    // Acking the stale tag does nothing; acking the new one removes the message.
-    t.settle(&first.tag, Settlement::Ack).await.unwrap();
-    t.flush_acks().await;
+    // Settling the stale tag fails (the broker has it back); the new one is acked.
+    let stale = t.settle(&first.tag, Settlement::Ack).await;
+    assert!(
+        matches!(stale, Err(TransportError::Connection(_))),
+        "{stale:?}"
+    );
     t.settle(&again.tag, Settlement::Ack).await.unwrap();
-    t.cancel().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(message_count(&ch, &q).await, 0);
+    sub.flush().await.unwrap();
 
     // And publishing works on the recovered connection.
     let (route, _) = plan.route_for(secs(30)).unwrap();
@@ -316,7 +319,10 @@ async fn consuming_resumes_after_a_forced_close_and_stale_tags_are_not_acked() {
         .publish(&clone_of(&q, b"x"), &publish_to(route.clone()))
         .await;
     assert!(matches!(r, PublishResult::Confirmed), "{r:?}");
-    t.teardown(&plan).await.unwrap();
+    // Closing returns whatever was never acked: nothing is left.
+    t.close().await.unwrap();
+    assert_eq!(message_count(&ch, &q).await, 0);
+    transport(&config).await.teardown(&plan).await.unwrap();
 }
 
 #[tokio::test]
@@ -333,17 +339,17 @@ async fn requeue_returns_the_delivery_and_acks_are_batched_safely() {
     for i in 0..6 {
         publish(&ch, &q, format!("m{i}").as_bytes(), &format!("m{i}")).await;
     }
-    t.consume(&q, 6).await.unwrap();
+    let sub = t.consume(&q, 6).await.unwrap();
     let mut got = Vec::new();
     for _ in 0..6 {
-        got.push(t.recv().await.unwrap().unwrap());
+        got.push(sub.recv().await.unwrap().unwrap());
     }
     // Ack out of order, requeue one in the middle.
     for i in [5, 0, 1, 3, 4] {
         t.settle(&got[i].tag, Settlement::Ack).await.unwrap();
     }
     t.settle(&got[2].tag, Settlement::Requeue).await.unwrap();
-    let back = tokio::time::timeout(secs(10), t.recv())
+    let back = tokio::time::timeout(secs(10), sub.recv())
         .await
         .unwrap()
         .unwrap()
@@ -351,12 +357,137 @@ async fn requeue_returns_the_delivery_and_acks_are_batched_safely() {
     assert_eq!(back.message.body(), b"m2");
     assert!(back.facts.redelivered);
     t.settle(&back.tag, Settlement::Ack).await.unwrap();
-    t.cancel().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Closing sends the batched acks first: were one missing, its message would be back
+    // in the queue once the connection is gone.
+    t.close().await.unwrap();
     assert_eq!(
         message_count(&ch, &q).await,
         0,
         "every ack reached the broker"
+    );
+    transport(&config).await.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn two_subscriptions_never_settle_each_others_deliveries() {
+    let Some(config) = broker("two-subs").await else {
+        return;
+    };
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let (a, b) = (unique("sub-a"), unique("sub-b"));
+    let plans = [&a, &b].map(|q| TopologyPlan::new(q, &policy).unwrap());
+    let t = transport(&config).await;
+    for plan in &plans {
+        t.provision(plan).await.unwrap();
+    }
+    let (_conn, ch) = raw().await;
+    for i in 0..4 {
+        publish(&ch, &a, b"a", &format!("a{i}")).await;
+        publish(&ch, &b, b"b", &format!("b{i}")).await;
+    }
+    let sub_a = t.consume(&a, 4).await.unwrap();
+    let sub_b = t.consume(&b, 4).await.unwrap();
+    assert_ne!(sub_a.channel_id(), sub_b.channel_id());
+    let mut from_a = Vec::new();
+    for _ in 0..4 {
+        from_a.push(sub_a.recv().await.unwrap().unwrap());
+        let d = sub_b.recv().await.unwrap().unwrap();
+        assert_eq!(d.message.body(), b"b");
+    }
+    // Acks of the first go out as one `multiple` ack: on a shared channel it would also
+    // cover the second's deliveries, which nobody acked.
+    for d in &from_a {
+        t.settle(&d.tag, Settlement::Ack).await.unwrap();
+    }
+    sub_a.flush().await.unwrap();
+    t.close().await.unwrap();
+    assert_eq!(message_count(&ch, &a).await, 0);
+    assert_eq!(
+        message_count(&ch, &b).await,
+        4,
+        "the second's stay unacked, then return"
+    );
+    let t = transport(&config).await;
+    for plan in &plans {
+        t.teardown(plan).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn fetch_takes_one_message_settled_at_once_and_names_a_missing_queue() {
+    let Some(config) = broker("fetch").await else {
+        return;
+    };
+    let q = unique("fetch");
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = transport(&config).await;
+    t.provision(&plan).await.unwrap();
+    let isolation = plan.isolation_queue();
+    assert!(t.fetch(isolation).await.unwrap().is_none(), "empty");
+    let (_conn, ch) = raw().await;
+    for id in ["s1", "s2"] {
+        publish(&ch, isolation, id.as_bytes(), id).await;
+    }
+    let first = t.fetch(isolation).await.unwrap().unwrap();
+    assert_eq!(first.message.body(), b"s1");
+    assert_eq!(first.message.queue(), isolation);
+    assert!(!first.facts.redelivered);
+    assert_eq!(message_count(&ch, isolation).await, 1, "only one taken");
+    // A requeued fetch comes back redelivered, at the head.
+    t.settle(&first.tag, Settlement::Requeue).await.unwrap();
+    let again = t.fetch(isolation).await.unwrap().unwrap();
+    assert_eq!(again.message.body(), b"s1");
+    assert!(again.facts.redelivered);
+    // An ack is sent at once, never batched.
+    t.settle(&again.tag, Settlement::Ack).await.unwrap();
+    let second = t.fetch(isolation).await.unwrap().unwrap();
+    // Held unsettled when the transport goes, it is back, redelivered.
+    t.close().await.unwrap();
+    let t = transport(&config).await;
+    let back = t.fetch(isolation).await.unwrap().unwrap();
+    assert_eq!(back.message.body(), b"s2");
+    assert!(back.facts.redelivered);
+    t.settle(&back.tag, Settlement::Ack).await.unwrap();
+    assert!(t.fetch(isolation).await.unwrap().is_none());
+    drop(second);
+
+    let missing = format!("{q}.nowhere");
+    let err = t.fetch(&missing).await.unwrap_err();
+    assert!(
+        matches!(&err, TransportError::MissingAddress { address, .. } if address.contains(&missing)),
+        "{err:?}"
+    );
+    // The channel error did not spoil the next fetch.
+    assert!(t.fetch(isolation).await.unwrap().is_none());
+    t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn ready_waits_for_a_message_without_taking_it() {
+    let Some(config) = broker("ready").await else {
+        return;
+    };
+    let q = unique("ready");
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = transport(&config).await;
+    t.provision(&plan).await.unwrap();
+    let isolation = plan.isolation_queue().to_owned();
+    let poll = Duration::from_millis(50);
+    let watched = tokio::time::timeout(Duration::from_millis(300), t.ready(&isolation, poll)).await;
+    assert!(watched.is_err(), "nothing ready: the watch waits");
+    let (_conn, ch) = raw().await;
+    publish(&ch, &isolation, b"s", "s").await;
+    tokio::time::timeout(secs(5), t.ready(&isolation, poll))
+        .await
+        .expect("resolves once a message is ready")
+        .unwrap();
+    assert_eq!(message_count(&ch, &isolation).await, 1, "nothing was taken");
+    let err = t.ready(&format!("{q}.nowhere"), poll).await.unwrap_err();
+    assert!(
+        matches!(err, TransportError::MissingAddress { .. }),
+        "{err:?}"
     );
     t.teardown(&plan).await.unwrap();
 }

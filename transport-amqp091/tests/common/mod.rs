@@ -216,17 +216,19 @@ pub async fn close_connection(name: &str) -> usize {
 /// `rabbitmqctl list_queues` rows for queues whose names start with `prefix`: name,
 /// arguments (as JSON), durable, type.
 pub async fn list_queues(prefix: &str) -> Vec<serde_json::Value> {
+    list_queues_with(prefix, &["arguments", "durable", "type"]).await
+}
+
+/// `rabbitmqctl list_queues` rows with the name and these columns, for queues whose names
+/// start with `prefix`.
+pub async fn list_queues_with(prefix: &str, columns: &[&str]) -> Vec<serde_json::Value> {
     let prefix = prefix.to_owned();
+    let columns: Vec<String> = columns.iter().map(|c| (*c).to_owned()).collect();
     tokio::task::spawn_blocking(move || {
-        let listing = rabbitmqctl(&[
-            "list_queues",
-            "name",
-            "arguments",
-            "durable",
-            "type",
-            "--formatter",
-            "json",
-        ]);
+        let mut args = vec!["list_queues", "name"];
+        args.extend(columns.iter().map(String::as_str));
+        args.extend(["--formatter", "json"]);
+        let listing = rabbitmqctl(&args);
         let rows: serde_json::Value = serde_json::from_str(&listing).expect("json");
         rows.as_array()
             .into_iter()
