@@ -1056,6 +1056,8 @@ async fn a_redelivered_message_is_isolated_and_runs_alone_once_the_work_lane_is_
             "end fresh",
             "Ack 2",
             "Ack 3",
+            // The isolated delivery's ack is sent at once.
+            "flush",
             // A suspect waits: "later" is not started, and the slow run is waited for and
             // its ack sent.
             "end slow:5",

@@ -171,6 +171,44 @@ pub fn properties_to_amqp(
     out
 }
 
+/// A lapin delivery from `queue` as the engine reads it: its tag and acker, the message and
+/// the facts decoded from it.
+pub(crate) fn received(
+    delivery: lapin::message::Delivery,
+    queue: &str,
+) -> (
+    u64,
+    lapin::Acker,
+    retry_core::Message,
+    retry_core::DeliveryFacts,
+) {
+    let headers = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(headers_from_table)
+        .unwrap_or_default();
+    let properties = properties_from_amqp(&delivery.properties);
+    let identity = retry_core::message_identity(properties.message_id.as_deref(), &delivery.data);
+    let facts = retry_core::DeliveryFacts::decode(
+        &headers,
+        retry_core::BrokerSignals {
+            redelivered: delivery.redelivered,
+            delivery_count: None,
+        },
+        identity,
+    );
+    let message = retry_core::Message::new(retry_core::MessageParts {
+        queue: queue.to_owned(),
+        exchange: delivery.exchange.as_str().to_owned(),
+        routing_key: delivery.routing_key.as_str().to_owned(),
+        body: delivery.data,
+        properties,
+        headers,
+    });
+    (delivery.delivery_tag, delivery.acker, message, facts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,42 +309,4 @@ mod tests {
         assert_eq!(out.delivery_mode(), &Some(2));
         assert_eq!(out.expiration().as_ref().map(|s| s.as_str()), Some("1500"));
     }
-}
-
-/// A lapin delivery from `queue` as the engine reads it: its tag and acker, the message and
-/// the facts decoded from it.
-pub(crate) fn received(
-    delivery: lapin::message::Delivery,
-    queue: &str,
-) -> (
-    u64,
-    lapin::Acker,
-    retry_core::Message,
-    retry_core::DeliveryFacts,
-) {
-    let headers = delivery
-        .properties
-        .headers()
-        .as_ref()
-        .map(headers_from_table)
-        .unwrap_or_default();
-    let properties = properties_from_amqp(&delivery.properties);
-    let identity = retry_core::message_identity(properties.message_id.as_deref(), &delivery.data);
-    let facts = retry_core::DeliveryFacts::decode(
-        &headers,
-        retry_core::BrokerSignals {
-            redelivered: delivery.redelivered,
-            delivery_count: None,
-        },
-        identity,
-    );
-    let message = retry_core::Message::new(retry_core::MessageParts {
-        queue: queue.to_owned(),
-        exchange: delivery.exchange.as_str().to_owned(),
-        routing_key: delivery.routing_key.as_str().to_owned(),
-        body: delivery.data,
-        properties,
-        headers,
-    });
-    (delivery.delivery_tag, delivery.acker, message, facts)
 }

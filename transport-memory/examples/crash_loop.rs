@@ -30,10 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     sim.publish("poison", Script::always(Step::Crash).taking(second))?;
     sim.publish("flaky", Script::fail_times(2).taking(2 * second))?;
     for i in 1..=3 {
-        sim.publish(
-            &format!("healthy-{i}"),
-            Script::succeed().taking(2 * second),
-        )?;
+        sim.publish(format!("healthy-{i}"), Script::succeed().taking(2 * second))?;
     }
     let report = sim.run_until_quiet();
 

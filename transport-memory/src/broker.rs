@@ -649,7 +649,7 @@ impl State {
             let Some(head) = self.queues[q].ready.front() else {
                 return false;
             };
-            if !head.expires_at.is_some_and(|t| t <= now) {
+            if head.expires_at.is_none_or(|t| t > now) {
                 return true;
             }
             if let Some(m) = self.queues[q].ready.pop_front() {

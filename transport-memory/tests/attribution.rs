@@ -29,7 +29,7 @@ fn script(i: usize) -> Script {
         return Script::always(Step::Crash).taking(Duration::from_millis(100));
     }
     let takes = Duration::from_millis(20 + (i as u64 * 37) % 441);
-    let script = if i % 7 == 0 {
+    let script = if i.is_multiple_of(7) {
         Script::fail_times(1)
     } else {
         Script::succeed()
@@ -114,7 +114,7 @@ fn check(consumers: u32, report: &Report) {
     // Every seventh healthy message fails once by its script, so it runs at least twice.
     let scripted: usize = (0..MESSAGES)
         .filter(|&i| !is_poison(i))
-        .map(|i| if i % 7 == 0 { 2 } else { 1 })
+        .map(|i| if i.is_multiple_of(7) { 2 } else { 1 })
         .sum();
     println!(
         "{consumers} consumer(s), prefetch {PREFETCH}: {MESSAGES} messages, {poison} poison, \

@@ -114,6 +114,8 @@ enum Event<T: Transport> {
     Subscribed(Result<T::Subscription, TransportError>),
     Cancelled(Result<(), TransportError>),
     Flushed(Result<(), TransportError>),
+    /// Acks sent at once after an isolation, outside any phase.
+    Sent(Result<(), TransportError>),
     Fetched(Received<T::Tag>),
 }
 
@@ -761,6 +763,10 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 warn!(queue = %self.config.queue, error = %e, "stopping the consumer failed");
             }
             Event::Cancelled(Ok(())) => {}
+            Event::Sent(Err(e)) => {
+                warn!(queue = %self.config.queue, error = %e, "sending acknowledgements failed; the broker redelivers what it did not see settled");
+            }
+            Event::Sent(Ok(())) => {}
             Event::Flushed(result) => {
                 intake.flushing = false;
                 if let Err(e) = result {
@@ -804,6 +810,15 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     _ => false,
                 };
                 intake.suspects |= into_isolation;
+                if terminal == Terminal::Isolated
+                    && let Some(subscription) = self.subscription.clone()
+                {
+                    // Its ack goes out now: a crash before a batched ack would be sent
+                    // leaves the original to come back and be isolated a second time.
+                    self.tasks.push(Box::pin(
+                        async move { Event::Sent(subscription.flush().await) },
+                    ));
+                }
                 self.report.count(&terminal);
                 if let Some(observer) = self.observer {
                     observer(&held.message, &terminal);
