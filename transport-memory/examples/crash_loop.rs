@@ -113,6 +113,7 @@ fn story(m: &MessageReport) -> Vec<(Timestamp, String)> {
                     runs += 1;
                     let what = match &run.step {
                         Step::Crash => "CRASH, consumer dies".to_owned(),
+                        _ if !run.ended => "cut short, its consumer died".to_owned(),
                         other => other.to_string(),
                     };
                     let alone = if run.solo { " alone" } else { "" };

@@ -68,6 +68,10 @@ pub struct Run {
     /// What it did: its script's step, or for your own handler, `Succeed` or `Fail` with
     /// the error's text.
     pub step: Step,
+    /// Whether it came to that end: `false` when it was cut short, its consumer dying first
+    /// (another message crashed it), the handler timeout or a shutdown cancelling it, or a
+    /// `Hang`.
+    pub ended: bool,
 }
 
 /// One thing that happened to a message, in [`MessageReport::events`].

@@ -908,28 +908,33 @@ impl Ledger {
         } else {
             entry.script.step(entry.runs.len()).clone()
         };
-        entry.order.push(Happened::Run(entry.runs.len()));
+        let run = entry.runs.len();
+        entry.order.push(Happened::Run(run));
         entry.runs.push(Run {
             at: now,
             attempt,
             consumer,
             solo,
             step: step.clone(),
+            ended: false,
         });
         Begun {
             key: entry.key,
+            run,
             step,
             takes: entry.script.takes(),
             drop_connection,
         }
     }
 
-    /// What your own handler did on the latest run of `id`.
-    fn set_step(&self, id: &str, step: Step) {
+    /// Run `run` of `id` came to its end, doing `step` (your own handler's outcome, or
+    /// the script's step).
+    fn end(&self, id: &str, run: usize, step: Step) {
         let mut l = self.lock();
         let i = l.index.get(id).copied();
-        if let Some(run) = i.and_then(|i| l.entries[i].runs.last_mut()) {
-            run.step = step;
+        if let Some(r) = i.and_then(|i| l.entries[i].runs.get_mut(run)) {
+            r.step = step;
+            r.ended = true;
         }
     }
 
@@ -959,6 +964,8 @@ impl Ledger {
 /// What a handler run is to do.
 struct Begun {
     key: MessageKey,
+    /// The run's index among the message's runs.
+    run: usize,
     step: Step,
     takes: Duration,
     drop_connection: bool,
@@ -994,8 +1001,9 @@ impl SimHandler {
         self.broker.shared.with(|s| s.record(kind));
     }
 
-    fn finished(&self, key: MessageKey, id: &str, step: &Step) {
+    fn finished(&self, key: MessageKey, id: &str, run: usize, step: &Step) {
         let consumer = self.consumer;
+        self.ledger.end(id, run, step.clone());
         self.record(|| EventKind::HandlerFinished {
             message: message_ref(key, id),
             consumer,
@@ -1003,8 +1011,8 @@ impl SimHandler {
         });
     }
 
-    async fn crash(&self, key: MessageKey, id: &str) -> Result<(), HandlerError> {
-        self.finished(key, id, &Step::Crash);
+    async fn crash(&self, key: MessageKey, id: &str, run: usize) -> Result<(), HandlerError> {
+        self.finished(key, id, run, &Step::Crash);
         self.ledger.lock().crash_requests.push(self.consumer);
         // The process is dying: this run never ends, and the simulation drops it.
         std::future::pending().await
@@ -1019,6 +1027,7 @@ impl Handler for SimHandler {
         let (consumer, attempt) = (self.consumer, msg.attempt());
         let Begun {
             key,
+            run,
             step,
             takes,
             drop_connection,
@@ -1037,24 +1046,23 @@ impl Handler for SimHandler {
         }
         if let Some(custom) = &self.custom {
             if step == Step::Crash {
-                return self.crash(key, id).await;
+                return self.crash(key, id, run).await;
             }
             let result = custom.handle(msg).await;
             let step = match &result {
                 Ok(()) => Step::Succeed,
                 Err(e) => Step::fail(e.to_string()),
             };
-            self.finished(key, id, &step);
-            self.ledger.set_step(id, step);
+            self.finished(key, id, run, &step);
             return result;
         }
         if !takes.is_zero() {
             self.broker.sleep(takes).await;
         }
         match &step {
-            Step::Crash => return self.crash(key, id).await,
+            Step::Crash => return self.crash(key, id, run).await,
             Step::Hang => return std::future::pending().await,
-            _ => self.finished(key, id, &step),
+            _ => self.finished(key, id, run, &step),
         }
         match step {
             Step::Fail(cause) => Err(HandlerError::transient(cause.to_string())),
