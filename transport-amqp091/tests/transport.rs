@@ -167,6 +167,18 @@ async fn a_conflicting_declaration_is_reported_by_queue_and_argument() {
         .await
         .unwrap();
     t.teardown(&plan).await.unwrap();
+
+    // An isolation queue declared without its dead-letter routing is a conflict too.
+    let q = unique("conflict-suspect");
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    declare_durable(&ch, plan.isolation_queue(), Default::default()).await;
+    let err = t.provision(&plan).await.unwrap_err();
+    assert!(
+        matches!(&err, TransportError::TopologyConflict { object, argument, .. }
+            if object.contains(plan.isolation_queue()) && argument.starts_with("x-dead-letter")),
+        "{err}"
+    );
+    t.teardown(&plan).await.unwrap();
 }
 
 #[tokio::test]
