@@ -11,10 +11,12 @@
 //! example declares the topology over AMQP 0-9-1 first, as a deployment would, and the
 //! AMQP 1.0 transport verifies it.
 //!
-//! It publishes four messages over AMQP 1.0 and prints the path of each: `ok` is handled,
-//! `flaky` fails once and comes back after the 1 s delay queue, `poison` fails every time
-//! and is parked once its attempts are used up, `bad` fails permanently and is parked at
-//! once. Then it reads the parking queue, deletes the topology and exits.
+//! It publishes five messages over AMQP 1.0 and prints the path of each: `crashed` was held
+//! by a consumer that died, so it comes back redelivered, is isolated in the suspect queue
+//! and then runs alone; `ok` is handled, `flaky` fails once and comes back after the 1 s
+//! delay queue, `poison` fails every time and is parked once its attempts are used up,
+//! `bad` fails permanently and is parked at once. Then it reads the parking queue, deletes
+//! the topology and exits.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,8 +26,8 @@ use fe2o3_amqp::types::messaging::{Message as AmqpMessage, Properties};
 use fe2o3_amqp::types::primitives::Binary;
 use fe2o3_amqp::{Connection, Sender, Session};
 use retry_core::{
-    Consumer, HandlerError, Message, ParkedRecord, RetryPolicy, Settlement, Terminal, TopologyPlan,
-    Transport,
+    Consumer, HandlerError, Message, ParkedRecord, RetryPolicy, Settlement, Subscription, Terminal,
+    TopologyPlan, Transport,
 };
 use tokio::sync::Notify;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
@@ -33,12 +35,14 @@ use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The message a consumer dies holding.
+const CRASHED: &str = "crashed";
 const MESSAGES: [&str; 4] = ["ok", "flaky", "poison", "bad"];
 
 async fn handle(msg: Message) -> Result<(), HandlerError> {
     let body = String::from_utf8_lossy(msg.body()).into_owned();
     match body.as_str() {
-        "ok" => Ok(()),
+        "ok" | CRASHED => Ok(()),
         "flaky" if msg.headers().get("x-retry-attempts").is_none() => {
             Err(HandlerError::transient("the first try times out"))
         }
@@ -48,16 +52,15 @@ async fn handle(msg: Message) -> Result<(), HandlerError> {
     }
 }
 
-/// Publishes the example's messages over AMQP 1.0 with fe2o3 directly, as another
-/// application would.
-async fn publish(url: &str, queue: &str) -> Result<(), BoxError> {
+/// Publishes messages over AMQP 1.0 with fe2o3 directly, as another application would.
+async fn publish(url: &str, queue: &str, bodies: &[&str]) -> Result<(), BoxError> {
     let mut connection = Connection::open("amqp10-example-producer", url).await?;
     let mut session = Session::begin(&mut connection).await?;
     let mut sender =
         Sender::attach(&mut session, "producer", format!("/amq/queue/{queue}")).await?;
-    for body in MESSAGES {
+    for body in bodies {
         let message = AmqpMessage::builder()
-            .properties(Properties::builder().message_id(body.to_owned()).build())
+            .properties(Properties::builder().message_id((*body).to_owned()).build())
             .data(Binary::from(body.as_bytes().to_vec()))
             .build();
         let outcome = tokio::time::timeout(Duration::from_secs(5), sender.send(message)).await??;
@@ -73,15 +76,18 @@ async fn publish(url: &str, queue: &str) -> Result<(), BoxError> {
 fn describe(msg: &Message, terminal: &Terminal) -> String {
     let body = String::from_utf8_lossy(msg.body());
     match terminal {
-        Terminal::Handled { attempt } => format!("{body:>6}: handled on attempt {attempt}"),
+        Terminal::Handled { attempt } => format!("{body:>7}: handled on attempt {attempt}"),
         Terminal::Retried { attempts, delay } => {
-            format!("{body:>6}: failed {attempts}x, back in {delay:?} through a delay queue")
+            format!("{body:>7}: failed {attempts}x, back in {delay:?} through a delay queue")
+        }
+        Terminal::Isolated => {
+            format!("{body:>7}: redelivered, isolated as a suspect to run alone")
         }
         Terminal::Diverted { crashes, delay } => {
-            format!("{body:>6}: redelivered ({crashes} crashes), diverted for {delay:?}")
+            format!("{body:>7}: took its consumer down ({crashes} crashes), back in {delay:?}")
         }
-        Terminal::DeadLettered { reason } => format!("{body:>6}: parked ({})", reason.as_str()),
-        other => format!("{body:>6}: {other:?}"),
+        Terminal::DeadLettered { reason } => format!("{body:>7}: parked ({})", reason.as_str()),
+        other => format!("{body:>7}: {other:?}"),
     }
 }
 
@@ -105,7 +111,7 @@ async fn main() -> Result<(), BoxError> {
 
     let outcome = run(&url10, &queue, policy, &plan).await;
 
-    // 5. Clean up, whatever happened.
+    // 6. Clean up, whatever happened.
     setup.teardown(&plan).await?;
     println!("deleted the topology");
     outcome
@@ -117,11 +123,25 @@ async fn run(
     policy: RetryPolicy,
     plan: &TopologyPlan,
 ) -> Result<(), BoxError> {
-    // 2. Publish over AMQP 1.0.
-    publish(url10, queue).await?;
+    // 2. A consumer takes one message and dies without settling it: the broker puts it back,
+    //    redelivered. It may have crashed its consumer, or only been there when something
+    //    else did.
+    publish(url10, queue, &[CRASHED]).await?;
+    let doomed = Amqp10Transport::connect(Amqp10Config::new(url10)).await?;
+    let subscription = doomed.consume(queue, 1).await?;
+    if let Some(held) = subscription.recv().await? {
+        println!(
+            "a consumer took {:?} and died holding it",
+            String::from_utf8_lossy(held.message.body())
+        );
+    }
+    doomed.close().await;
+
+    // 3. Publish the rest over AMQP 1.0.
+    publish(url10, queue, &MESSAGES).await?;
     println!("published {MESSAGES:?} over AMQP 1.0");
 
-    // 3. Consume until every message has reached its end, or 30 s at most.
+    // 4. Consume until every message has reached its end, or 30 s at most.
     let transport = Amqp10Transport::connect(Amqp10Config::new(url10)).await?;
     let started = Instant::now();
     let finished = Arc::new(AtomicUsize::new(0));
@@ -144,7 +164,7 @@ async fn run(
                         | Terminal::DeadLettered { .. }
                         | Terminal::Dropped { .. }
                 );
-                if last && finished.fetch_add(1, Ordering::SeqCst) + 1 == MESSAGES.len() {
+                if last && finished.fetch_add(1, Ordering::SeqCst) + 1 == MESSAGES.len() + 1 {
                     all_done.notify_one();
                 }
             }
@@ -156,11 +176,11 @@ async fn run(
     let report = consumer.run(shutdown).await?;
     println!("report: {report:?}");
 
-    // 4. Read what was parked, with the reason the engine recorded.
+    // 5. Read what was parked, with the reason the engine recorded.
     let reader = Amqp10Transport::connect(Amqp10Config::new(url10)).await?;
-    reader.consume(plan.parking_queue(), 10).await?;
+    let parking = reader.consume(plan.parking_queue(), 10).await?;
     while let Ok(Ok(Some(parked))) =
-        tokio::time::timeout(Duration::from_millis(500), reader.recv()).await
+        tokio::time::timeout(Duration::from_millis(500), parking.recv()).await
     {
         let record = ParkedRecord::decode(parked.message.headers());
         println!(

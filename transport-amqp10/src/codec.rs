@@ -379,8 +379,8 @@ mod tests {
             headers: EngineHeaders {
                 attempts: 1,
                 crashes: 0,
-                first_failure: Timestamp::from_millis(10),
-                last_failure: Timestamp::from_millis(10),
+                first_failure: Some(Timestamp::from_millis(10)),
+                last_failure: Some(Timestamp::from_millis(10)),
                 last_error: Some("boom".into()),
                 reason: None,
                 delay: Some(Duration::from_secs(1)),

@@ -33,6 +33,7 @@ pub struct Amqp10Config {
     connect_timeout: Duration,
     publish_timeout: Duration,
     operation_timeout: Duration,
+    fetch_wait: Duration,
     idle_timeout: Option<Duration>,
     tls: Option<Arc<rustls::ClientConfig>>,
 }
@@ -47,6 +48,7 @@ impl Amqp10Config {
             connect_timeout: Duration::from_secs(10),
             publish_timeout: Duration::from_secs(5),
             operation_timeout: Duration::from_secs(10),
+            fetch_wait: Duration::from_millis(250),
             idle_timeout: Some(Duration::from_secs(60)),
             tls: None,
         }
@@ -83,6 +85,21 @@ impl Amqp10Config {
     /// may take. Default: 10 s.
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
+        self
+    }
+
+    /// How long a [`fetch`](retry_core::Transport::fetch) waits for a message after granting
+    /// its one credit, before it takes the credit back and reports the queue empty. Default:
+    /// 250 ms; never more than the operation timeout.
+    ///
+    /// RabbitMQ 3.x cannot say that a queue is empty over AMQP 1.0 (a drain ends the session
+    /// there), so every empty fetch waits this long. A message that is ready arrives within a
+    /// few milliseconds of the grant on a local broker: the wait only has to cover a slow or
+    /// distant one. Too short, and a message still on its way when the credit is taken back
+    /// returns to the queue marked redelivered; too long, and each look at an empty isolation
+    /// queue keeps the consumer's work lane paused for longer.
+    pub fn with_fetch_wait(mut self, wait: Duration) -> Self {
+        self.fetch_wait = wait;
         self
     }
 
@@ -125,6 +142,11 @@ impl Amqp10Config {
         self.operation_timeout
     }
 
+    /// The fetch wait.
+    pub fn fetch_wait(&self) -> Duration {
+        self.fetch_wait
+    }
+
     /// The idle timeout.
     pub fn idle_timeout(&self) -> Option<Duration> {
         self.idle_timeout
@@ -154,6 +176,7 @@ impl fmt::Debug for Amqp10Config {
             .field("connect_timeout", &self.connect_timeout)
             .field("publish_timeout", &self.publish_timeout)
             .field("operation_timeout", &self.operation_timeout)
+            .field("fetch_wait", &self.fetch_wait)
             .field("idle_timeout", &self.idle_timeout)
             .field("tls", &self.tls.is_some())
             .finish()

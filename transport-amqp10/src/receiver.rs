@@ -1,5 +1,7 @@
-//! The consuming link: a task that owns the receiver, hands deliveries out and settles them,
-//! keeping the link's credit so that no more than `prefetch` deliveries are ever held.
+//! The consuming link of a subscription: a task that owns the receiver, hands deliveries out
+//! and settles them, keeping the link's credit so that no more than `prefetch` deliveries are
+//! ever held. Also the tag and the commands every link task (this one and the fetch link's)
+//! understands.
 //!
 //! One task owns the link because receiving and settling both need it, and settling must
 //! also adjust the credit. Credit is manual: fe2o3's automatic mode refills to the full amount
@@ -25,20 +27,23 @@ use crate::config::{Amqp10Config, Endpoint};
 use crate::connection::{self, ProbeError, classify_receiver, end_session, link_name};
 use crate::profile::BrokerProfile;
 
-/// The handle that settles one delivery of an [`Amqp10Transport`](crate::Amqp10Transport).
+/// The handle that settles one delivery of an [`Amqp10Transport`](crate::Amqp10Transport),
+/// received by an [`Amqp10Subscription`](crate::Amqp10Subscription) or taken by
+/// [`fetch`](retry_core::Transport::fetch).
 ///
 /// It names the link that received the delivery: after a reconnection, a tag of the old link
-/// can no longer settle (the broker has already put its delivery back in the queue).
+/// can no longer settle (the broker has already put its delivery back in the queue), and a
+/// tag of one subscription never settles a delivery of another.
 #[derive(Clone, Debug)]
 pub struct Amqp10Tag {
-    link: mpsc::Sender<Command>,
-    info: DeliveryInfo,
-    generation: u64,
+    pub(crate) link: mpsc::Sender<Command>,
+    pub(crate) info: DeliveryInfo,
+    pub(crate) generation: u64,
 }
 
 impl Amqp10Tag {
-    /// Which consuming link, counted from 0 and incremented by every reconnection, received
-    /// the delivery.
+    /// Which link of its subscription (or of its queue's fetch link) received the delivery,
+    /// counted from 0 and incremented by every new attachment.
     pub fn generation(&self) -> u64 {
         self.generation
     }
@@ -49,29 +54,41 @@ impl Amqp10Tag {
     }
 }
 
+/// What a link task is asked to do. Commands are handled one at a time, in order.
 pub(crate) enum Command {
     Settle {
         info: DeliveryInfo,
+        /// The attachment the tag came from: delivery ids start again on every new session.
+        generation: u64,
         settlement: Settlement,
         done: oneshot::Sender<Result<(), TransportError>>,
     },
     /// Stop the flow of deliveries but keep the link, so held ones can still be settled.
     Cancel { done: oneshot::Sender<()> },
+    /// Answered once every command sent before it has been handled.
+    Flush { done: oneshot::Sender<()> },
+    /// Take at most one message (fetch links only).
+    Fetch { done: oneshot::Sender<Fetched> },
     /// Detach and close.
     Close { done: oneshot::Sender<()> },
 }
+
+/// What a fetch answers.
+pub(crate) type Fetched = Result<Option<Delivery<Amqp10Tag>>, TransportError>;
 
 impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Command::Settle { .. } => "Settle",
             Command::Cancel { .. } => "Cancel",
+            Command::Flush { .. } => "Flush",
+            Command::Fetch { .. } => "Fetch",
             Command::Close { .. } => "Close",
         })
     }
 }
 
-/// What the link task hands to [`recv`](retry_core::Transport::recv).
+/// What the link task hands to [`recv`](retry_core::Subscription::recv).
 pub(crate) enum Incoming {
     Delivery(Box<Delivery<Amqp10Tag>>),
     /// The link is gone; the consumer may attach again.
@@ -181,14 +198,27 @@ impl LinkTask {
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
-                    Some(Command::Settle { info, settlement, done }) => {
-                        let result = self.settle(info, settlement).await;
+                    Some(Command::Settle { info, generation, settlement, done }) => {
+                        let result = if generation == self.generation {
+                            self.settle(info, settlement).await
+                        } else {
+                            Err(stale(&info))
+                        };
                         let _ = done.send(result);
                     }
                     Some(Command::Cancel { done }) => {
                         self.cancel();
                         let _ = out.try_send(Incoming::Cancelled);
                         let _ = done.send(());
+                    }
+                    // Settling is never batched here: every settle before this is sent.
+                    Some(Command::Flush { done }) => {
+                        let _ = done.send(());
+                    }
+                    Some(Command::Fetch { done }) => {
+                        let _ = done.send(Err(TransportError::Other(
+                            "a subscription's link does not fetch".into(),
+                        )));
                     }
                     Some(Command::Close { done }) => {
                         close_done = Some(done);
@@ -240,26 +270,9 @@ impl LinkTask {
         settlement: Settlement,
     ) -> Result<(), TransportError> {
         if !self.held.remove(&info.delivery_id()) {
-            return Err(TransportError::Other(
-                format!("delivery {} is already settled", info.delivery_id()).into(),
-            ));
+            return Err(already_settled(&info));
         }
-        let receiver = &self.receiver;
-        let disposed = match settlement {
-            Settlement::Ack => receiver.accept(info).await,
-            Settlement::Reject => receiver.reject(info, None).await,
-            Settlement::Requeue if self.profile.supports_modified() => {
-                let modified = Modified {
-                    delivery_failed: Some(true),
-                    undeliverable_here: None,
-                    message_annotations: None,
-                };
-                receiver.modify(info, modified).await
-            }
-            // RabbitMQ 3.x ends the session on `modified`.
-            Settlement::Requeue => receiver.release(info).await,
-        };
-        disposed.map_err(|e| TransportError::Connection(format!("settling: {e}")))?;
+        dispose(&self.receiver, &self.profile, info, settlement).await?;
         self.refill().await
     }
 
@@ -315,6 +328,43 @@ impl LinkTask {
     }
 }
 
+/// Sends the disposition of one delivery. Requeue is `modified` with `delivery-failed` where
+/// the broker takes it (so it counts the attempt), `released` on RabbitMQ 3.x, which ends the
+/// session on `modified`.
+pub(crate) async fn dispose(
+    receiver: &Receiver,
+    profile: &BrokerProfile,
+    info: DeliveryInfo,
+    settlement: Settlement,
+) -> Result<(), TransportError> {
+    let disposed = match settlement {
+        Settlement::Ack => receiver.accept(info).await,
+        Settlement::Reject => receiver.reject(info, None).await,
+        Settlement::Requeue if profile.supports_modified() => {
+            let modified = Modified {
+                delivery_failed: Some(true),
+                undeliverable_here: None,
+                message_annotations: None,
+            };
+            receiver.modify(info, modified).await
+        }
+        Settlement::Requeue => receiver.release(info).await,
+    };
+    disposed.map_err(|e| TransportError::Connection(format!("settling: {e}")))
+}
+
+pub(crate) fn already_settled(info: &DeliveryInfo) -> TransportError {
+    TransportError::Other(format!("delivery {} is already settled", info.delivery_id()).into())
+}
+
+/// A tag of an earlier attachment: its link is gone, and with it the delivery.
+pub(crate) fn stale(info: &DeliveryInfo) -> TransportError {
+    TransportError::Connection(format!(
+        "the link that received delivery {} is gone; the broker has put it back",
+        info.delivery_id()
+    ))
+}
+
 /// Settles through the link task that received the delivery.
 pub(crate) async fn settle(
     tag: &Amqp10Tag,
@@ -330,6 +380,7 @@ pub(crate) async fn settle(
     };
     let command = Command::Settle {
         info: tag.info.clone(),
+        generation: tag.generation,
         settlement,
         done,
     };

@@ -1,31 +1,37 @@
 //! `Amqp10Transport`: the [`Transport`] implementation.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use retry_core::{
     Capabilities, Delivery, Message, Publish, PublishResult, QueueRole, Route, Settlement,
     TopologyPlan, Transport, TransportError,
 };
-use tokio::sync::{Mutex, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info};
 
 use crate::codec::{Schedule, build_clone};
 use crate::config::{Amqp10Config, Endpoint};
 use crate::connection::{Probe, ProbeError};
+use crate::fetch;
 use crate::profile::BrokerProfile;
 use crate::publisher::Publisher;
-use crate::receiver::{self, Amqp10Tag, Command, Incoming, Link};
+use crate::receiver::{self, Amqp10Tag, Command};
+use crate::subscription::Amqp10Subscription;
 
 /// A [`Transport`] over AMQP 1.0, through fe2o3-amqp.
 ///
-/// It holds two connections: one consumes (opened by [`consume`](Transport::consume)), one
-/// publishes clones and verifies addresses (opened by [`connect`](Self::connect)). See the
+/// [`connect`](Self::connect) opens the connection that publishes clones and verifies
+/// addresses. Every [`consume`](Transport::consume) opens a connection for its own
+/// [`Amqp10Subscription`], and every queue read with [`fetch`](Transport::fetch) gets a fetch
+/// link on a connection of its own; [`close`](Self::close) closes them all. See the
 /// [crate documentation](crate) for the design and the RabbitMQ 3.x specifics.
 ///
 /// ```no_run
-/// use retry_core::{RetryPolicy, TopologyPlan, Transport};
+/// use retry_core::{RetryPolicy, Settlement, Subscription, TopologyPlan, Transport};
 /// use std::time::Duration;
 /// use transport_amqp10::{Amqp10Config, Amqp10Transport};
 ///
@@ -35,10 +41,15 @@ use crate::receiver::{self, Amqp10Tag, Command, Incoming, Link};
 /// let plan = TopologyPlan::new("comments", &policy)?;
 /// // On RabbitMQ this verifies the topology (declared beforehand over AMQP 0-9-1).
 /// transport.provision(&plan).await?;
-/// transport.consume("comments", 20).await?;
-/// while let Some(delivery) = transport.recv().await? {
+/// // One suspect at a time from the isolation queue...
+/// if let Some(suspect) = transport.fetch(plan.isolation_queue()).await? {
+///     transport.settle(&suspect.tag, Settlement::Ack).await?;
+/// }
+/// // ...and the work queue by subscription.
+/// let work = transport.consume("comments", 20).await?;
+/// while let Some(delivery) = work.recv().await? {
 ///     println!("{} bytes", delivery.message.body().len());
-///     transport.settle(&delivery.tag, retry_core::Settlement::Ack).await?;
+///     transport.settle(&delivery.tag, Settlement::Ack).await?;
 /// }
 /// transport.close().await;
 /// # Ok(())
@@ -48,22 +59,39 @@ pub struct Amqp10Transport {
     shared: Arc<Shared>,
 }
 
-struct Shared {
-    config: Amqp10Config,
-    endpoint: Endpoint,
+/// What the transport and its subscriptions share.
+pub(crate) struct Shared {
+    pub(crate) config: Amqp10Config,
+    pub(crate) endpoint: Endpoint,
     publisher: Publisher,
     routes: RwLock<Routes>,
-    consumer: std::sync::Mutex<ConsumerState>,
-    incoming: Mutex<Option<tokio::sync::mpsc::Receiver<Incoming>>>,
+    /// Every link task started by a subscription, weakly: a subscription dropped without
+    /// cancelling still ends its link at `close`.
+    links: std::sync::Mutex<Vec<mpsc::WeakSender<Command>>>,
+    /// The fetch link of each queue fetched from.
+    fetchers: std::sync::Mutex<HashMap<String, mpsc::Sender<Command>>>,
+    closed: AtomicBool,
 }
 
-#[derive(Default)]
-struct ConsumerState {
-    /// Queue and prefetch of the last `consume`.
-    target: Option<(String, u16)>,
-    commands: Option<tokio::sync::mpsc::Sender<Command>>,
-    generation: u64,
-    cancelled: bool,
+impl Shared {
+    /// Keeps a weak handle on a new link task, for `close`; `false` once the transport is
+    /// closed (checked under the lock `close` drains, so no link slips past it).
+    #[must_use]
+    pub(crate) fn register(&self, link: &mpsc::Sender<Command>) -> bool {
+        let Ok(mut links) = self.links.lock() else {
+            return false;
+        };
+        if self.is_closed() {
+            return false;
+        }
+        links.retain(|l| l.strong_count() > 0);
+        links.push(link.downgrade());
+        true
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
 }
 
 /// What the provisioned plans say about routes.
@@ -71,7 +99,8 @@ struct ConsumerState {
 struct Routes {
     /// (exchange, routing key) → the queue it is bound to.
     bound: HashMap<(String, String), String>,
-    /// Routes into delay queues, and the work queue they expire back to.
+    /// Routes into TTL queues, and the queue each expires into: a delay level's work queue,
+    /// the crash delay's isolation queue.
     delays: HashMap<(String, String), String>,
 }
 
@@ -81,8 +110,8 @@ impl Routes {
             self.bound
                 .insert((b.exchange.clone(), b.routing_key.clone()), b.queue.clone());
         }
-        for (_, route) in plan.delay_routes() {
-            self.delays.insert(key(route), plan.work_queue().to_owned());
+        for (_, route, destination) in plan.delayed_destinations() {
+            self.delays.insert(key(route), destination.to_owned());
         }
     }
 }
@@ -101,6 +130,41 @@ struct Target {
     native_delay: bool,
 }
 
+/// What [`Amqp10Transport::verify`] checks: (what, address, probe). With native delays the
+/// TTL queues are left out: nothing is sent to them.
+fn checks(plan: &TopologyPlan, profile: &BrokerProfile) -> Vec<(String, String, Probe)> {
+    let mut checks = Vec::new();
+    for queue in plan.queues() {
+        let delayed_natively = matches!(
+            queue.role,
+            QueueRole::Delay { .. } | QueueRole::CrashDelay { .. }
+        ) && profile.native_delay().is_some();
+        if delayed_natively {
+            continue;
+        }
+        let probe = match profile {
+            BrokerProfile::RabbitMq3 => Probe::Receiver,
+            BrokerProfile::Generic(_) => Probe::Sender,
+        };
+        checks.push((
+            format!("queue {}", queue.name),
+            profile.queue_address(&queue.name),
+            probe,
+        ));
+    }
+    // Exchanges are RabbitMQ's; elsewhere clones go to queues by name.
+    if *profile == BrokerProfile::RabbitMq3 {
+        for exchange in plan.exchanges() {
+            checks.push((
+                format!("exchange {}", exchange.name),
+                profile.exchange_address(&exchange.name),
+                Probe::Sender,
+            ));
+        }
+    }
+    checks
+}
+
 /// How to provision what is missing, for the profile.
 pub(crate) fn provision_hint(profile: &BrokerProfile) -> String {
     match profile {
@@ -111,7 +175,7 @@ pub(crate) fn provision_hint(profile: &BrokerProfile) -> String {
 
 impl Amqp10Transport {
     /// Opens the publishing connection. Consuming starts with
-    /// [`consume`](Transport::consume).
+    /// [`consume`](Transport::consume) or [`fetch`](Transport::fetch).
     pub async fn connect(config: Amqp10Config) -> Result<Self, TransportError> {
         let endpoint = config
             .endpoint()
@@ -125,8 +189,9 @@ impl Amqp10Transport {
                 endpoint,
                 publisher,
                 routes: RwLock::new(Routes::default()),
-                consumer: std::sync::Mutex::new(ConsumerState::default()),
-                incoming: Mutex::new(None),
+                links: std::sync::Mutex::new(Vec::new()),
+                fetchers: std::sync::Mutex::new(HashMap::new()),
+                closed: AtomicBool::new(false),
             }),
         })
     }
@@ -149,36 +214,12 @@ impl Amqp10Transport {
     /// On RabbitMQ queues are probed by attaching a receiver with no credit (`/amq/queue/NAME`
     /// never declares, so a missing queue fails NOT_FOUND) and exchanges by attaching a
     /// sender. Bindings cannot be seen over AMQP 1.0; clones are therefore sent to the
-    /// verified queue a route is bound to, not through the exchange.
+    /// verified queue a route is bound to, not through the exchange. With native delays the
+    /// delay and crash-delay queues are not needed (a delayed clone goes straight to the
+    /// work or isolation queue, scheduled) and are not checked.
     pub async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
         let profile = self.profile();
-        let mut checks: Vec<(String, String, Probe)> = Vec::new();
-        for queue in plan.queues() {
-            let delayed_natively =
-                matches!(queue.role, QueueRole::Delay { .. }) && profile.native_delay().is_some();
-            if delayed_natively {
-                continue;
-            }
-            let probe = match profile {
-                BrokerProfile::RabbitMq3 => Probe::Receiver,
-                BrokerProfile::Generic(_) => Probe::Sender,
-            };
-            checks.push((
-                format!("queue {}", queue.name),
-                profile.queue_address(&queue.name),
-                probe,
-            ));
-        }
-        // Exchanges are RabbitMQ's; elsewhere clones go to queues by name.
-        if profile == BrokerProfile::RabbitMq3 {
-            for exchange in plan.exchanges() {
-                checks.push((
-                    format!("exchange {}", exchange.name),
-                    profile.exchange_address(&exchange.name),
-                    Probe::Sender,
-                ));
-            }
-        }
+        let checks = checks(plan, &profile);
         let mut missing = Vec::new();
         for (what, address, probe) in checks {
             match self.shared.publisher.verify(&address, probe).await {
@@ -202,35 +243,51 @@ impl Amqp10Transport {
         Ok(())
     }
 
-    /// Stops consuming, detaches every link and closes both connections. Deliveries not yet
-    /// settled go back to the queue.
+    /// Stops every subscription and fetch link this transport made, detaches their links and
+    /// closes every connection. Deliveries not yet settled go back to the queue, redelivered;
+    /// a subscription's [`recv`](retry_core::Subscription::recv) returns `Ok(None)` from then
+    /// on, and a fetch fails with [`TransportError::Closed`].
     pub async fn close(&self) {
-        let commands = self.shared.consumer.lock().ok().and_then(|mut c| {
-            c.cancelled = true;
-            c.commands.take()
-        });
-        if let Some(commands) = commands {
-            let (done, closed) = oneshot::channel();
-            if commands.send(Command::Close { done }).await.is_ok() {
-                let _ = tokio::time::timeout(self.shared.config.operation_timeout(), closed).await;
-            }
+        self.shared.closed.store(true, Ordering::Release);
+        let mut links: Vec<mpsc::Sender<Command>> = self
+            .shared
+            .links
+            .lock()
+            .map(|mut links| links.drain(..).filter_map(|l| l.upgrade()).collect())
+            .unwrap_or_default();
+        if let Ok(mut fetchers) = self.shared.fetchers.lock() {
+            links.extend(fetchers.drain().map(|(_, link)| link));
         }
+        let after = self.shared.config.operation_timeout();
+        let closing = links.into_iter().map(|link| async move {
+            let (done, closed) = oneshot::channel();
+            if link.send(Command::Close { done }).await.is_ok() {
+                let _ = tokio::time::timeout(after, closed).await;
+            }
+        });
+        futures::future::join_all(closing).await;
         self.shared.publisher.close().await;
     }
 
     fn target(&self, route: &Route) -> Result<Target, TransportError> {
-        let profile = self.profile();
         let routes = self
             .shared
             .routes
             .read()
             .map_err(|_| TransportError::Other("route table poisoned".into()))?;
+        routes.target(&self.profile(), route)
+    }
+}
+
+impl Routes {
+    /// Where a clone on `route` goes on `profile`.
+    fn target(&self, profile: &BrokerProfile, route: &Route) -> Result<Target, TransportError> {
         let k = key(route);
         if profile.native_delay().is_some()
-            && let Some(work) = routes.delays.get(&k)
+            && let Some(destination) = self.delays.get(&k)
         {
             return Ok(Target {
-                address: profile.queue_address(work),
+                address: profile.queue_address(destination),
                 probe: Probe::Sender,
                 probe_address: None,
                 native_delay: true,
@@ -240,7 +297,7 @@ impl Amqp10Transport {
             BrokerProfile::RabbitMq3 => Probe::Receiver,
             BrokerProfile::Generic(_) => Probe::Sender,
         };
-        if let Some(queue) = routes.bound.get(&k) {
+        if let Some(queue) = self.bound.get(&k) {
             return Ok(Target {
                 address: profile.queue_address(queue),
                 probe: queue_probe,
@@ -273,44 +330,6 @@ impl Amqp10Transport {
             }),
         }
     }
-
-    async fn attach_consumer(&self) -> Result<(), TransportError> {
-        let (queue, prefetch, generation) = {
-            let mut state = self
-                .shared
-                .consumer
-                .lock()
-                .map_err(|_| TransportError::Other("consumer state poisoned".into()))?;
-            let Some((queue, prefetch)) = state.target.clone() else {
-                return Err(TransportError::Other("recv called before consume".into()));
-            };
-            let generation = state.generation;
-            state.generation += 1;
-            (queue, prefetch, generation)
-        };
-        let Link { commands, incoming } = receiver::start(
-            &self.shared.endpoint,
-            &self.shared.config,
-            &queue,
-            prefetch,
-            generation,
-        )
-        .await?;
-        *self.shared.incoming.lock().await = Some(incoming);
-        if let Ok(mut state) = self.shared.consumer.lock() {
-            state.commands = Some(commands);
-        }
-        info!(%queue, prefetch, generation, "consuming");
-        Ok(())
-    }
-
-    fn cancelled(&self) -> bool {
-        self.shared
-            .consumer
-            .lock()
-            .map(|c| c.cancelled)
-            .unwrap_or(true)
-    }
 }
 
 impl std::fmt::Debug for Amqp10Transport {
@@ -324,6 +343,7 @@ impl std::fmt::Debug for Amqp10Transport {
 #[async_trait]
 impl Transport for Amqp10Transport {
     type Tag = Amqp10Tag;
+    type Subscription = Amqp10Subscription;
 
     fn capabilities(&self) -> Capabilities {
         self.profile().capabilities()
@@ -335,47 +355,71 @@ impl Transport for Amqp10Transport {
         self.verify(plan).await
     }
 
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(), TransportError> {
+    /// Attaches a new link on a connection of its own, with a credit of `prefetch`. A missing
+    /// queue fails here, with [`TransportError::MissingAddress`].
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Amqp10Subscription, TransportError> {
+        if self.shared.is_closed() {
+            return Err(TransportError::Closed);
+        }
         if prefetch == 0 {
             return Err(TransportError::Other(
                 "prefetch must be at least 1: it is the consuming link's credit".into(),
             ));
         }
-        if let Ok(mut state) = self.shared.consumer.lock() {
-            state.target = Some((queue.to_owned(), prefetch));
-            state.cancelled = false;
-        }
-        self.attach_consumer().await
+        Amqp10Subscription::start(Arc::clone(&self.shared), queue, prefetch).await
     }
 
-    async fn recv(&self) -> Result<Option<Delivery<Amqp10Tag>>, TransportError> {
-        if self.cancelled() {
-            return Ok(None);
-        }
-        let mut incoming = self.shared.incoming.lock().await;
-        if incoming.is_none() {
-            drop(incoming);
-            self.attach_consumer().await?;
-            incoming = self.shared.incoming.lock().await;
-        }
-        let Some(rx) = incoming.as_mut() else {
-            return Err(TransportError::Closed);
+    /// Takes at most one message with a credit of exactly 1 on the queue's fetch link. If
+    /// nothing arrives within [`Amqp10Config::with_fetch_wait`], the credit is taken back by
+    /// detaching the link, and the answer is `Ok(None)`. No further credit is granted on the
+    /// queue while a fetched delivery is unsettled (such a fetch fails). A queue that does
+    /// not exist fails with [`TransportError::MissingAddress`].
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Amqp10Tag>>, TransportError> {
+        let link = {
+            let mut fetchers = self
+                .shared
+                .fetchers
+                .lock()
+                .map_err(|_| TransportError::Other("fetch links poisoned".into()))?;
+            if self.shared.is_closed() {
+                return Err(TransportError::Closed);
+            }
+            fetchers
+                .entry(queue.to_owned())
+                .and_modify(|link| {
+                    if link.is_closed() {
+                        *link = fetch::spawn(&self.shared.endpoint, &self.shared.config, queue);
+                    }
+                })
+                .or_insert_with(|| fetch::spawn(&self.shared.endpoint, &self.shared.config, queue))
+                .clone()
         };
-        match rx.recv().await {
-            Some(Incoming::Delivery(d)) => Ok(Some(*d)),
-            Some(Incoming::Cancelled) => Ok(None),
-            Some(Incoming::Lost(e)) => {
-                *incoming = None;
-                Err(e)
-            }
-            None if self.cancelled() => Ok(None),
-            None => {
-                *incoming = None;
-                Err(TransportError::Connection(
-                    "the consuming link stopped".into(),
-                ))
-            }
+        let (done, answer) = oneshot::channel();
+        link.send(Command::Fetch { done })
+            .await
+            .map_err(|_| TransportError::Closed)?;
+        let after = fetch::answer_within(&self.shared.config);
+        match tokio::time::timeout(after, answer).await {
+            Ok(Ok(fetched)) => fetched,
+            Ok(Err(_)) => Err(TransportError::Closed),
+            Err(_) => Err(TransportError::Timeout {
+                operation: "fetching a message",
+                after,
+            }),
         }
+    }
+
+    /// Sleeps `poll`, then resolves: RabbitMQ 3.x's AMQP 1.0 plugin cannot count a queue's
+    /// messages (its answer carries the count, but fe2o3 does not surface it), so the
+    /// consumer finds out with a [`fetch`](Transport::fetch). Every look at an empty queue
+    /// therefore costs a fetch wait ([`Amqp10Config::with_fetch_wait`]).
+    async fn ready(&self, _queue: &str, poll: Duration) -> Result<(), TransportError> {
+        tokio::time::sleep(poll).await;
+        Ok(())
     }
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
@@ -419,32 +463,14 @@ impl Transport for Amqp10Transport {
     async fn settle(&self, tag: &Amqp10Tag, settlement: Settlement) -> Result<(), TransportError> {
         receiver::settle(tag, settlement, self.shared.config.operation_timeout()).await
     }
-
-    async fn cancel(&self) -> Result<(), TransportError> {
-        let commands = match self.shared.consumer.lock() {
-            Ok(mut state) => {
-                state.cancelled = true;
-                state.commands.clone()
-            }
-            Err(_) => None,
-        };
-        if let Some(commands) = commands {
-            let (done, cancelled) = oneshot::channel();
-            if commands.send(Command::Cancel { done }).await.is_ok() {
-                let _ =
-                    tokio::time::timeout(self.shared.config.operation_timeout(), cancelled).await;
-            }
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{GenericProfile, NativeDelay};
     use retry_core::RetryPolicy;
     use std::collections::HashSet;
-    use std::time::Duration;
 
     fn routes(plan: &TopologyPlan) -> Routes {
         let mut r = Routes::default();
@@ -452,12 +478,16 @@ mod tests {
         r
     }
 
-    #[test]
-    fn plan_routes_resolve_to_their_bound_queues() {
+    fn orders() -> TopologyPlan {
         let policy = RetryPolicy::delays([Duration::from_secs(1), Duration::from_secs(60)])
             .build()
             .expect("policy");
-        let plan = TopologyPlan::new("orders", &policy).expect("plan");
+        TopologyPlan::new("orders", &policy).expect("plan")
+    }
+
+    #[test]
+    fn plan_routes_resolve_to_their_bound_queues() {
+        let plan = orders();
         let r = routes(&plan);
         let (_, delay) = &plan.delay_routes()[1];
         assert_eq!(
@@ -469,10 +499,106 @@ mod tests {
             Some("orders.parking")
         );
         assert_eq!(
+            r.bound
+                .get(&key(plan.isolation_route()))
+                .map(String::as_str),
+            Some("orders.suspect")
+        );
+        let (_, crash) = plan.crash_route().expect("crash route");
+        assert_eq!(
+            r.bound.get(&key(crash)).map(String::as_str),
+            Some("orders.crash.1s")
+        );
+        let unique: HashSet<_> = r.bound.values().collect();
+        assert_eq!(unique.len(), 5, "{unique:?}");
+    }
+
+    #[test]
+    fn ttl_routes_remember_the_queue_they_expire_into() {
+        let plan = orders();
+        let r = routes(&plan);
+        let (_, delay) = &plan.delay_routes()[0];
+        assert_eq!(
             r.delays.get(&key(delay)).map(String::as_str),
             Some("orders")
         );
-        let unique: HashSet<_> = r.bound.values().collect();
-        assert_eq!(unique.len(), 3);
+        let (_, crash) = plan.crash_route().expect("crash route");
+        assert_eq!(
+            r.delays.get(&key(crash)).map(String::as_str),
+            Some("orders.suspect")
+        );
+        assert!(!r.delays.contains_key(&key(plan.isolation_route())));
+        assert_eq!(r.delays.len(), 3);
+    }
+
+    #[test]
+    fn native_delays_send_crashed_suspects_straight_back_to_isolation() {
+        let plan = orders();
+        let r = routes(&plan);
+        let artemis = BrokerProfile::Generic(
+            GenericProfile::new().with_native_delay(NativeDelay::DeliveryTime),
+        );
+        let (_, crash) = plan.crash_route().expect("crash route");
+        let to_isolation = r.target(&artemis, crash).expect("target");
+        assert_eq!(to_isolation.address, "orders.suspect");
+        assert!(to_isolation.native_delay);
+        let (_, delay) = &plan.delay_routes()[1];
+        let to_work = r.target(&artemis, delay).expect("target");
+        assert_eq!(to_work.address, "orders");
+        assert!(to_work.native_delay);
+        let isolate = r.target(&artemis, plan.isolation_route()).expect("target");
+        assert_eq!(isolate.address, "orders.suspect");
+        assert!(!isolate.native_delay, "isolating is not delayed");
+    }
+
+    fn checked(plan: &TopologyPlan, profile: &BrokerProfile) -> Vec<String> {
+        checks(plan, profile)
+            .into_iter()
+            .map(|(_, address, _)| address)
+            .collect()
+    }
+
+    #[test]
+    fn verification_covers_the_isolation_and_crash_delay_queues() {
+        let plan = orders();
+        let rabbit = checked(&plan, &BrokerProfile::RabbitMq3);
+        for queue in [
+            "orders",
+            "orders.retry.1s",
+            "orders.retry.1m",
+            "orders.suspect",
+            "orders.crash.1s",
+            "orders.parking",
+        ] {
+            assert!(
+                rabbit.contains(&format!("/amq/queue/{queue}")),
+                "{queue}: {rabbit:?}"
+            );
+        }
+        assert!(
+            rabbit.contains(&"/exchange/orders.retry".to_owned()),
+            "{rabbit:?}"
+        );
+
+        let artemis = BrokerProfile::Generic(
+            GenericProfile::new().with_native_delay(NativeDelay::DeliveryTime),
+        );
+        let native = checked(&plan, &artemis);
+        assert_eq!(native, ["orders", "orders.suspect", "orders.parking"]);
+    }
+
+    #[test]
+    fn without_native_delays_crashed_suspects_wait_in_the_crash_delay_queue() {
+        let plan = orders();
+        let r = routes(&plan);
+        let (_, crash) = plan.crash_route().expect("crash route");
+        let rabbit = r.target(&BrokerProfile::RabbitMq3, crash).expect("target");
+        assert_eq!(rabbit.address, "/amq/queue/orders.crash.1s");
+        assert_eq!(rabbit.probe, Probe::Receiver);
+        assert!(!rabbit.native_delay);
+        let generic = BrokerProfile::Generic(GenericProfile::new());
+        let plain = r.target(&generic, crash).expect("target");
+        assert_eq!(plain.address, "orders.crash.1s");
+        assert!(!plain.native_delay);
     }
 }

@@ -10,10 +10,11 @@ use lapin::BasicProperties;
 use lapin::types::AMQPValue;
 use retry_core::headers::{ATTEMPTS, DELAY, EngineHeaders};
 use retry_core::{
-    Confirm, DeadLetterReason, Engine, HeaderValue, Outcome, ParkedRecord, Publish, PublishResult,
-    RetryPolicy, Route, Settlement, Terminal, TopologyPlan, Transport, TransportError,
+    Confirm, DeadLetterReason, Engine, HeaderValue, Lane, Outcome, ParkedRecord, Publish,
+    PublishResult, RetryPolicy, Route, Settlement, Subscription, Terminal, TopologyPlan, Transport,
+    TransportError,
 };
-use transport_amqp10::Amqp10Transport;
+use transport_amqp10::{Amqp10Subscription, Amqp10Transport};
 
 use common::{broker, drive, transport, unique};
 
@@ -28,8 +29,8 @@ fn plan(queue: &str, delays: &[u64]) -> (RetryPolicy, TopologyPlan) {
 /// Takes one message from `queue` over AMQP 1.0 with a transport of its own.
 async fn take(queue: &str, within: Duration) -> Option<retry_core::Message> {
     let reader = transport().await;
-    reader.consume(queue, 1).await.expect("consume");
-    let got = match tokio::time::timeout(within, reader.recv()).await {
+    let sub = reader.consume(queue, 1).await.expect("consume");
+    let got = match tokio::time::timeout(within, sub.recv()).await {
         Ok(Ok(Some(d))) => {
             reader.settle(&d.tag, Settlement::Ack).await.expect("ack");
             Some(d.message)
@@ -50,10 +51,11 @@ async fn a_successful_message_is_accepted_once() {
 
     let t = transport().await;
     t.provision(&plan).await.expect("topology verified");
-    t.consume(&q, 4).await.expect("consume");
+    let sub = t.consume(&q, 4).await.expect("consume");
     let mut engine = Engine::new(policy, &plan).expect("engine");
     let ended = drive(
         &t,
+        &sub,
         &mut engine,
         &|_| Outcome::Success,
         1,
@@ -79,7 +81,7 @@ async fn a_transient_failure_comes_back_after_the_ttl_and_succeeds() {
 
     let t = transport().await;
     t.provision(&plan).await.expect("verified");
-    t.consume(&q, 4).await.expect("consume");
+    let sub = t.consume(&q, 4).await.expect("consume");
     let mut engine = Engine::new(policy, &plan).expect("engine");
     let failed_at = std::sync::Mutex::new(None::<Instant>);
     let seen_at = std::sync::Mutex::new(None::<Instant>);
@@ -92,7 +94,7 @@ async fn a_transient_failure_comes_back_after_the_ttl_and_succeeds() {
             Outcome::Success
         }
     };
-    let ended = drive(&t, &mut engine, &handler, 2, Duration::from_secs(15)).await;
+    let ended = drive(&t, &sub, &mut engine, &handler, 2, Duration::from_secs(15)).await;
     t.close().await;
 
     assert_eq!(ended.len(), 2, "{ended:?}");
@@ -128,10 +130,11 @@ async fn used_up_attempts_park_the_message_with_its_diagnostics() {
 
     let t = transport().await;
     t.provision(&plan).await.expect("verified");
-    t.consume(&q, 4).await.expect("consume");
+    let sub = t.consume(&q, 4).await.expect("consume");
     let mut engine = Engine::new(policy.clone(), &plan).expect("engine");
     let ended = drive(
         &t,
+        &sub,
         &mut engine,
         &|_| Outcome::Transient("still broken".into()),
         3,
@@ -178,10 +181,11 @@ async fn a_permanent_failure_is_parked_at_once() {
 
     let t = transport().await;
     t.provision(&plan).await.expect("verified");
-    t.consume(&q, 4).await.expect("consume");
+    let sub = t.consume(&q, 4).await.expect("consume");
     let mut engine = Engine::new(policy, &plan).expect("engine");
     let ended = drive(
         &t,
+        &sub,
         &mut engine,
         &|_| Outcome::Permanent("schema violation".into()),
         1,
@@ -207,7 +211,7 @@ async fn a_permanent_failure_is_parked_at_once() {
 }
 
 #[tokio::test]
-async fn a_released_delivery_comes_back_redelivered_and_is_diverted() {
+async fn a_released_delivery_comes_back_redelivered_and_is_isolated() {
     let Some(b) = broker().await else { return };
     let q = unique("released");
     let (policy, plan) = plan(&q, &[60_000]);
@@ -216,21 +220,22 @@ async fn a_released_delivery_comes_back_redelivered_and_is_diverted() {
 
     let t = transport().await;
     t.provision(&plan).await.expect("verified");
-    t.consume(&q, 1).await.expect("consume");
-    let first = t.recv().await.expect("recv").expect("delivery");
+    let sub = t.consume(&q, 1).await.expect("consume");
+    let first = sub.recv().await.expect("recv").expect("delivery");
     assert!(!first.facts.redelivered);
     t.settle(&first.tag, Settlement::Requeue)
         .await
         .expect("release");
-    let again = t.recv().await.expect("recv").expect("delivery");
+    let again = sub.recv().await.expect("recv").expect("delivery");
     assert!(again.facts.redelivered, "released ⇒ first-acquirer false");
     assert_eq!(again.facts.delivery_count, 0, "RabbitMQ 3.x keeps no count");
 
     let mut engine = Engine::new(policy, &plan).expect("engine");
-    let id = engine.handle_delivery(t.now(), again.facts);
+    let id = engine.handle_delivery(t.now(), Lane::Work, again.facts);
     let Some(retry_core::Action::Publish { publish, .. }) = engine.poll_action(t.now()) else {
-        panic!("a redelivered message is diverted without running the handler")
+        panic!("a redelivered message is isolated without running the handler")
     };
+    assert_eq!(&publish.route, plan.isolation_route());
     let result = t.publish(&again.message, &publish).await;
     assert!(matches!(result, PublishResult::Confirmed), "{result:?}");
     engine
@@ -244,19 +249,36 @@ async fn a_released_delivery_comes_back_redelivered_and_is_diverted() {
     else {
         panic!("settle expected")
     };
-    assert!(matches!(terminal, Terminal::Diverted { crashes: 1, .. }));
+    assert_eq!(terminal, Terminal::Isolated);
     t.settle(&again.tag, settlement).await.expect("ack");
     t.close().await;
     assert_eq!(
-        b.wait_ready(&plan.queues()[1].name, 1, Duration::from_secs(3))
+        b.wait_ready(plan.isolation_queue(), 1, Duration::from_secs(3))
             .await,
         1
     );
     assert_eq!(b.ready(&q).await, 0);
+    assert_eq!(b.ready(&plan.queues()[1].name).await, 0, "no delay");
+
+    // The suspect in the isolation queue is a fresh clone: no crash so far.
+    let reader = transport().await;
+    let suspect = reader
+        .fetch(plan.isolation_queue())
+        .await
+        .expect("fetch")
+        .expect("the suspect");
+    assert_eq!(suspect.message.body(), b"crashy");
+    assert!(!suspect.facts.redelivered);
+    assert_eq!(suspect.facts.crashes, 0);
+    reader
+        .settle(&suspect.tag, Settlement::Ack)
+        .await
+        .expect("ack");
+    reader.close().await;
 }
 
 #[tokio::test]
-async fn a_delivery_held_by_a_dropped_connection_is_diverted_by_the_next_consumer() {
+async fn a_delivery_held_by_a_dropped_connection_is_isolated_by_the_next_consumer() {
     let Some(b) = broker().await else { return };
     let q = unique("dropped");
     let (policy, plan) = plan(&q, &[60_000]);
@@ -266,33 +288,30 @@ async fn a_delivery_held_by_a_dropped_connection_is_diverted_by_the_next_consume
 
     // The first consumer takes the message and goes away mid-handler.
     let crashed = transport().await;
-    crashed.consume(&q, 1).await.expect("consume");
-    let held = crashed.recv().await.expect("recv").expect("delivery");
+    let crashed_sub = crashed.consume(&q, 1).await.expect("consume");
+    let held = crashed_sub.recv().await.expect("recv").expect("delivery");
     assert!(!held.facts.redelivered);
     drop(held);
     crashed.close().await;
 
     let t = transport().await;
     t.provision(&plan).await.expect("verified");
-    t.consume(&q, 1).await.expect("consume");
+    let sub = t.consume(&q, 1).await.expect("consume");
     let mut engine = Engine::new(policy, &plan).expect("engine");
     let ran = std::sync::atomic::AtomicBool::new(false);
     let handler = |_: &retry_core::Message| {
         ran.store(true, std::sync::atomic::Ordering::SeqCst);
         Outcome::Success
     };
-    let ended = drive(&t, &mut engine, &handler, 1, Duration::from_secs(10)).await;
+    let ended = drive(&t, &sub, &mut engine, &handler, 1, Duration::from_secs(10)).await;
     t.close().await;
-    assert!(
-        matches!(ended[0].0, Terminal::Diverted { crashes: 1, .. }),
-        "{ended:?}"
-    );
+    assert_eq!(ended[0].0, Terminal::Isolated, "{ended:?}");
     assert!(
         !ran.load(std::sync::atomic::Ordering::SeqCst),
         "handler not run"
     );
     assert_eq!(
-        b.wait_ready(&plan.queues()[1].name, 1, Duration::from_secs(3))
+        b.wait_ready(plan.isolation_queue(), 1, Duration::from_secs(3))
             .await,
         1
     );
@@ -302,7 +321,12 @@ async fn a_delivery_held_by_a_dropped_connection_is_diverted_by_the_next_consume
 async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
     let Some(b) = broker().await else { return };
     let q = unique("refused");
-    let (policy, plan) = plan(&q, &[60_000]);
+    let (_, plan) = plan(&q, &[60_000]);
+    // No publish retries: each refused send waits out the publish timeout.
+    let policy = RetryPolicy::delays([Duration::from_secs(60)])
+        .with_publish_retries(0, Duration::from_millis(100))
+        .build()
+        .expect("policy");
     let delay_queue = plan.queues()[1].name.clone();
     // The delay queue refuses everything: a full queue with reject-publish.
     let extra = vec![
@@ -323,10 +347,11 @@ async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
 
     let t = transport().await;
     t.provision(&plan).await.expect("verified");
-    t.consume(&q, 1).await.expect("consume");
+    let sub = t.consume(&q, 1).await.expect("consume");
     let mut engine = Engine::new(policy, &plan).expect("engine");
     let ended = drive(
         &t,
+        &sub,
         &mut engine,
         &|_| Outcome::Transient("try later".into()),
         1,
@@ -342,7 +367,7 @@ async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
     );
 
     // The consuming link survived and the original came back, redelivered.
-    let back = tokio::time::timeout(Duration::from_secs(10), t.recv())
+    let back = tokio::time::timeout(Duration::from_secs(10), sub.recv())
         .await
         .expect("redelivered in time")
         .expect("recv")
@@ -357,8 +382,8 @@ async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
         headers: EngineHeaders {
             attempts: 1,
             crashes: 0,
-            first_failure: t.now(),
-            last_failure: t.now(),
+            first_failure: Some(t.now()),
+            last_failure: Some(t.now()),
             last_error: None,
             reason: Some(DeadLetterReason::Permanent),
             delay: None,
@@ -392,10 +417,11 @@ async fn a_body_published_over_091_keeps_every_byte_through_retries_over_10() {
 
     let t = transport().await;
     t.provision(&plan).await.expect("verified");
-    t.consume(&q, 2).await.expect("consume");
+    let sub = t.consume(&q, 2).await.expect("consume");
     let mut engine = Engine::new(policy, &plan).expect("engine");
     let ended = drive(
         &t,
+        &sub,
         &mut engine,
         &|_| Outcome::Transient("no".into()),
         2,
@@ -460,8 +486,8 @@ async fn a_send_to_an_unverified_missing_queue_fails_instead_of_vanishing() {
     b.publish(&q, b"x", BasicProperties::default()).await;
 
     let t = transport().await;
-    t.consume(&q, 1).await.expect("consume");
-    let d = t.recv().await.expect("recv").expect("delivery");
+    let sub = t.consume(&q, 1).await.expect("consume");
+    let d = sub.recv().await.expect("recv").expect("delivery");
     // No plan was provisioned: the route's queue is found by its name, and checked first.
     let publish = Publish {
         route: Route {
@@ -472,8 +498,8 @@ async fn a_send_to_an_unverified_missing_queue_fails_instead_of_vanishing() {
         headers: EngineHeaders {
             attempts: 1,
             crashes: 0,
-            first_failure: t.now(),
-            last_failure: t.now(),
+            first_failure: Some(t.now()),
+            last_failure: Some(t.now()),
             last_error: None,
             reason: None,
             delay: Some(Duration::from_secs(1)),
@@ -501,19 +527,19 @@ async fn credit_never_exceeds_the_prefetch() {
         b.publish(&q, &[i], BasicProperties::default()).await;
     }
     let t = transport().await;
-    t.consume(&q, 3).await.expect("consume");
+    let sub = t.consume(&q, 3).await.expect("consume");
     let mut held = Vec::new();
     for _ in 0..3 {
-        held.push(t.recv().await.expect("recv").expect("delivery"));
+        held.push(sub.recv().await.expect("recv").expect("delivery"));
     }
-    let fourth = tokio::time::timeout(Duration::from_millis(700), t.recv()).await;
+    let fourth = tokio::time::timeout(Duration::from_millis(700), sub.recv()).await;
     assert!(fourth.is_err(), "a fourth delivery arrived with prefetch 3");
     for d in held.drain(..) {
         t.settle(&d.tag, Settlement::Ack).await.expect("ack");
     }
     let mut rest = 0;
     while rest < 5 {
-        let d = tokio::time::timeout(Duration::from_secs(5), t.recv())
+        let d = tokio::time::timeout(Duration::from_secs(5), sub.recv())
             .await
             .expect("more deliveries after settling")
             .expect("recv")
@@ -521,7 +547,9 @@ async fn credit_never_exceeds_the_prefetch() {
         t.settle(&d.tag, Settlement::Ack).await.expect("ack");
         rest += 1;
     }
-    let settled_twice = t.settle(&held_tag(&t, &q, &b).await, Settlement::Ack).await;
+    let settled_twice = t
+        .settle(&held_tag(&t, &sub, &q, &b).await, Settlement::Ack)
+        .await;
     assert!(
         settled_twice.is_err(),
         "a settled delivery cannot be settled again"
@@ -531,9 +559,14 @@ async fn credit_never_exceeds_the_prefetch() {
 }
 
 /// Publishes, receives and acks one more message, returning its (now settled) tag.
-async fn held_tag(t: &Amqp10Transport, q: &str, b: &common::Broker) -> transport_amqp10::Amqp10Tag {
+async fn held_tag(
+    t: &Amqp10Transport,
+    sub: &Amqp10Subscription,
+    q: &str,
+    b: &common::Broker,
+) -> transport_amqp10::Amqp10Tag {
     b.publish(q, b"once", BasicProperties::default()).await;
-    let d = t.recv().await.expect("recv").expect("delivery");
+    let d = sub.recv().await.expect("recv").expect("delivery");
     t.settle(&d.tag, Settlement::Ack).await.expect("first ack");
     d.tag
 }
@@ -548,17 +581,19 @@ async fn cancel_stops_deliveries_but_held_ones_can_still_be_settled() {
         b.publish(&q, &[i], BasicProperties::default()).await;
     }
     let t = transport().await;
-    t.consume(&q, 2).await.expect("consume");
-    let d = t.recv().await.expect("recv").expect("delivery");
-    t.cancel().await.expect("cancel");
+    let sub = t.consume(&q, 2).await.expect("consume");
+    let d = sub.recv().await.expect("recv").expect("delivery");
+    sub.cancel().await.expect("cancel");
     assert!(
-        t.recv().await.expect("recv").is_none(),
+        sub.recv().await.expect("recv").is_none(),
         "no more after cancel"
     );
     t.settle(&d.tag, Settlement::Ack)
         .await
         .expect("settle after cancel");
+    sub.flush().await.expect("flush on a live link");
     t.close().await;
+    sub.flush().await.expect("nothing left to send after close");
     assert_eq!(b.wait_ready(&q, 3, Duration::from_secs(3)).await, 3);
 }
 
@@ -570,8 +605,8 @@ async fn reject_dead_letters_through_the_work_queues_exchange() {
     let _cleanup = b.declare(&plan, &[], vec![]).await;
     b.publish(&q, b"rejected", BasicProperties::default()).await;
     let t = transport().await;
-    t.consume(&q, 1).await.expect("consume");
-    let d = t.recv().await.expect("recv").expect("delivery");
+    let sub = t.consume(&q, 1).await.expect("consume");
+    let d = sub.recv().await.expect("recv").expect("delivery");
     t.settle(&d.tag, Settlement::Reject).await.expect("reject");
     t.close().await;
     assert_eq!(
@@ -599,10 +634,10 @@ async fn a_lost_consuming_link_is_reported_and_attached_again() {
     let (_, plan) = plan(&q, &[1_000]);
     let _cleanup = b.declare(&plan, &[], vec![]).await;
     let t = transport().await;
-    t.consume(&q, 2).await.expect("consume");
+    let sub = t.consume(&q, 2).await.expect("consume");
     // A delivery first, so the broker has surely registered the consumer.
     b.publish(&q, b"before", BasicProperties::default()).await;
-    let d = t.recv().await.expect("recv").expect("delivery");
+    let d = sub.recv().await.expect("recv").expect("delivery");
     t.settle(&d.tag, Settlement::Ack).await.expect("ack");
 
     // Deleting the queue under the consumer takes its link away.
@@ -610,7 +645,7 @@ async fn a_lost_consuming_link_is_reported_and_attached_again() {
         .queue_delete(q.as_str().into(), Default::default())
         .await
         .expect("delete");
-    let lost = tokio::time::timeout(Duration::from_secs(10), t.recv())
+    let lost = tokio::time::timeout(Duration::from_secs(10), sub.recv())
         .await
         .expect("reported in time");
     assert!(
@@ -618,9 +653,14 @@ async fn a_lost_consuming_link_is_reported_and_attached_again() {
         "{:?}",
         lost.map(|d| d.is_some())
     );
+    let flushed = sub.flush().await;
+    assert!(
+        matches!(flushed, Err(TransportError::Connection(_))),
+        "a flush reports the lost link: {flushed:?}"
+    );
 
     // While the queue is gone, attaching again says so.
-    let missing = t.recv().await;
+    let missing = sub.recv().await;
     assert!(
         matches!(missing, Err(TransportError::MissingAddress { .. })),
         "{:?}",
@@ -630,7 +670,7 @@ async fn a_lost_consuming_link_is_reported_and_attached_again() {
     // Once it is back, the next recv attaches a new link and delivers.
     let _again = b.declare(&plan, &[], vec![]).await;
     b.publish(&q, b"after", BasicProperties::default()).await;
-    let d = tokio::time::timeout(Duration::from_secs(10), t.recv())
+    let d = tokio::time::timeout(Duration::from_secs(10), sub.recv())
         .await
         .expect("delivered in time")
         .expect("recv")
@@ -638,5 +678,254 @@ async fn a_lost_consuming_link_is_reported_and_attached_again() {
     assert_eq!(d.message.body(), b"after");
     assert_eq!(d.tag.generation(), 2, "the third link of this transport");
     t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+    t.close().await;
+}
+
+#[tokio::test]
+async fn two_subscriptions_of_one_transport_receive_and_settle_independently() {
+    let Some(b) = broker().await else { return };
+    let q = unique("two-subs");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"first", BasicProperties::default()).await;
+    b.publish(&q, b"second", BasicProperties::default()).await;
+
+    let t = transport().await;
+    let one = t.consume(&q, 1).await.expect("consume");
+    let two = t.consume(&q, 1).await.expect("consume again");
+    // Each holds its own credit of 1: the two messages are split between them.
+    let within = Duration::from_secs(5);
+    let a = tokio::time::timeout(within, one.recv())
+        .await
+        .expect("the first subscription receives")
+        .expect("recv")
+        .expect("delivery");
+    let b_delivery = tokio::time::timeout(within, two.recv())
+        .await
+        .expect("the second subscription receives")
+        .expect("recv")
+        .expect("delivery");
+    assert_ne!(a.message.body(), b_delivery.message.body());
+    // Both links number their deliveries from 0: a tag routed by id alone would settle both.
+    assert_eq!(a.tag.delivery_id(), b_delivery.tag.delivery_id());
+
+    t.settle(&a.tag, Settlement::Ack).await.expect("ack");
+    // The first subscription's credit comes back; the second still holds its delivery.
+    b.publish(&q, b"third", BasicProperties::default()).await;
+    let c = tokio::time::timeout(within, one.recv())
+        .await
+        .expect("a new grant after the ack")
+        .expect("recv")
+        .expect("delivery");
+    assert_eq!(c.message.body(), b"third");
+    t.settle(&c.tag, Settlement::Ack).await.expect("ack");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), two.recv())
+            .await
+            .is_err(),
+        "the second subscription got credit from the first one's acks"
+    );
+    one.cancel().await.expect("cancel");
+    assert!(one.recv().await.expect("recv").is_none());
+    t.close().await;
+    assert!(
+        two.recv().await.expect("recv after close").is_none(),
+        "closed with its transport"
+    );
+
+    // Only the second subscription's delivery was left unsettled, and it came back.
+    assert_eq!(b.wait_ready(&q, 1, Duration::from_secs(3)).await, 1);
+    let (body, redelivered) = b.get(&q).await.expect("the unsettled one");
+    assert_eq!(body, b_delivery.message.body());
+    assert!(redelivered);
+}
+
+#[tokio::test]
+async fn close_ends_a_subscription_dropped_without_cancelling() {
+    let Some(b) = broker().await else { return };
+    let q = unique("dropped-sub");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"held", BasicProperties::default()).await;
+
+    let t = transport().await;
+    let sub = t.consume(&q, 1).await.expect("consume");
+    let d = sub.recv().await.expect("recv").expect("delivery");
+    // The tag alone keeps the link's task alive; the transport still reaches it.
+    drop(sub);
+    t.close().await;
+    assert_eq!(b.wait_ready(&q, 1, Duration::from_secs(3)).await, 1);
+    let (body, redelivered) = b.get(&q).await.expect("back in the queue");
+    assert_eq!(body, b"held");
+    assert!(redelivered);
+    assert!(
+        t.settle(&d.tag, Settlement::Ack).await.is_err(),
+        "its link is gone"
+    );
+}
+
+#[tokio::test]
+async fn fetch_takes_one_message_and_leaves_the_rest_ready() {
+    let Some(b) = broker().await else { return };
+    let q = unique("fetch");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    for body in [&b"m0"[..], b"m1", b"m2"] {
+        b.publish(&q, body, BasicProperties::default()).await;
+    }
+
+    let t = transport().await;
+    let first = t.fetch(&q).await.expect("fetch").expect("a message");
+    assert_eq!(first.message.body(), b"m0");
+    assert!(!first.facts.redelivered);
+    // Held unsettled: exactly one left the queue.
+    assert_eq!(b.ready(&q).await, 2);
+    let second = t.fetch(&q).await;
+    assert!(
+        matches!(second, Err(TransportError::Other(_))),
+        "no second message while one is unsettled: {:?}",
+        second.map(|d| d.map(|d| d.message))
+    );
+    assert_eq!(b.ready(&q).await, 2);
+    t.settle(&first.tag, Settlement::Ack).await.expect("ack");
+    assert!(
+        t.settle(&first.tag, Settlement::Ack).await.is_err(),
+        "settled once"
+    );
+
+    for (expected, left) in [(&b"m1"[..], 1), (b"m2", 0)] {
+        let d = t.fetch(&q).await.expect("fetch").expect("a message");
+        assert_eq!(d.message.body(), expected);
+        assert_eq!(b.ready(&q).await, left);
+        t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+    }
+
+    let asked = Instant::now();
+    let empty = t.fetch(&q).await.expect("fetch");
+    assert!(empty.is_none(), "{:?}", empty.map(|d| d.message));
+    let took = asked.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "an empty fetch waits only the fetch wait: {took:?}"
+    );
+
+    // After an empty answer the credit is back with this side: a new message stays ready
+    // until the next fetch, which takes it.
+    b.publish(&q, b"m3", BasicProperties::default()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(b.ready(&q).await, 1, "no credit was left outstanding");
+    let d = t.fetch(&q).await.expect("fetch").expect("the new message");
+    assert_eq!(d.message.body(), b"m3");
+    assert!(!d.facts.redelivered);
+    t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+    t.close().await;
+    assert_eq!(b.ready(&q).await, 0);
+}
+
+#[tokio::test]
+async fn a_fetched_delivery_that_is_released_comes_back_redelivered() {
+    let Some(b) = broker().await else { return };
+    let q = unique("fetch-release");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"suspect", BasicProperties::default()).await;
+
+    let t = transport().await;
+    let d = t.fetch(&q).await.expect("fetch").expect("a message");
+    assert!(!d.facts.redelivered);
+    t.settle(&d.tag, Settlement::Requeue)
+        .await
+        .expect("release");
+    let again = t
+        .fetch(&q)
+        .await
+        .expect("fetch")
+        .expect("back in the queue");
+    assert_eq!(again.message.body(), b"suspect");
+    assert!(again.facts.redelivered, "released ⇒ first-acquirer false");
+    t.settle(&again.tag, Settlement::Ack).await.expect("ack");
+    t.close().await;
+    assert_eq!(b.ready(&q).await, 0);
+}
+
+#[tokio::test]
+async fn a_fetched_delivery_left_unsettled_at_close_comes_back_redelivered() {
+    let Some(b) = broker().await else { return };
+    let q = unique("fetch-close");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"running alone", BasicProperties::default())
+        .await;
+
+    let crashed = transport().await;
+    let d = crashed.fetch(&q).await.expect("fetch").expect("a message");
+    assert!(!d.facts.redelivered);
+    crashed.close().await;
+    let late = crashed.settle(&d.tag, Settlement::Ack).await;
+    assert!(
+        matches!(late, Err(TransportError::Connection(_))),
+        "the link is gone: {late:?}"
+    );
+    assert!(matches!(
+        crashed.fetch(&q).await,
+        Err(TransportError::Closed)
+    ));
+
+    let t = transport().await;
+    let again = tokio::time::timeout(Duration::from_secs(10), t.fetch(&q))
+        .await
+        .expect("in time")
+        .expect("fetch")
+        .expect("back in the queue");
+    assert_eq!(again.message.body(), b"running alone");
+    assert!(again.facts.redelivered, "its holder went away");
+    t.settle(&again.tag, Settlement::Ack).await.expect("ack");
+    t.close().await;
+}
+
+#[tokio::test]
+async fn fetch_on_a_missing_queue_fails_naming_it() {
+    let Some(b) = broker().await else { return };
+    let q = unique("fetch-present");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"here", BasicProperties::default()).await;
+    let missing = unique("fetch-missing");
+
+    let t = transport().await;
+    let err = t.fetch(&missing).await.expect_err("no such queue");
+    let TransportError::MissingAddress { address, hint } = &err else {
+        panic!("{err:?}")
+    };
+    assert!(address.contains(&missing), "{address}");
+    assert!(hint.contains("0-9-1"), "says how to provision: {hint}");
+    // Still missing on a second look, and other queues are unaffected.
+    assert!(matches!(
+        t.fetch(&missing).await,
+        Err(TransportError::MissingAddress { .. })
+    ));
+    let d = t.fetch(&q).await.expect("fetch").expect("a message");
+    t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+    t.close().await;
+}
+
+#[tokio::test]
+async fn ready_resolves_after_the_poll_interval() {
+    let Some(b) = broker().await else { return };
+    let q = unique("ready");
+    let (_, plan) = plan(&q, &[1_000]);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    b.publish(&q, b"waiting", BasicProperties::default()).await;
+    let t = transport().await;
+    let started = Instant::now();
+    t.ready(&q, Duration::from_millis(300))
+        .await
+        .expect("ready");
+    let took = started.elapsed();
+    assert!(
+        (Duration::from_millis(300)..Duration::from_secs(2)).contains(&took),
+        "{took:?}"
+    );
+    assert_eq!(b.ready(&q).await, 1, "ready takes nothing");
     t.close().await;
 }

@@ -1,5 +1,5 @@
 //! Shared setup for the broker tests: finding the broker, naming and provisioning topology
-//! over AMQP 0-9-1, and a small loop that drives the engine over a transport.
+//! over AMQP 0-9-1, and a small loop that drives the engine over a subscription.
 
 #![allow(dead_code)]
 
@@ -13,7 +13,10 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
-use retry_core::{Action, Delivery, Engine, Message, Outcome, Terminal, TopologyPlan, Transport};
+use retry_core::{
+    Action, Delivery, Engine, Lane, Message, Outcome, Subscription, Terminal, TopologyPlan,
+    Transport,
+};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport, table_from_headers};
 
@@ -244,10 +247,12 @@ pub async fn transport() -> Amqp10Transport {
     .expect("AMQP 1.0 connect")
 }
 
-/// Drives `engine` over `transport` until `terminals` deliveries have ended or `within`
-/// passes, running `handler` inline. Returns how each delivery ended, with its message.
+/// Drives `engine` over the work-queue `subscription` of `transport` until `terminals`
+/// deliveries have ended or `within` passes, running `handler` inline. Returns how each
+/// delivery ended, with its message.
 pub async fn drive<T: Transport>(
     transport: &T,
+    subscription: &T::Subscription,
     engine: &mut Engine,
     handler: &impl Fn(&Message) -> Outcome,
     terminals: usize,
@@ -262,13 +267,13 @@ pub async fn drive<T: Transport>(
         if left.is_zero() {
             break;
         }
-        let delivery = match tokio::time::timeout(left, transport.recv()).await {
+        let delivery = match tokio::time::timeout(left, subscription.recv()).await {
             Ok(Ok(Some(d))) => d,
             Ok(Ok(None)) => break,
             Ok(Err(e)) => panic!("recv failed: {e}"),
             Err(_) => break,
         };
-        let id = engine.handle_delivery(transport.now(), delivery.facts);
+        let id = engine.handle_delivery(transport.now(), Lane::Work, delivery.facts);
         held.push((id, delivery));
         loop {
             let now = transport.now();
