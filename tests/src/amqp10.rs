@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use retry_core::{Settlement, TopologyPlan, Transport};
+use retry_core::{Settlement, Subscription, TopologyPlan, Transport};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 
 use crate::amqp091::SLACK;
@@ -74,7 +74,6 @@ impl Harness for Amqp10Harness {
             return None;
         }
         Some(match need {
-            Need::DeliveryCount => "RabbitMQ 3.x's AMQP 1.0 plugin leaves header.delivery-count at 0, and quorum queues' x-delivery-count is a 0-9-1 header invisible over 1.0".to_owned(),
             Need::DeclaresTopology => "RabbitMQ 3.x's AMQP 1.0 plugin cannot declare queues with arguments; provision verifies, and the topology is declared over AMQP 0-9-1".to_owned(),
             other => format!("RabbitMQ 3.x over AMQP 1.0 lacks {other}"),
         })
@@ -129,13 +128,13 @@ impl Harness for Amqp10Harness {
             .await
             .expect("an AMQP 1.0 reader");
         let prefetch = u16::try_from(n).unwrap_or(u16::MAX);
-        reader
+        let parked = reader
             .consume(queue, prefetch)
             .await
             .expect("consume the parking queue");
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
-            let d = match tokio::time::timeout(Duration::from_secs(10), reader.recv()).await {
+            let d = match tokio::time::timeout(Duration::from_secs(10), parked.recv()).await {
                 Ok(Ok(Some(d))) => d,
                 other => panic!(
                     "read {} of {n} parked messages over AMQP 1.0, then: {other:?}",

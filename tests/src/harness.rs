@@ -58,9 +58,6 @@ pub enum Need {
     RefusePublishes,
     /// [`Capabilities::declares_topology`]: the transport declares a plan itself.
     DeclaresTopology,
-    /// [`Capabilities::delivery_count`]: the broker counts deliveries, so a consumer may run
-    /// the handler again on a redelivered message and still enforce the crash limit.
-    DeliveryCount,
     /// [`Capabilities::dead_letter_exchange`]: TTL delay queues dead-letter back.
     DeadLetterExchange,
     /// [`Capabilities::publisher_confirms`]: a refused publish is reported, so the original
@@ -74,7 +71,6 @@ impl fmt::Display for Need {
             Need::CrashConsumer => "crash_consumer",
             Need::RefusePublishes => "refuse_publishes",
             Need::DeclaresTopology => "declares_topology",
-            Need::DeliveryCount => "delivery_count",
             Need::DeadLetterExchange => "dead_letter_exchange",
             Need::PublisherConfirms => "publisher_confirms",
         })
@@ -88,7 +84,6 @@ impl HarnessCapabilities {
             Need::CrashConsumer => self.crash_consumer,
             Need::RefusePublishes => self.refuse_publishes,
             Need::DeclaresTopology => self.transport.declares_topology,
-            Need::DeliveryCount => self.transport.delivery_count,
             Need::DeadLetterExchange => self.transport.dead_letter_exchange,
             Need::PublisherConfirms => self.transport.publisher_confirms,
         }

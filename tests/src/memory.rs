@@ -190,12 +190,12 @@ impl Harness for MemoryHarness {
 
     async fn take_parked(&self, plan: &TopologyPlan) -> Vec<ParkedMessage> {
         let reader = self.broker.connect();
-        reader
+        let parked = reader
             .consume(plan.parking_queue(), u16::MAX)
             .await
             .expect("consume the parking queue");
         let mut out = Vec::new();
-        while let Some(d) = reader.try_recv().expect("read the parking queue") {
+        while let Some(d) = parked.try_recv().expect("read the parking queue") {
             reader
                 .settle_now(&d.tag, Settlement::Ack)
                 .expect("ack a parked message");

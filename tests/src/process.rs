@@ -6,8 +6,10 @@
 //! from successive processes never interleave:
 //!
 //! ```text
-//! <pid> run <message-id> <attempt>
+//! <pid> run <message-id> <attempt> work|alone
+//! <pid> succeeded <message-id> <attempt>
 //! <pid> terminal <message-id> handled <attempt>
+//! <pid> terminal <message-id> isolated
 //! <pid> terminal <message-id> diverted <crashes> <delay-ms>
 //! <pid> terminal <message-id> parked <reason>
 //! ```
@@ -23,14 +25,16 @@ use retry_core::{RetryPolicy, Terminal};
 pub struct ProcessArgs {
     /// The work queue.
     pub queue: String,
-    /// The message id that makes the process abort.
-    pub poison: String,
+    /// The message ids that make the process abort.
+    pub poison: Vec<String>,
     /// Where to append the record.
     pub record: PathBuf,
     /// The policy's crash limit.
     pub crash_limit: u32,
     /// The policy's only delay, also its crash delay.
     pub delay: Duration,
+    /// The consumer's prefetch.
+    pub prefetch: u16,
 }
 
 impl ProcessArgs {
@@ -38,27 +42,30 @@ impl ProcessArgs {
     pub fn to_args(&self) -> Vec<String> {
         vec![
             self.queue.clone(),
-            self.poison.clone(),
+            self.poison.join(","),
             self.record.display().to_string(),
             self.crash_limit.to_string(),
             self.delay.as_millis().to_string(),
+            self.prefetch.to_string(),
         ]
     }
 
-    /// Reads `queue poison record crash-limit delay-ms`.
+    /// Reads `queue poison-ids record crash-limit delay-ms prefetch`; the poison ids are
+    /// separated by commas.
     pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Self, String> {
         let args: Vec<String> = args.into_iter().collect();
-        let [queue, poison, record, limit, delay] = args.as_slice() else {
+        let [queue, poison, record, limit, delay, prefetch] = args.as_slice() else {
             return Err(format!(
-                "usage: crashing_consumer QUEUE POISON_ID RECORD_FILE CRASH_LIMIT DELAY_MS (got {args:?})"
+                "usage: crashing_consumer QUEUE POISON_IDS RECORD_FILE CRASH_LIMIT DELAY_MS PREFETCH (got {args:?})"
             ));
         };
         Ok(ProcessArgs {
             queue: queue.clone(),
-            poison: poison.clone(),
+            poison: poison.split(',').map(str::to_owned).collect(),
             record: PathBuf::from(record),
             crash_limit: limit.parse().map_err(|e| format!("CRASH_LIMIT: {e}"))?,
             delay: Duration::from_millis(delay.parse().map_err(|e| format!("DELAY_MS: {e}"))?),
+            prefetch: prefetch.parse().map_err(|e| format!("PREFETCH: {e}"))?,
         })
     }
 
@@ -76,6 +83,18 @@ impl ProcessArgs {
 pub enum Event {
     /// The handler started on a message.
     Run {
+        /// The message id.
+        id: String,
+        /// The engine's attempt number.
+        attempt: u32,
+        /// Whether it ran alone: a suspect from the isolation queue.
+        alone: bool,
+    },
+    /// The handler returned success. Its ack can still be lost (the process dies first,
+    /// and the message runs again) or be sent with no `terminal` line after it (the process
+    /// dies between the two): success is what accounting counts, terminals are how
+    /// deliveries ended when the record saw it.
+    Succeeded {
         /// The message id.
         id: String,
         /// The engine's attempt number.
@@ -106,6 +125,7 @@ pub fn encode_terminal(terminal: &Terminal) -> String {
         Terminal::Retried { attempts, delay } => {
             format!("retried {attempts} {}", delay.as_millis())
         }
+        Terminal::Isolated => "isolated".to_owned(),
         Terminal::Diverted { crashes, delay } => {
             format!("diverted {crashes} {}", delay.as_millis())
         }
@@ -118,7 +138,13 @@ pub fn encode_terminal(terminal: &Terminal) -> String {
 /// Appends one event to the record at `path`, in one write.
 pub fn append(path: &Path, event: &Event) -> std::io::Result<()> {
     let line = match event {
-        Event::Run { id, attempt } => format!("{} run {id} {attempt}\n", std::process::id()),
+        Event::Run { id, attempt, alone } => {
+            let lane = if *alone { "alone" } else { "work" };
+            format!("{} run {id} {attempt} {lane}\n", std::process::id())
+        }
+        Event::Succeeded { id, attempt } => {
+            format!("{} succeeded {id} {attempt}\n", std::process::id())
+        }
         Event::Terminal { id, outcome } => {
             format!("{} terminal {id} {outcome}\n", std::process::id())
         }
@@ -151,7 +177,19 @@ pub fn read(path: &Path) -> Vec<Line> {
             };
             let id = id.to_owned();
             let event = match kind {
-                "run" => Event::Run {
+                "run" => {
+                    let (attempt, lane) = rest
+                        .split_once(' ')
+                        .unwrap_or_else(|| panic!("bad run line: {line:?}"));
+                    Event::Run {
+                        id,
+                        attempt: attempt
+                            .parse()
+                            .unwrap_or_else(|_| panic!("bad attempt: {line:?}")),
+                        alone: lane == "alone",
+                    }
+                }
+                "succeeded" => Event::Succeeded {
                     id,
                     attempt: rest
                         .parse()

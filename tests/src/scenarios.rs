@@ -130,6 +130,9 @@ impl Setup {
             .prefetch(prefetch)
             .handler_timeout(Duration::from_secs(60))
             .shutdown_grace(Duration::from_secs(5))
+            // Crash-delayed suspects come back within a second; on a real broker, notice
+            // them soon.
+            .suspect_poll(ms(100))
             .topology(customize(self.quorum))
             .on_terminal(journal.observer())
     }
@@ -613,23 +616,21 @@ pub async fn immediate_then_delayed<H: Harness>(h: &H) -> Verdict {
     Verdict::passed(notes)
 }
 
-/// Runs a consumer that hangs on `victim` until its run count passes `runs_before` (then
-/// kills it and crashes its connection) or until `finished` holds (then stops it). Returns
-/// whether it was killed.
+/// Runs a consumer with `prefetch` that hangs on `victim` until its run count passes
+/// `runs_before` (then kills it and crashes its connection) or until `finished` holds (then
+/// stops it). Returns whether it was killed.
 async fn crash_on_run<H: Harness>(
     h: &H,
     s: &Setup,
     journal: &Journal,
     handler: ScriptedHandler,
-    victim: &str,
+    (victim, prefetch): (&str, u16),
     finished: impl Fn() -> bool,
 ) -> bool {
     let runs_before = journal.runs_of(victim).len();
     let t = h.transport().await;
-    // Prefetch 1: only the victim is held when the consumer dies, so no bystander collects
-    // crashes of its own.
     let consumer = s
-        .consumer(Arc::clone(&t), journal, handler, 1)
+        .consumer(Arc::clone(&t), journal, handler, prefetch)
         .build()
         .expect("consumer");
     let (ended, ()) = drive(consumer, |control| async move {
@@ -659,15 +660,15 @@ async fn crash_on_run<H: Harness>(
     }
 }
 
-/// A consumer dies holding a message; the next consumer gets it redelivered and diverts it
-/// through the crash delay without running the handler; it then succeeds.
-pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeadLetterExchange]) {
+/// A consumer dies holding a message; the next consumer gets it back redelivered: a
+/// suspect, cloned into the isolation queue without a run and without a crash counted,
+/// then run alone and handled.
+pub async fn redelivered_isolated<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer]) {
         return skip;
     }
-    let delay = ms(300);
-    let policy = RetryPolicy::delays([delay]).build().expect("policy");
-    let s = setup(h, "divert", policy, false).await;
+    let policy = RetryPolicy::delays([ms(300)]).build().expect("policy");
+    let s = setup(h, "suspect", policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("victim");
     h.publish(&s.queue, &m).await;
@@ -679,7 +680,10 @@ pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
         }
     };
 
-    let killed = crash_on_run(h, &s, &journal, journal.handler(script), &m.id, || false).await;
+    let killed = crash_on_run(h, &s, &journal, journal.handler(script), (&m.id, 1), || {
+        false
+    })
+    .await;
     assert!(killed, "the first consumer was killed mid-handler");
     let report = run_until(
         h,
@@ -695,50 +699,40 @@ pub async fn redelivered_diverted<H: Harness>(h: &H) -> Verdict {
 
     assert_eq!(
         journal.terminals_of(&m.id),
-        [
-            Terminal::Diverted { crashes: 1, delay },
-            Terminal::Handled { attempt: 1 }
-        ]
+        [Terminal::Isolated, Terminal::Handled { attempt: 1 }]
     );
     let runs = journal.runs_of(&m.id);
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    let alone = &runs[1];
     assert_eq!(
-        runs.len(),
-        2,
-        "the redelivered copy never reached the handler: {runs:?}"
+        int_header(&alone.headers, CRASHES),
+        Some(0),
+        "no crash counted"
     );
-    let back = &runs[1];
-    assert_eq!(int_header(&back.headers, CRASHES), Some(1));
-    assert_eq!(int_header(&back.headers, ATTEMPTS), Some(0));
-    assert_eq!(int_header(&back.headers, DELAY), Some(millis(delay)));
-    let timing = h.capabilities().timing;
-    // The clone is published after the crashed run started, so that run bounds the wait
-    // from below on any clock.
-    let since_crash = back.at - runs[0].at;
-    assert!(
-        since_crash + timing.slack() >= delay,
-        "came back {since_crash:?} after the crashed run, before the {delay:?} crash delay"
-    );
-    if timing == Timing::Virtual {
-        // Publish and settle take no virtual time, so the divert's report is when its
-        // clone entered the delay queue.
-        let diverted_at = journal.terminal_records_of(&m.id)[0].at;
-        assert_waited(timing, "crash delay", back.at - diverted_at, delay);
-    }
+    assert_eq!(int_header(&alone.headers, ATTEMPTS), Some(0));
+    assert_eq!(int_header(&alone.headers, DELAY), None);
+    let isolated_at = journal.terminal_records_of(&m.id)[0].at;
+    assert!(isolated_at <= alone.at, "isolated before it ran alone");
     assert_eq!(
-        (report.received, report.diverted, report.handled),
-        (2, 1, 1),
+        (
+            report.received,
+            report.isolated,
+            report.suspects,
+            report.handled
+        ),
+        (2, 1, 1, 1),
         "{report:?}"
     );
     assert_nothing_left(h, &s.plan).await;
     Verdict::passed([format!(
-        "redelivered copy diverted without a run; back {} after the crashed run (crash delay {})",
-        human(since_crash),
-        human(delay)
+        "redelivered copy isolated without a run or a crash; ran alone {} later and was handled",
+        human(alone.at.saturating_sub(isolated_at))
     )])
 }
 
-/// A poison message kills every consumer that runs it. Each redelivery is diverted and
-/// counted; past the crash limit it is parked with reason `crash-loop`, and the other
+/// A poison message kills every consumer that runs it. Its first crash, beside the
+/// others, only makes it a suspect; each solo crash is counted and diverted through the
+/// crash delay; past the crash limit it is parked with reason `crash-loop`. The other
 /// messages are handled.
 pub async fn crash_limit_parked<H: Harness>(h: &H) -> Verdict {
     if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeadLetterExchange]) {
@@ -749,14 +743,13 @@ pub async fn crash_limit_parked<H: Harness>(h: &H) -> Verdict {
         .with_crash_limit(limit)
         .build()
         .expect("policy");
-    crash_loop(h, "crashloop", policy, false, limit).await
+    crash_loop(h, "crashloop", policy, 1, limit).await
 }
 
-/// The crash limit enforced by the broker's delivery count: the handler runs again on each
-/// redelivery (quorum queues, [`CrashAction::RunHandler`]) until the count passes the
-/// limit, and the message is parked with reason `crash-loop`.
-pub async fn crash_limit_by_delivery_count<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeliveryCount]) {
+/// With [`CrashAction::RunHandler`] a suspect that took its consumer down goes straight
+/// back to the isolation queue, counted, and runs alone again: no crash delay.
+pub async fn crash_limit_run_handler<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer]) {
         return skip;
     }
     let limit = 2;
@@ -765,27 +758,45 @@ pub async fn crash_limit_by_delivery_count<H: Harness>(h: &H) -> Verdict {
         .with_on_crash(CrashAction::RunHandler)
         .build()
         .expect("policy");
-    crash_loop(h, "crashcount", policy, true, limit).await
+    crash_loop(h, "crashrun", policy, 1, limit).await
+}
+
+/// A poison message sharing a prefetch window of 10 with nine bystanders that are still
+/// running when it kills their consumer: only the poison is ever blamed. The bystanders
+/// come back as suspects once, run alone and are handled, with no crash recorded.
+pub async fn poison_with_bystanders<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeadLetterExchange]) {
+        return skip;
+    }
+    let limit = 1;
+    let policy = RetryPolicy::delays([ms(300)])
+        .with_crash_limit(limit)
+        .build()
+        .expect("policy");
+    crash_loop(h, "bystanders", policy, 10, limit).await
 }
 
 async fn crash_loop<H: Harness>(
     h: &H,
     scenario: &str,
     policy: RetryPolicy,
-    quorum: bool,
+    prefetch: u16,
     limit: u32,
 ) -> Verdict {
-    let s = setup(h, scenario, policy, quorum).await;
+    let s = setup(h, scenario, policy, false).await;
     let journal = Journal::new(h.stopwatch());
     let poison = TestMessage::new("poison");
-    let bystanders: Vec<_> = (1..=3)
+    let count = if prefetch > 1 { 9 } else { 3 };
+    let bystanders: Vec<_> = (1..=count)
         .map(|i| TestMessage::new(format!("by-{i}")))
         .collect();
     publish_all(h, &s.queue, &bystanders[..1]).await;
     h.publish(&s.queue, &poison).await;
     publish_all(h, &s.queue, &bystanders[1..]).await;
-    let script = |r: &crate::RunInfo| {
-        if r.id == "poison" {
+    // With a shared window the bystanders are still running when the poison strikes.
+    let shared = prefetch > 1;
+    let script = move |r: &crate::RunInfo| {
+        if r.id == "poison" || (shared && r.run == 1) {
             Step::Hang
         } else {
             Step::Succeed
@@ -799,7 +810,7 @@ async fn crash_loop<H: Harness>(
     loop {
         consumers += 1;
         assert!(
-            consumers <= limit + 2,
+            consumers <= limit + 3,
             "still looping after {consumers} consumers (crash limit {limit}); the poison ended {:?}",
             journal.terminals_of(&poison.id)
         );
@@ -808,7 +819,7 @@ async fn crash_loop<H: Harness>(
             &s,
             &journal,
             journal.handler(script),
-            &poison.id,
+            (&poison.id, prefetch),
             all_done,
         )
         .await;
@@ -818,38 +829,28 @@ async fn crash_loop<H: Harness>(
         crashes += 1;
     }
 
-    assert_eq!(crashes, limit + 1, "one crash more than the limit parks it");
-    assert_eq!(consumers, limit + 2);
-    let terminals = journal.terminals_of(&poison.id);
-    let expected: Vec<Terminal> = if quorum {
-        // The handler runs on each redelivery; only the park settles it.
-        vec![Terminal::DeadLettered {
-            reason: DeadLetterReason::CrashLoop,
-        }]
-    } else {
-        (1..=limit)
-            .map(|crashes| Terminal::Diverted {
-                crashes,
-                delay: s.policy.crash_delay(),
-            })
-            .chain([Terminal::DeadLettered {
-                reason: DeadLetterReason::CrashLoop,
-            }])
-            .collect()
+    // One crash beside the others (not counted), then one more solo crash than the limit.
+    assert_eq!(crashes, limit + 2);
+    assert_eq!(consumers, limit + 3);
+    let delay = match s.policy.on_crash() {
+        CrashAction::Divert => s.policy.crash_delay(),
+        CrashAction::RunHandler => Duration::ZERO,
     };
-    assert_eq!(terminals, expected);
+    let expected: Vec<Terminal> = [Terminal::Isolated]
+        .into_iter()
+        .chain((1..=limit).map(|crashes| Terminal::Diverted { crashes, delay }))
+        .chain([Terminal::DeadLettered {
+            reason: DeadLetterReason::CrashLoop,
+        }])
+        .collect();
+    assert_eq!(journal.terminals_of(&poison.id), expected);
     let runs = journal.runs_of(&poison.id);
-    assert_eq!(runs.len() as u32, limit + 1, "{runs:?}");
-    if quorum {
-        for (i, r) in runs.iter().enumerate().skip(1) {
-            assert_eq!(
-                int_header(&r.headers, "x-delivery-count"),
-                Some(i as i64),
-                "run {} counted by the broker",
-                i + 1
-            );
-        }
+    assert_eq!(runs.len() as u32, limit + 2, "{runs:?}");
+    for (i, r) in runs.iter().enumerate() {
+        let crashes = int_header(&r.headers, CRASHES).unwrap_or(0);
+        assert_eq!(crashes, i.saturating_sub(1) as i64, "run {}: {r:?}", i + 1);
     }
+    let mut bystander_runs = 0;
     for b in &bystanders {
         let terminals = journal.terminals_of(&b.id);
         assert!(
@@ -857,21 +858,38 @@ async fn crash_loop<H: Harness>(
             "{}: {terminals:?}",
             b.id
         );
+        assert!(
+            terminals
+                .iter()
+                .all(|t| matches!(t, Terminal::Isolated | Terminal::Handled { .. })),
+            "{} was blamed: {terminals:?}",
+            b.id
+        );
+        for r in journal.runs_of(&b.id) {
+            assert!(
+                int_header(&r.headers, CRASHES).unwrap_or(0) == 0,
+                "{} ran with a crash recorded: {r:?}",
+                b.id
+            );
+            bystander_runs += 1;
+        }
     }
     let parked = h.take_parked(&s.plan).await;
     let record = only_parked(&parked, &poison).record();
     assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
     assert_eq!((record.crashes, record.attempts), (limit + 1, 0));
+    assert_eq!(record.origin_queue, Some(s.queue.as_str()));
     assert_nothing_left(h, &s.plan).await;
     Verdict::passed([format!(
-        "parked crash-loop after {crashes} crashes (limit {limit}) over {consumers} consumers; {} bystanders handled",
+        "parked crash-loop after {} solo crashes (limit {limit}) over {consumers} consumers at prefetch {prefetch}; {} bystanders handled in {bystander_runs} runs, none blamed",
+        limit + 1,
         bystanders.len()
     )])
 }
 
-/// The broker refuses a retry's clone: the original is requeued, not acknowledged, so
-/// nothing is lost. It comes back redelivered, is diverted through another delay queue, and
-/// is handled.
+/// The broker refuses every retry's clone: after the publish retries the original is
+/// requeued, not acknowledged, so nothing is lost. It comes back redelivered, is isolated as
+/// a suspect (no crash counted), runs alone and is handled.
 pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
     if let Some(skip) = unmet(
         h,
@@ -883,9 +901,9 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
     ) {
         return skip;
     }
-    let (delay, crash_delay) = (ms(200), ms(300));
+    let delay = ms(200);
     let policy = RetryPolicy::delays([delay])
-        .with_crash_delay(crash_delay)
+        .with_publish_retries(2, ms(20))
         .build()
         .expect("policy");
     let s = setup_with_faults(h, "refused", policy, false, |plan| TopologyFaults {
@@ -931,24 +949,29 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
     assert_ne!(cause, retry_core::Confirm::Ack);
     assert_eq!(
         terminals[1..],
-        [
-            Terminal::Diverted {
-                crashes: 1,
-                delay: crash_delay
-            },
-            Terminal::Handled { attempt: 1 }
-        ]
+        [Terminal::Isolated, Terminal::Handled { attempt: 1 }]
     );
-    assert_eq!(journal.runs_of(&m.id).len(), 2);
+    let runs = journal.runs_of(&m.id);
+    assert_eq!(runs.len(), 2);
     assert_eq!(
-        (report.requeued, report.diverted, report.handled),
-        (1, 1, 1),
+        int_header(&runs[1].headers, CRASHES),
+        Some(0),
+        "no crash counted"
+    );
+    assert_eq!(
+        (
+            report.requeued,
+            report.isolated,
+            report.diverted,
+            report.handled
+        ),
+        (1, 1, 0, 1),
         "{report:?}"
     );
     assert!(h.take_parked(&s.plan).await.is_empty());
     assert_nothing_left(h, &s.plan).await;
     Verdict::passed([format!(
-        "clone refused ({cause:?}), original requeued, diverted through {crash_delay:?}, handled: published 1 = handled 1"
+        "clone refused 3 times ({cause:?}), original requeued, isolated as a suspect with 0 crashes, run alone, handled: published 1 = handled 1"
     )])
 }
 

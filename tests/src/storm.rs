@@ -145,7 +145,9 @@ pub fn expected_terminals(
                 out.push(Terminal::Dropped { reason });
                 return out;
             }
-            Decision::Divert { .. } => unreachable!("no crashes in a storm"),
+            Decision::Isolate | Decision::Divert { .. } => {
+                unreachable!("no crashes in a storm")
+            }
         }
     }
     panic!("the policy allowed more than max_attempts runs: {out:?}");

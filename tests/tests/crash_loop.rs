@@ -1,5 +1,6 @@
-//! A real crash loop: a consumer process that aborts on a poison message, restarted each
-//! time it dies, against the local RabbitMQ.
+//! A real crash loop against the local RabbitMQ: consumer processes at prefetch 20 that
+//! abort on any of three poison messages among 300, restarted each time they die. Only the
+//! poison messages are blamed; everything else is handled.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
@@ -20,11 +21,23 @@ use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
 
 const SIGABRT: i32 = 6;
-const MESSAGES: usize = 20;
-const POISON: &str = "poison";
+const MESSAGES: usize = 300;
+const PREFETCH: u16 = 20;
+
+fn is_poison(i: usize) -> bool {
+    [37, 150, 263].contains(&i)
+}
+
+fn id(i: usize) -> String {
+    if is_poison(i) {
+        format!("poison-{i:03}")
+    } else {
+        format!("m-{i:03}")
+    }
+}
 
 #[test]
-fn a_consumer_process_aborting_on_a_poison_message_is_restarted_until_the_poison_is_parked() {
+fn consumer_processes_aborting_on_poison_messages_blame_only_the_poison() {
     runtime().block_on(async {
         let Some(env) = BrokerEnv::detect("the crash-loop process test", false).await else {
             return;
@@ -34,10 +47,11 @@ fn a_consumer_process_aborting_on_a_poison_message_is_restarted_until_the_poison
         let record = std::env::temp_dir().join(format!("{queue}.record"));
         let args = ProcessArgs {
             queue: queue.clone(),
-            poison: POISON.to_owned(),
+            poison: (0..MESSAGES).filter(|&i| is_poison(i)).map(id).collect(),
             record: record.clone(),
             crash_limit: 3,
             delay: Duration::from_millis(300),
+            prefetch: PREFETCH,
         };
         let plan = TopologyPlan::new(&queue, &args.policy()).expect("plan");
         admin.provision(&plan, &Default::default()).await;
@@ -54,25 +68,38 @@ fn a_consumer_process_aborting_on_a_poison_message_is_restarted_until_the_poison
 }
 
 fn messages() -> Vec<TestMessage> {
-    (0..MESSAGES)
-        .map(|i| {
-            if i == 4 {
-                TestMessage::new(POISON)
-            } else {
-                TestMessage::new(format!("m-{i:02}"))
-            }
-        })
-        .collect()
+    (0..MESSAGES).map(|i| TestMessage::new(id(i))).collect()
 }
 
-/// The messages with a `handled` terminal in the record, and how many times each.
+/// The messages whose handler succeeded, and how many times each. A success whose ack was
+/// sent just before its process died has no `terminal` line: successes are what count.
 fn handled(lines: &[Line]) -> BTreeMap<String, usize> {
     let mut out = BTreeMap::new();
     for line in lines {
-        if let Event::Terminal { id, outcome } = &line.event
-            && outcome.starts_with("handled")
-        {
+        if let Event::Succeeded { id, .. } = &line.event {
             *out.entry(id.clone()).or_default() += 1;
+        }
+    }
+    out
+}
+
+/// Each message's terminals, in record order.
+fn terminals(lines: &[Line]) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for line in lines {
+        if let Event::Terminal { id, outcome } = &line.event {
+            out.entry(id.clone()).or_default().push(outcome.clone());
+        }
+    }
+    out
+}
+
+/// Each message's runs as (pid, alone), in record order.
+fn runs(lines: &[Line]) -> BTreeMap<String, Vec<(u32, bool)>> {
+    let mut out: BTreeMap<String, Vec<(u32, bool)>> = BTreeMap::new();
+    for line in lines {
+        if let Event::Run { id, alone, .. } = &line.event {
+            out.entry(id.clone()).or_default().push((line.pid, *alone));
         }
     }
     out
@@ -118,21 +145,22 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
     let innocent: BTreeSet<String> = messages
         .iter()
         .map(|m| m.id.clone())
-        .filter(|id| id != POISON)
+        .filter(|id| !args.poison.contains(id))
         .collect();
+    let poison_count = args.poison.len();
+    let limit = args.crash_limit;
     let started = Instant::now();
-    let deadline = started + Duration::from_secs(90);
-    // The poison's handler runs once, then once more after each of crash_limit diverts; the
-    // process after that parks it without running it.
-    let max_starts = args.crash_limit + 3;
+    let deadline = started + Duration::from_secs(150);
+    // Each poison message runs alone crash_limit + 1 times, and at most once beside others
+    // before that.
+    let max_aborts = poison_count as u32 * (limit + 2);
     let mut starts = 0;
     let mut aborts = 0;
     loop {
         starts += 1;
         assert!(
-            starts <= max_starts,
-            "{starts} processes started; the loop should end after {}",
-            args.crash_limit + 2
+            aborts <= max_aborts,
+            "{aborts} aborts; the loop should end after at most {max_aborts}"
         );
         let mut child = start(env, args).await;
         let turn = loop {
@@ -141,13 +169,33 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
             }
             let lines = process::read(&args.record);
             let all_handled = handled(&lines).keys().cloned().collect::<BTreeSet<_>>() == innocent;
-            if all_handled && admin.ready(plan.parking_queue()).await == 1 {
+            if all_handled && admin.ready(plan.parking_queue()).await == poison_count {
                 break Turn::Finished;
             }
-            assert!(
-                Instant::now() < deadline,
-                "no end to the crash loop after {starts} processes: {lines:?}"
-            );
+            if Instant::now() >= deadline {
+                let done = handled(&lines);
+                let missing: Vec<&String> = innocent
+                    .iter()
+                    .filter(|id| !done.contains_key(*id))
+                    .collect();
+                let mut depths = Vec::new();
+                for q in plan.queues() {
+                    depths.push(format!("{} {}", q.name, admin.ready(&q.name).await));
+                }
+                let record: Vec<&Line> = lines
+                    .iter()
+                    .filter(|l| match &l.event {
+                        Event::Run { id, .. }
+                        | Event::Succeeded { id, .. }
+                        | Event::Terminal { id, .. } => missing.contains(&id),
+                    })
+                    .collect();
+                let _ = child.start_kill();
+                panic!(
+                    "no end to the crash loop after {starts} processes, {aborts} aborts: not handled {missing:?}; ready: {depths:?}; their record: {record:?}; stderr: {}",
+                    stderr_of(&mut child).await
+                );
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         match turn {
@@ -174,54 +222,57 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
         }
     }
     let took = started.elapsed();
-
-    let limit = args.crash_limit;
-    assert_eq!(aborts, limit + 1, "one abort per poison run");
     assert_eq!(
         starts,
-        limit + 2,
+        aborts + 1,
         "every abort restarted, then one clean run"
     );
 
     let lines = process::read(&args.record);
-    let poison_runs: Vec<u32> = lines
-        .iter()
-        .filter_map(|l| match &l.event {
-            Event::Run { id, .. } if id == POISON => Some(l.pid),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(poison_runs.len() as u32, limit + 1, "{lines:?}");
-    let dying: BTreeSet<u32> = poison_runs.iter().copied().collect();
-    assert_eq!(
-        dying.len(),
-        poison_runs.len(),
-        "each run in a process of its own"
-    );
-    let poison_terminals: Vec<String> = lines
-        .iter()
-        .filter_map(|l| match &l.event {
-            Event::Terminal { id, outcome } if id == POISON => Some(outcome.clone()),
-            _ => None,
-        })
-        .collect();
+    let runs = runs(&lines);
+    let terminals = terminals(&lines);
     let delay_ms = args.delay.as_millis();
-    let expected: Vec<String> = (1..=limit)
-        .map(|crashes| format!("diverted {crashes} {delay_ms}"))
-        .chain(["parked crash-loop".to_owned()])
-        .collect();
-    assert_eq!(poison_terminals, expected);
-
     let parked = admin.take_all(plan.parking_queue()).await;
-    assert_eq!(parked.len(), 1, "{parked:?}");
-    assert_eq!(parked[0].id.as_deref(), Some(POISON));
-    let record = ParkedRecord::decode(&parked[0].headers);
-    assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
-    assert_eq!((record.crashes, record.attempts), (limit + 1, 0));
-    assert_eq!(
-        int_header(&parked[0].headers, CRASHES),
-        Some(i64::from(limit + 1))
-    );
+    for p in &parked {
+        assert!(
+            args.poison.contains(p.id.as_ref().unwrap()),
+            "an innocent message was parked: {p:?}"
+        );
+        let record = ParkedRecord::decode(&p.headers);
+        assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
+        assert_eq!((record.crashes, record.attempts), (limit + 1, 0));
+        assert_eq!(int_header(&p.headers, CRASHES), Some(i64::from(limit + 1)));
+    }
+    let mut poison_runs = 0;
+    for p in &args.poison {
+        // At-least-once: a process that dies between isolating a message and sending that
+        // ack leaves two copies of it. Each copy is counted on its own.
+        let copies = parked
+            .iter()
+            .filter(|m| m.id.as_deref() == Some(p.as_str()))
+            .count() as u32;
+        assert!(copies >= 1, "{p} was not parked");
+        let runs = &runs[p];
+        // Every run of a poison message aborted its process.
+        let pids: BTreeSet<u32> = runs.iter().map(|(pid, _)| *pid).collect();
+        assert_eq!(
+            pids.len(),
+            runs.len(),
+            "{p}: each run in a process of its own"
+        );
+        let alone = runs.iter().filter(|(_, alone)| *alone).count() as u32;
+        assert_eq!(alone, copies * (limit + 1), "{p}: runs {runs:?}");
+        poison_runs += runs.len() as u32;
+        let got = &terminals[p];
+        let count = |prefix: &str| got.iter().filter(|t| t.starts_with(prefix)).count() as u32;
+        assert_eq!(count("diverted"), copies * limit, "{p}: {got:?}");
+        assert_eq!(count("parked crash-loop"), copies, "{p}: {got:?}");
+        for crashes in 1..=limit {
+            let diverted = format!("diverted {crashes} {delay_ms}");
+            assert!(got.contains(&diverted), "{p}: no {diverted:?} in {got:?}");
+        }
+    }
+    assert_eq!(aborts, poison_runs, "one abort per poison run");
 
     let handled = handled(&lines);
     assert_eq!(
@@ -229,21 +280,37 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
         innocent,
         "every other message handled"
     );
+    let mut innocent_runs = 0;
+    let mut suspects = 0;
+    for id in &innocent {
+        let got = terminals.get(id).map_or(&[][..], Vec::as_slice);
+        assert!(
+            got.iter()
+                .all(|t| t == "isolated" || t.starts_with("handled")),
+            "{id} was blamed: {got:?}"
+        );
+        suspects += got.iter().filter(|t| *t == "isolated").count();
+        innocent_runs += runs.get(id).map_or(0, Vec::len);
+    }
+    let parked_ids: BTreeSet<&str> = parked.iter().filter_map(|p| p.id.as_deref()).collect();
     assert_eq!(
-        handled.len() + parked.len(),
+        handled.len() + parked_ids.len(),
         messages.len(),
-        "handled + parked = published"
+        "handled + parked = published: nothing lost"
     );
-    let duplicates: usize = handled.values().map(|n| n - 1).sum();
+    let duplicates: usize =
+        handled.values().map(|n| n - 1).sum::<usize>() + parked.len() - parked_ids.len();
     for q in plan.queues() {
         assert_eq!(admin.ready(&q.name).await, 0, "messages left in {}", q.name);
     }
     print_uncaptured(&format!(
-        "\n== crash loop with real processes: {} published = {} handled + {} parked (crash-loop, {} crashes, limit {limit}); {aborts} aborts, {starts} processes, {duplicates} duplicates, {}\n",
+        "\n== crash loop with real processes at prefetch {PREFETCH}: {} published = {} handled + {} parked (all poison, crash-loop, {} crashes each, limit {limit}); {aborts} aborts attributed to {poison_count} poison messages, 0 innocents parked, 0 lost; {} healthy messages ran {innocent_runs} times ({:.3} per message), {suspects} isolations, {duplicates} duplicates; {starts} processes, {}\n",
         messages.len(),
         handled.len(),
-        parked.len(),
-        record.crashes,
+        parked_ids.len(),
+        limit + 1,
+        innocent.len(),
+        innocent_runs as f64 / innocent.len() as f64,
         human(took)
     ));
 }

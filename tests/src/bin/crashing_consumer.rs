@@ -1,14 +1,14 @@
 //! A consumer process that dies on a poison message.
 //!
-//! `crashing_consumer QUEUE POISON_ID RECORD_FILE CRASH_LIMIT DELAY_MS` runs the real
-//! `Consumer` on transport-amqp091 (broker at `AMQP_URL`, the local RabbitMQ by default)
-//! with prefetch 1. Its handler appends a `run` line to the record and, when the message id
-//! is `POISON_ID`, calls `std::process::abort()`: the delivery was received and is still
-//! unsettled, so the broker hands it out again, flagged redelivered. Every settled delivery
-//! appends a `terminal` line. The process stops cleanly when its standard input closes.
-//!
-//! Prefetch 1 keeps the poison alone in the dying process: with more, the messages held
-//! beside it come back redelivered too and collect crashes of their own.
+//! `crashing_consumer QUEUE POISON_IDS RECORD_FILE CRASH_LIMIT DELAY_MS PREFETCH` runs the
+//! real `Consumer` on transport-amqp091 (broker at `AMQP_URL`, the local RabbitMQ by
+//! default). Its handler appends a `run` line to the record and, when the message id is one
+//! of the comma-separated `POISON_IDS`, calls `std::process::abort()`: the delivery was
+//! received and is still unsettled, so the broker hands it out again, flagged redelivered,
+//! with everything else the process held. Other messages take 10 ms, so with a prefetch
+//! above one several are in flight when a poison strikes, and append a `succeeded` line.
+//! Every settled delivery appends a `terminal` line. The process stops cleanly when its
+//! standard input closes.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -49,6 +49,7 @@ async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
     let transport = Arc::new(transport);
 
     let (record, poison) = (args.record.clone(), args.poison.clone());
+    let isolation = format!("{}.suspect", args.queue);
     let handler = move |msg: Message| {
         let id = message_id(&msg);
         let written = append(
@@ -56,23 +57,27 @@ async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
             &Event::Run {
                 id: id.clone(),
                 attempt: msg.attempt(),
+                alone: msg.queue() == isolation,
             },
         );
-        let is_poison = id == poison;
+        let is_poison = poison.contains(&id);
+        let (record, attempt) = (record.clone(), msg.attempt());
         async move {
             written.map_err(HandlerError::transient)?;
             if is_poison {
                 std::process::abort();
             }
-            Ok::<(), HandlerError>(())
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            append(&record, &Event::Succeeded { id, attempt }).map_err(HandlerError::transient)
         }
     };
     let record = args.record.clone();
     let consumer = Consumer::builder(Arc::clone(&transport), args.policy(), handler)
         .queue(args.queue.clone())
-        .prefetch(1)
+        .prefetch(args.prefetch)
         .handler_timeout(Duration::from_secs(10))
         .shutdown_grace(Duration::from_secs(5))
+        .suspect_poll(Duration::from_millis(100))
         .on_terminal(move |msg, terminal| {
             let event = Event::Terminal {
                 id: message_id(msg),
