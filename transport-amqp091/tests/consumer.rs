@@ -277,14 +277,7 @@ async fn a_delivery_held_by_a_closed_connection_comes_back_a_suspect_and_runs_al
         "the first run's ack found its channel gone"
     );
     assert!(t.recoveries() >= 1);
-    t.close().await.unwrap();
-    for queue in [
-        plan.work_queue(),
-        plan.isolation_queue(),
-        plan.parking_queue(),
-    ] {
-        assert_eq!(message_count(&ch, queue).await, 0, "{queue}");
-    }
+    assert_nothing_left_once_closed(&t, &ch, &plan).await;
     transport(&config).await.teardown(&plan).await.unwrap();
 }
 
@@ -533,16 +526,25 @@ async fn consuming_recovers_after_a_forced_close_and_nothing_is_lost() {
         "every message published after the drop was handled"
     );
     assert_eq!(t.recoveries(), 1);
-    // Closed, the transport holds nothing back: whatever is left was never acked.
+    assert_nothing_left_once_closed(&t, &ch, &plan).await;
+    transport(&config).await.teardown(&plan).await.unwrap();
+}
+
+/// Closes `t`, which returns whatever it never acked, then finds the work, isolation and
+/// parking queues empty.
+async fn assert_nothing_left_once_closed(
+    t: &AmqpTransport,
+    ch: &lapin::Channel,
+    plan: &TopologyPlan,
+) {
     t.close().await.unwrap();
     for queue in [
         plan.work_queue(),
         plan.isolation_queue(),
         plan.parking_queue(),
     ] {
-        assert_eq!(message_count(&ch, queue).await, 0, "{queue}");
+        assert_eq!(message_count(ch, queue).await, 0, "{queue}");
     }
-    transport(&config).await.teardown(&plan).await.unwrap();
 }
 
 /// Ready and unacknowledged messages of `queue`, as the broker counts them.

@@ -33,13 +33,12 @@
 
 use std::time::Duration;
 
+use fe2o3_amqp::Receiver;
 use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::link::delivery::DeliveryInfo;
-use fe2o3_amqp::link::receiver::CreditMode;
 use fe2o3_amqp::session::SessionHandle;
 use fe2o3_amqp::types::messaging::Body;
 use fe2o3_amqp::types::primitives::Value;
-use fe2o3_amqp::{Receiver, Session};
 use futures::FutureExt;
 use retry_core::{Delivery, DeliveryFacts, Message, Settlement, TransportError};
 use tokio::sync::mpsc;
@@ -48,9 +47,11 @@ use tracing::{debug, info, warn};
 
 use crate::codec::read_message;
 use crate::config::{Amqp10Config, Endpoint};
-use crate::connection::{self, ProbeError, classify_receiver, end_session, link_name};
+use crate::connection::{self, end_session};
 use crate::profile::BrokerProfile;
-use crate::receiver::{Amqp10Tag, Command, Fetched, already_settled, dispose, stale};
+use crate::receiver::{
+    Amqp10Tag, Command, Fetched, already_settled, attach_receiver, dispose, stale,
+};
 
 /// Starts the task of a fetch link on `queue`. Nothing is opened until the first fetch.
 pub(crate) fn spawn(
@@ -235,26 +236,10 @@ impl FetchTask {
             return Err(TransportError::Closed);
         };
         let after = self.config.operation_timeout();
-        let address = self.profile.queue_address(&self.queue);
-        let attached = timeout(after, async {
-            let mut session = Session::begin(connection)
-                .await
-                .map_err(|e| TransportError::Connection(e.to_string()))?;
-            let receiver = Receiver::builder()
-                .name(link_name("fetcher"))
-                .source(address.as_str())
-                .credit_mode(CreditMode::Manual)
-                .attach(&mut session)
-                .await
-                .map_err(|e| match classify_receiver(e) {
-                    ProbeError::Missing(why) => TransportError::MissingAddress {
-                        address: address.clone(),
-                        hint: format!("{why}; {}", crate::transport::provision_hint(&self.profile)),
-                    },
-                    ProbeError::Failed(e) => e,
-                })?;
-            Ok::<_, TransportError>((session, receiver))
-        })
+        let attached = timeout(
+            after,
+            attach_receiver(connection, "fetcher", &self.queue, &self.profile),
+        )
         .await;
         match attached {
             Ok(Ok(link)) => {

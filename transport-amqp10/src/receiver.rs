@@ -97,6 +97,35 @@ pub(crate) enum Incoming {
     Cancelled,
 }
 
+/// Begins a session on `connection` and attaches a receiver on `queue` to it, in manual
+/// credit with none granted. A missing queue is [`TransportError::MissingAddress`], and
+/// ends only that session.
+pub(crate) async fn attach_receiver(
+    connection: &mut ConnectionHandle<()>,
+    role: &str,
+    queue: &str,
+    profile: &BrokerProfile,
+) -> Result<(SessionHandle<()>, Receiver), TransportError> {
+    let address = profile.queue_address(queue);
+    let mut session = Session::begin(connection)
+        .await
+        .map_err(|e| TransportError::Connection(e.to_string()))?;
+    let receiver = Receiver::builder()
+        .name(link_name(role))
+        .source(address.as_str())
+        .credit_mode(CreditMode::Manual)
+        .attach(&mut session)
+        .await
+        .map_err(|e| match classify_receiver(e) {
+            ProbeError::Missing(why) => TransportError::MissingAddress {
+                address,
+                hint: format!("{why}; {}", crate::transport::provision_hint(profile)),
+            },
+            ProbeError::Failed(e) => e,
+        })?;
+    Ok((session, receiver))
+}
+
 /// A running consuming link.
 pub(crate) struct Link {
     pub(crate) commands: mpsc::Sender<Command>,
@@ -112,28 +141,12 @@ pub(crate) async fn start(
     generation: u64,
 ) -> Result<Link, TransportError> {
     let profile = config.profile();
-    let address = profile.queue_address(queue);
     let after = config.operation_timeout();
     let mut connection = connection::open(endpoint, config, "consumer").await?;
-    let attached = timeout(after, async {
-        let mut session = Session::begin(&mut connection)
-            .await
-            .map_err(|e| TransportError::Connection(e.to_string()))?;
-        let receiver = Receiver::builder()
-            .name(link_name("consumer"))
-            .source(address.as_str())
-            .credit_mode(CreditMode::Manual)
-            .attach(&mut session)
-            .await
-            .map_err(|e| match classify_receiver(e) {
-                ProbeError::Missing(why) => TransportError::MissingAddress {
-                    address: address.clone(),
-                    hint: format!("{why}; {}", crate::transport::provision_hint(&profile)),
-                },
-                ProbeError::Failed(e) => e,
-            })?;
-        Ok::<_, TransportError>((session, receiver))
-    })
+    let attached = timeout(
+        after,
+        attach_receiver(&mut connection, "consumer", queue, &profile),
+    )
     .await;
     let (session, mut receiver) = match attached {
         Ok(Ok(parts)) => parts,

@@ -665,21 +665,23 @@ impl State {
         conn: usize,
         queue: &str,
     ) -> Result<Option<Delivery<DeliveryTag>>, BrokerError> {
-        if let Some(reason) = &self.connections[conn].closed {
-            return Err(BrokerError::ConnectionClosed(reason.to_string()));
-        }
-        let q = match self.queue_index(queue) {
-            Ok(q) => q,
-            Err(e) => {
-                self.close_connection(conn, &e.to_string());
-                return Err(e);
-            }
-        };
+        let q = self.queue_on(conn, queue)?;
         if !self.expire_head(q) {
             return Ok(None);
         }
         let m = self.queues[q].ready.pop_front();
         Ok(m.map(|m| self.hand_out(q, conn, None, m)))
+    }
+
+    /// `queue`, for a request on connection `conn`: a closed connection fails, and a missing
+    /// queue is a channel error that closes the connection, as on RabbitMQ.
+    fn queue_on(&mut self, conn: usize, queue: &str) -> Result<QueueIndex, BrokerError> {
+        if let Some(reason) = &self.connections[conn].closed {
+            return Err(BrokerError::ConnectionClosed(reason.to_string()));
+        }
+        self.queue_index(queue).inspect_err(|e| {
+            self.close_connection(conn, &e.to_string());
+        })
     }
 
     /// Whether `queue` has a message ready; if not, `waker` is woken when one is.
@@ -1045,17 +1047,7 @@ impl State {
         queue: &str,
         prefetch: u16,
     ) -> Result<usize, BrokerError> {
-        if let Some(reason) = &self.connections[conn].closed {
-            return Err(BrokerError::ConnectionClosed(reason.to_string()));
-        }
-        let q = match self.queue_index(queue) {
-            Ok(q) => q,
-            Err(e) => {
-                // A consume on a missing queue is a channel error on RabbitMQ.
-                self.close_connection(conn, &e.to_string());
-                return Err(e);
-            }
-        };
+        let q = self.queue_on(conn, queue)?;
         let connection = &mut self.connections[conn];
         let ci = connection.consumers.len();
         connection.consumers.push(ConsumerState {
