@@ -301,13 +301,9 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 }
             }
             self.advance(&mut intake, now, shutting_down);
+            // Fetches, subscribing and flushes are tasks too: none is cut short.
             let stopping = shutting_down || !intake.receiving;
-            if stopping
-                && self.held.is_empty()
-                && self.tasks.is_empty()
-                && !intake.fetching
-                && !intake.subscribing
-            {
+            if stopping && self.held.is_empty() && self.tasks.is_empty() {
                 break;
             }
 
