@@ -8,6 +8,7 @@
 //! broker ([`Timing`]).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use retry_core::headers::{ATTEMPTS, CRASHES, DELAY};
@@ -793,13 +794,17 @@ async fn crash_loop<H: Harness>(
     publish_all(h, &s.queue, &bystanders[..1]).await;
     h.publish(&s.queue, &poison).await;
     publish_all(h, &s.queue, &bystanders[1..]).await;
-    // With a shared window the bystanders are still running when the poison strikes.
-    let shared = prefetch > 1;
-    let script = move |r: &crate::RunInfo| {
-        if r.id == "poison" || (shared && r.run == 1) {
-            Step::Hang
-        } else {
-            Step::Succeed
+    // With a shared window the bystanders are still running when the poison strikes the
+    // first consumer. Later consumers run them at once: one that first runs there, beside
+    // others, must not hold up the drain before a solo phase.
+    let first_consumer = Arc::new(AtomicBool::new(prefetch > 1));
+    let script = |in_first: Arc<AtomicBool>| {
+        move |r: &crate::RunInfo| {
+            if r.id == "poison" || (r.run == 1 && in_first.load(Ordering::SeqCst)) {
+                Step::Hang
+            } else {
+                Step::Succeed
+            }
         }
     };
 
@@ -818,11 +823,12 @@ async fn crash_loop<H: Harness>(
             h,
             &s,
             &journal,
-            journal.handler(script),
+            journal.handler(script(Arc::clone(&first_consumer))),
             (&poison.id, prefetch),
             all_done,
         )
         .await;
+        first_consumer.store(false, Ordering::SeqCst);
         if !killed {
             break;
         }
