@@ -757,6 +757,20 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
         .unwrap();
 }
 
+type Builder = retry_core::ConsumerBuilder<
+    MockBroker,
+    fn(Message) -> BoxFuture<'static, Result<(), HandlerError>>,
+>;
+
+/// The error `configure` makes building a consumer of `QUEUE` fail with.
+fn refused(configure: impl FnOnce(Builder) -> Builder) -> ConsumerConfigError {
+    let handler: fn(Message) -> BoxFuture<'static, Result<(), HandlerError>> =
+        |_| Box::pin(async { Ok(()) });
+    configure(Consumer::builder(MockBroker::new(), policy(), handler).queue(QUEUE))
+        .build()
+        .unwrap_err()
+}
+
 #[test]
 fn other_invalid_settings_are_refused_by_name() {
     let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
@@ -765,41 +779,23 @@ fn other_invalid_settings_are_refused_by_name() {
     assert!(matches!(err, ConsumerConfigError::MissingQueue));
     assert!(err.to_string().contains("queue"));
 
-    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
-        .queue(QUEUE)
-        .prefetch(0)
-        .build()
-        .unwrap_err();
+    let err = refused(|b| b.prefetch(0));
     assert!(matches!(err, ConsumerConfigError::ZeroPrefetch));
     assert!(err.to_string().contains("prefetch"));
 
-    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
-        .queue(QUEUE)
-        .handler_timeout(Duration::ZERO)
-        .build()
-        .unwrap_err();
+    let err = refused(|b| b.handler_timeout(Duration::ZERO));
     assert!(matches!(err, ConsumerConfigError::ZeroHandlerTimeout));
+    assert!(err.to_string().contains("handler_timeout"));
 
-    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
-        .queue(QUEUE)
-        .solo_limit(0, Duration::from_secs(5))
-        .build()
-        .unwrap_err();
+    let err = refused(|b| b.solo_limit(0, Duration::from_secs(5)));
     assert!(matches!(err, ConsumerConfigError::ZeroSoloRuns));
     assert!(err.to_string().contains("solo_limit"));
 
-    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
-        .queue(QUEUE)
-        .suspect_poll(Duration::ZERO)
-        .build()
-        .unwrap_err();
+    let err = refused(|b| b.suspect_poll(Duration::ZERO));
     assert!(matches!(err, ConsumerConfigError::ZeroSuspectPoll));
     assert!(err.to_string().contains("suspect_poll"));
 
-    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
-        .queue("amq.reserved")
-        .build()
-        .unwrap_err();
+    let err = refused(|b| b.queue("amq.reserved"));
     assert!(matches!(err, ConsumerConfigError::Topology(_)));
 }
 

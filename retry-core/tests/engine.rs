@@ -40,6 +40,15 @@ fn facts(headers: &[(&str, HeaderValue)], redelivered: bool) -> DeliveryFacts {
     )
 }
 
+/// A fresh delivery from `lane` whose first run failed transiently: its publish is next.
+fn failed_once(e: &mut Engine, lane: Lane) -> DeliveryId {
+    let id = e.handle_delivery(T0, lane, facts(&[], false));
+    expect_run(&drain(e, T0));
+    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
+        .unwrap();
+    id
+}
+
 fn expect_run(actions: &[Action]) -> (DeliveryId, u32) {
     match actions {
         [Action::RunHandler { delivery, attempt }] => (*delivery, *attempt),
@@ -280,10 +289,7 @@ fn a_refused_returned_or_failed_publish_requeues_the_original() {
 #[test]
 fn nothing_is_settled_before_the_confirm() {
     let mut e = engine(RetryPolicy::default());
-    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
-    drain(&mut e, T0);
-    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
-        .unwrap();
+    let id = failed_once(&mut e, Lane::Work);
     expect_publish(&drain(&mut e, T0));
     // However long the confirm takes, nothing else comes out.
     let later = T0 + secs(3600);
@@ -335,10 +341,7 @@ fn zero_wait_immediate_retry_runs_at_once() {
         .build()
         .unwrap();
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
-    drain(&mut e, T0);
-    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
-        .unwrap();
+    let id = failed_once(&mut e, Lane::Work);
     assert_eq!(expect_run(&drain(&mut e, T0)), (id, 2));
     e.handle_outcome(T0, id, Outcome::Success).unwrap();
     assert_eq!(
@@ -631,10 +634,7 @@ fn a_refused_publish_is_retried_with_doubling_waits_before_the_original_is_reque
         .build()
         .unwrap();
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
-    drain(&mut e, T0);
-    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
-        .unwrap();
+    let id = failed_once(&mut e, Lane::Work);
     let first = expect_publish(&drain(&mut e, T0));
     e.handle_confirm(T0, id, Confirm::Nack).unwrap();
     assert_eq!(
@@ -667,10 +667,7 @@ fn a_refused_publish_is_retried_with_doubling_waits_before_the_original_is_reque
 
     // A retry that is confirmed acks as if the first publish had been.
     let mut e = engine(RetryPolicy::delays([secs(30)]).build().unwrap());
-    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
-    drain(&mut e, T0);
-    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
-        .unwrap();
+    let id = failed_once(&mut e, Lane::Work);
     drain(&mut e, T0);
     e.handle_confirm(T0, id, Confirm::Nack).unwrap();
     let t1 = T0 + Duration::from_millis(100);
@@ -695,10 +692,7 @@ fn a_suspect_requeued_after_its_publish_failed_is_not_blamed_when_it_returns() {
         .build()
         .unwrap();
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], false));
-    drain(&mut e, T0);
-    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
-        .unwrap();
+    let id = failed_once(&mut e, Lane::Isolation);
     drain(&mut e, T0);
     e.handle_confirm(T0, id, Confirm::Nack).unwrap();
     assert_eq!(expect_settle(&drain(&mut e, T0)).0, Settlement::Requeue);
