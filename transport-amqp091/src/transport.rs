@@ -105,7 +105,7 @@ impl std::fmt::Debug for AmqpTag {
 pub struct AmqpTransport {
     config: AmqpConfig,
     connection: Connection,
-    publish_channel: Mutex<Channel>,
+    publish_channel: Mutex<Option<Channel>>,
     get_channel: Mutex<Option<Channel>>,
     inspect_channel: Mutex<Option<Channel>>,
     /// The batchers of the subscriptions still alive, for `close` and `flush_acks`.
@@ -148,7 +148,7 @@ impl AmqpTransport {
         Ok(AmqpTransport {
             config,
             connection,
-            publish_channel: Mutex::new(publish_channel),
+            publish_channel: Mutex::new(Some(publish_channel)),
             get_channel: Mutex::new(None),
             inspect_channel: Mutex::new(None),
             subscriptions: StdMutex::new(Vec::new()),
@@ -215,36 +215,31 @@ impl AmqpTransport {
         result
     }
 
-    async fn publish_channel(&self) -> Result<Channel, TransportError> {
-        let mut channel = self.publish_channel.lock().await;
-        if !channel.status().connected() && self.connection.status().connected() {
-            // A channel error (say, a missing exchange) closed it; the connection is fine.
-            *channel = confirm_channel(&self.connection).await?;
-            debug!("publishing channel reopened");
-        }
-        Ok(channel.clone())
-    }
-
-    /// A channel of its own for one kind of request, reopened when a channel error (a
-    /// missing queue) closed it.
-    async fn side_channel(&self, slot: &Mutex<Option<Channel>>) -> Result<Channel, TransportError> {
+    /// The channel in `slot`, opened (in confirm mode if `confirms`) when there is none yet
+    /// or a channel error closed it (a missing exchange or queue) while the connection is
+    /// fine; a lost connection is left to automatic recovery.
+    async fn channel_in(
+        &self,
+        slot: &Mutex<Option<Channel>>,
+        confirms: bool,
+    ) -> Result<Channel, TransportError> {
         let mut slot = slot.lock().await;
-        match slot.as_ref() {
-            Some(channel)
-                if channel.status().connected() || !self.connection.status().connected() =>
-            {
-                Ok(channel.clone())
-            }
-            _ => {
-                let channel = self
-                    .connection
-                    .create_channel()
-                    .await
-                    .map_err(connection_error)?;
-                *slot = Some(channel.clone());
-                Ok(channel)
-            }
+        if let Some(channel) = slot.as_ref()
+            && (channel.status().connected() || !self.connection.status().connected())
+        {
+            return Ok(channel.clone());
         }
+        let channel = if confirms {
+            confirm_channel(&self.connection).await?
+        } else {
+            self.connection
+                .create_channel()
+                .await
+                .map_err(connection_error)?
+        };
+        debug!(channel = channel.id(), confirms, "channel opened");
+        *slot = Some(channel.clone());
+        Ok(channel)
     }
 
     async fn publish_inner(
@@ -261,7 +256,7 @@ impl AmqpTransport {
         let properties = properties_to_amqp(original.properties(), &headers, publish.expiration);
         let exchange = short(&publish.route.exchange)?;
         let routing_key = short(&publish.route.routing_key)?;
-        let channel = self.publish_channel().await?;
+        let channel = self.channel_in(&self.publish_channel, true).await?;
         let confirm = channel
             .basic_publish(
                 exchange,
@@ -279,18 +274,13 @@ impl AmqpTransport {
     }
 }
 
-/// A missing queue, as the error that names it.
-pub(crate) fn missing_queue(queue: &str) -> TransportError {
-    TransportError::MissingAddress {
-        address: format!("queue {queue:?}"),
-        hint: "provision the topology first (Transport::provision)".into(),
-    }
-}
-
 /// A lapin error on a request about `queue`: NOT_FOUND names the queue.
-pub(crate) fn queue_error(queue: &str, e: lapin::Error) -> TransportError {
+fn queue_error(queue: &str, e: lapin::Error) -> TransportError {
     match crate::error::amqp_code(&e) {
-        Some(404) => missing_queue(queue),
+        Some(404) => TransportError::MissingAddress {
+            address: format!("queue {queue:?}"),
+            hint: "provision the topology first (Transport::provision)".into(),
+        },
         _ => connection_error(e),
     }
 }
@@ -416,7 +406,7 @@ impl Transport for AmqpTransport {
     }
 
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
-        let channel = self.side_channel(&self.get_channel).await?;
+        let channel = self.channel_in(&self.get_channel, false).await?;
         let got = channel
             .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
             .await
@@ -439,7 +429,7 @@ impl Transport for AmqpTransport {
     async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
         let name = short(queue)?;
         loop {
-            let channel = self.side_channel(&self.inspect_channel).await?;
+            let channel = self.channel_in(&self.inspect_channel, false).await?;
             let declared = channel
                 .queue_declare(
                     name.clone(),
