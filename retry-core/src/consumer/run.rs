@@ -113,9 +113,12 @@ enum Event<T: Transport> {
     },
     Subscribed(Result<T::Subscription, TransportError>),
     Cancelled(Result<(), TransportError>),
-    Flushed(Result<(), TransportError>),
-    /// Acks sent at once after an isolation, outside any phase.
-    Sent(Result<(), TransportError>),
+    /// The subscription's acks were sent: before a solo phase when `ends_phase`, or at once
+    /// after an isolation.
+    Flushed {
+        ends_phase: bool,
+        result: Result<(), TransportError>,
+    },
     Fetched(Received<T::Tag>),
 }
 
@@ -248,6 +251,18 @@ struct Intake<'a, T: Transport> {
     fatal: Option<ConsumerError>,
 }
 
+impl<T: Transport> Intake<'_, T> {
+    /// No more work is taken: a receive or watch under way is dropped, and a delivery
+    /// received but never started goes back to the broker with the connection.
+    fn stop_receiving(&mut self) {
+        self.receiving = false;
+        self.recv = None;
+        self.watch = None;
+        self.turn = None;
+        self.deferred = None;
+    }
+}
+
 impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
     async fn drive(
         mut self,
@@ -292,13 +307,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 && intake.receiving
             {
                 error!(queue = %self.config.queue, error = %fatal, "finishing the deliveries held, then stopping");
-                intake.receiving = false;
-                intake.recv = None;
-                intake.watch = None;
-                if let Some(delivery) = intake.deferred.take() {
-                    // Never started: it goes back with the connection.
-                    drop(delivery);
-                }
+                intake.stop_receiving();
             }
             self.advance(&mut intake, now, shutting_down);
             // Fetches, subscribing and flushes are tasks too: none is cut short.
@@ -354,10 +363,6 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                         "shutdown requested: no more deliveries, finishing the ones held",
                     );
                     shutting_down = true;
-                    intake.recv = None;
-                    intake.watch = None;
-                    intake.turn = None;
-                    intake.deferred = None;
                     if let Some(subscription) = self.subscription.clone()
                         && intake.receiving
                     {
@@ -365,7 +370,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                             Event::Cancelled(subscription.cancel().await)
                         }));
                     }
-                    intake.receiving = false;
+                    intake.stop_receiving();
                     grace = Some(self.transport.sleep(self.config.shutdown_grace));
                 }
                 Wake::GraceOver => {
@@ -461,7 +466,10 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     };
                     intake.flushing = true;
                     self.tasks.push(Box::pin(async move {
-                        Event::Flushed(subscription.flush().await)
+                        Event::Flushed {
+                            ends_phase: true,
+                            result: subscription.flush().await,
+                        }
                     }));
                     return;
                 }
@@ -759,12 +767,8 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 warn!(queue = %self.config.queue, error = %e, "stopping the consumer failed");
             }
             Event::Cancelled(Ok(())) => {}
-            Event::Sent(Err(e)) => {
-                warn!(queue = %self.config.queue, error = %e, "sending acknowledgements failed; the broker redelivers what it did not see settled");
-            }
-            Event::Sent(Ok(())) => {}
-            Event::Flushed(result) => {
-                intake.flushing = false;
+            Event::Flushed { ends_phase, result } => {
+                intake.flushing &= !ends_phase;
                 if let Err(e) = result {
                     warn!(queue = %self.config.queue, error = %e, "sending acknowledgements failed; the broker redelivers what it did not see settled");
                 }
@@ -811,9 +815,12 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 {
                     // Its ack goes out now: a crash before a batched ack would be sent
                     // leaves the original to come back and be isolated a second time.
-                    self.tasks.push(Box::pin(
-                        async move { Event::Sent(subscription.flush().await) },
-                    ));
+                    self.tasks.push(Box::pin(async move {
+                        Event::Flushed {
+                            ends_phase: false,
+                            result: subscription.flush().await,
+                        }
+                    }));
                 }
                 self.report.count(&terminal);
                 if let Some(observer) = self.observer {
