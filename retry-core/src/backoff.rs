@@ -93,15 +93,77 @@ impl Backoff {
             Backoff::Fixed(_) | Backoff::Linear { .. } | Backoff::Exponential { .. } => {
                 Some((self.delay(0), self.delay(retries - 1)))
             }
-            Backoff::List(_) => {
-                let all = (0..retries).map(|i| self.delay(i));
+            Backoff::List(list) => {
+                // Retries past the list's end reuse its last entry: the list bounds them all.
+                let used = usize::try_from(retries)
+                    .unwrap_or(usize::MAX)
+                    .min(list.len());
+                let all = list[..used].iter().map(|d| whole_millis(*d));
                 let min = all.clone().min()?;
                 let max = all.max()?;
                 Some((min, max))
             }
         }
     }
+
+    /// The distinct base delays of `retries` delayed retries, ascending, without visiting
+    /// each retry: a policy that retries (practically) forever costs as little as one that
+    /// retries five times.
+    ///
+    /// More than `limit` distinct delays is `Err` with their count, counted up to
+    /// [`COUNT_CEILING`] and saturating there.
+    pub(crate) fn distinct_delays(&self, retries: u32, limit: usize) -> Result<Vec<Duration>, u64> {
+        let mut levels = Vec::new();
+        let mut count: u64 = 0;
+        if let Backoff::List(list) = self {
+            let used = usize::try_from(retries)
+                .unwrap_or(usize::MAX)
+                .min(list.len());
+            levels.extend(list[..used].iter().map(|d| whole_millis(*d)));
+            levels.sort_unstable();
+            levels.dedup();
+            return match levels.len() {
+                n if n > limit => Err(n as u64),
+                _ => Ok(levels),
+            };
+        }
+        // Fixed, linear and exponential backoffs never shrink: jump from each delay to the
+        // first retry with a longer one, by galloping then bisecting.
+        let mut n = 0;
+        while n < retries && count < COUNT_CEILING {
+            let current = self.delay(n);
+            count += 1;
+            if levels.len() <= limit {
+                levels.push(current);
+            }
+            let (mut same, mut step) = (n, 1u32);
+            let mut longer = loop {
+                let probe = same.saturating_add(step).min(retries);
+                if probe == retries || self.delay(probe) > current {
+                    break probe;
+                }
+                same = probe;
+                step = step.saturating_mul(2);
+            };
+            while longer - same > 1 {
+                let mid = same + (longer - same) / 2;
+                if self.delay(mid) > current {
+                    longer = mid;
+                } else {
+                    same = mid;
+                }
+            }
+            n = longer;
+        }
+        if levels.len() > limit {
+            return Err(count);
+        }
+        Ok(levels)
+    }
 }
+
+/// Where [`Backoff::distinct_delays`] stops counting.
+pub(crate) const COUNT_CEILING: u64 = 100_000;
 
 fn whole_millis(d: Duration) -> Duration {
     Duration::from_millis(duration_millis(d))

@@ -285,7 +285,7 @@ impl Engine {
     /// An engine for `policy` over `plan`, which must have been made from the same policy:
     /// every delay level the policy can ask for, and its crash delay, need their queues.
     pub fn new(policy: RetryPolicy, plan: &TopologyPlan) -> Result<Self, EngineError> {
-        for delay in policy.delay_levels() {
+        for &delay in policy.delay_levels() {
             if !plan.delay_routes().iter().any(|(level, _)| *level == delay) {
                 return Err(EngineError::MissingDelayLevel {
                     queue: plan.work_queue().to_owned(),

@@ -186,7 +186,8 @@ pub use headers::{HeaderValue, Headers};
 pub use jitter::{Jitter, message_identity};
 pub use message::{Delivery, Message, MessageParts, Properties};
 pub use policy::{
-    CrashAction, Exhausted, MAX_TTL, PolicyError, Retry, RetryPolicy, RetryPolicyBuilder,
+    CrashAction, Exhausted, MAX_DELAY_LEVELS, MAX_TTL, PolicyError, Retry, RetryPolicy,
+    RetryPolicyBuilder,
 };
 pub use time::{Timestamp, format_delay};
 pub use topology::{

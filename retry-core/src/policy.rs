@@ -10,6 +10,16 @@ use crate::time::duration_millis;
 /// milliseconds (about 49.7 days).
 pub const MAX_TTL: Duration = Duration::from_millis(u32::MAX as u64);
 
+/// The most distinct delays a policy may ask for. Each is a TTL queue of the plan, declared
+/// on the broker for every work queue, so a backoff whose small step would declare thousands
+/// of queues is refused with [`PolicyError::TooManyDelayLevels`]. (The crash delay's queue
+/// comes on top.)
+pub const MAX_DELAY_LEVELS: usize = 64;
+
+/// How many previous delays [`Jitter::Decorrelated`] replays to compute a delay: the chain
+/// forgets its start within a few steps, and a retry far down a long schedule stays cheap.
+const DECORRELATED_WINDOW: u32 = 32;
+
 /// What a suspect that crashed its consumer does next.
 ///
 /// Only a suspect that ran alone and came back redelivered from the isolation queue counts a
@@ -69,7 +79,7 @@ pub enum Retry {
 ///
 /// | setting | default |
 /// |---|---|
-/// | `max_attempts` | 5 (with a delay list: 1 + immediate retries + the list's length) |
+/// | `max_attempts` | 5 (with a delay list: 1 + immediate retries + the list's length); `u32::MAX` retries practically forever |
 /// | `backoff` | exponential, 1 s × 2, at most 5 min |
 /// | `jitter` | none |
 /// | `max_elapsed` | none |
@@ -114,6 +124,8 @@ pub struct RetryPolicy {
     on_exhausted: Exhausted,
     publish_retries: u32,
     publish_retry_wait: Duration,
+    /// The distinct base delays, ascending, computed once by `build`.
+    levels: Vec<Duration>,
 }
 
 impl Default for RetryPolicy {
@@ -258,11 +270,22 @@ impl RetryPolicy {
     /// able to hold on the way back to the work queue. One TTL queue per entry is the
     /// per-delay topology. (The crash delay leads back to the isolation queue instead, and
     /// has a queue of its own: see [`TopologyPlan`](crate::TopologyPlan).)
-    pub fn delay_levels(&self) -> Vec<Duration> {
-        let mut levels: Vec<Duration> = self.base_delays().collect();
-        levels.sort_unstable();
-        levels.dedup();
-        levels
+    ///
+    /// At most [`MAX_DELAY_LEVELS`], and computed without visiting each retry, so a policy
+    /// that retries forever has as few levels as its backoff has distinct delays:
+    ///
+    /// ```
+    /// use retry_core::RetryPolicy;
+    /// use std::time::Duration;
+    ///
+    /// let forever = RetryPolicy::exponential(Duration::from_secs(1), 2.0, Duration::from_secs(60))
+    ///     .with_max_attempts(u32::MAX)
+    ///     .build()?;
+    /// assert_eq!(forever.delay_levels().len(), 7); // 1, 2, 4, 8, 16, 32, 60 s
+    /// # Ok::<(), retry_core::PolicyError>(())
+    /// ```
+    pub fn delay_levels(&self) -> &[Duration] {
+        &self.levels
     }
 
     /// The delay a crashed suspect goes through, or `None` when it goes straight back to the
@@ -310,13 +333,15 @@ impl RetryPolicy {
         if self.jitter != Jitter::Decorrelated {
             return self.jitter.apply(base, seed, index, None, base, base);
         }
-        // Decorrelated jitter grows from the previous delay: replay the chain from the start.
+        // Decorrelated jitter grows from the previous delay: replay the chain, from the start
+        // or, far down a long schedule, from the base delay a window back.
         let (first, cap) = self
             .backoff
             .bounds(self.delayed_retries().max(index + 1))
             .unwrap_or((base, base));
-        let mut previous = None;
-        for i in 0..=index {
+        let start = index.saturating_sub(DECORRELATED_WINDOW);
+        let mut previous = (start > 0).then(|| self.backoff.delay(start - 1));
+        for i in start..=index {
             let d = self
                 .jitter
                 .apply(self.backoff.delay(i), seed, i, previous, first, cap);
@@ -388,6 +413,22 @@ pub enum PolicyError {
     /// `max_elapsed` was zero.
     #[error("max_elapsed must be greater than zero")]
     ZeroMaxElapsed,
+    /// The backoff asks for more distinct delays than a plan may declare queues for.
+    #[error(
+        "{field} gives {} distinct delays over {retries} delayed retries, more than the {max} delay queues a plan may declare: use fewer distinct delays (a larger step or multiplier, a lower max, or fewer attempts)",
+        count_text(*count)
+    )]
+    TooManyDelayLevels {
+        /// The backoff setting that spreads the delays: `backoff.step`, `backoff.multiplier`
+        /// or `backoff.delays`.
+        field: &'static str,
+        /// How many distinct delays the policy asks for, counted up to 100,000.
+        count: u64,
+        /// The delayed retries the policy allows.
+        retries: u32,
+        /// The most a plan may declare: [`MAX_DELAY_LEVELS`].
+        max: usize,
+    },
     /// `publish_retry_wait` was zero while publish retries are on: a broker that refuses
     /// would be asked again in a hot loop.
     #[error("publish_retry_wait must be greater than zero when publish_retries is {retries}")]
@@ -415,7 +456,16 @@ impl PolicyError {
             PolicyError::DelayTooLong { field, .. } => field,
             PolicyError::ZeroMaxElapsed => "max_elapsed",
             PolicyError::ZeroPublishRetryWait { .. } => "publish_retry_wait",
+            PolicyError::TooManyDelayLevels { field, .. } => field,
         }
+    }
+}
+
+fn count_text(count: u64) -> String {
+    if count >= crate::backoff::COUNT_CEILING {
+        format!("at least {count}")
+    } else {
+        count.to_string()
     }
 }
 
@@ -478,7 +528,9 @@ impl Default for RetryPolicyBuilder {
 }
 
 impl RetryPolicyBuilder {
-    /// The most handler runs a message gets, immediate retries included.
+    /// The most handler runs a message gets, immediate retries included. `u32::MAX` retries
+    /// practically forever, as cheaply as any other count (pair it with
+    /// [`with_max_elapsed`](Self::with_max_elapsed) to bound the time instead).
     pub fn with_max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = Some(n);
         self
@@ -580,7 +632,22 @@ impl RetryPolicyBuilder {
             on_exhausted: self.on_exhausted,
             publish_retries: self.publish_retries,
             publish_retry_wait: self.publish_retry_wait,
+            levels: Vec::new(),
         };
+        let retries = policy.delayed_retries();
+        policy.levels = policy
+            .backoff
+            .distinct_delays(retries, MAX_DELAY_LEVELS)
+            .map_err(|count| PolicyError::TooManyDelayLevels {
+                field: match policy.backoff {
+                    Backoff::List(_) => "backoff.delays",
+                    Backoff::Exponential { .. } => "backoff.multiplier",
+                    Backoff::Fixed(_) | Backoff::Linear { .. } => "backoff.step",
+                },
+                count,
+                retries,
+                max: MAX_DELAY_LEVELS,
+            })?;
         policy.crash_delay = match self.crash_delay {
             Some(d) => {
                 check_ttl("crash_delay", d)?;

@@ -471,7 +471,7 @@ impl TopologyBuilder<'_> {
             route
         };
         let mut delay_routes = Vec::new();
-        for ttl in self.policy.delay_levels() {
+        for &ttl in self.policy.delay_levels() {
             let spec = QueueSpec {
                 name: format!("{q}.retry.{}", format_delay(ttl)),
                 role: QueueRole::Delay { ttl },

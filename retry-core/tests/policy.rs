@@ -336,3 +336,170 @@ mod config {
         }
     }
 }
+
+/// Runs `f` on a thread and fails if it has not returned after `limit`: a policy that
+/// enumerates every attempt hangs (or exhausts memory) instead of answering.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .expect("still computing: the policy visits every attempt")
+}
+
+#[test]
+fn retrying_forever_is_expressible_and_cheap() {
+    let (policy, plan, late) = within(secs(30), || {
+        let policy = RetryPolicy::exponential(secs(1), 2.0, secs(60))
+            .with_max_attempts(u32::MAX)
+            .with_jitter(Jitter::Decorrelated)
+            .build()
+            .unwrap();
+        let plan = TopologyPlan::new("forever", &policy).unwrap();
+        // A retry far down the schedule, decorrelated jitter included.
+        let late = policy.delay(u32::MAX - 2, 7);
+        (policy, plan, late)
+    });
+    assert_eq!(policy.delayed_retries(), u32::MAX - 1);
+    assert_eq!(
+        policy.delay_levels(),
+        [1, 2, 4, 8, 16, 32, 60].map(secs),
+        "one level per distinct delay"
+    );
+    assert_eq!(plan.delay_routes().len(), 7);
+    assert!(late >= secs(1) && late <= secs(60), "{late:?}");
+    assert_eq!(policy.delay_bounds(), Some((secs(1), secs(60))));
+
+    // A list reused past its end, and a fixed delay, also stay small.
+    let list = within(secs(30), || {
+        RetryPolicy::delays([secs(5), secs(1), secs(5)])
+            .with_max_attempts(u32::MAX)
+            .build()
+            .unwrap()
+    });
+    assert_eq!(list.delay_levels(), [secs(1), secs(5)]);
+    assert_eq!(list.delay_bounds(), Some((secs(1), secs(5))));
+    let fixed = within(secs(30), || {
+        RetryPolicy::fixed(secs(3))
+            .with_max_attempts(u32::MAX)
+            .build()
+            .unwrap()
+    });
+    assert_eq!(fixed.delay_levels(), [secs(3)]);
+}
+
+#[test]
+fn a_backoff_that_would_declare_thousands_of_queues_is_refused() {
+    // 10 ms steps from 10 ms to 1 min: 6,000 distinct delays over 9,999 delayed retries.
+    let linear = within(secs(30), || {
+        RetryPolicy::builder()
+            .with_backoff(Backoff::Linear {
+                initial: Duration::from_millis(10),
+                step: Duration::from_millis(10),
+                max: secs(60),
+            })
+            .with_max_attempts(10_000)
+            .build()
+    });
+    let err = linear.unwrap_err();
+    assert_eq!(
+        err,
+        PolicyError::TooManyDelayLevels {
+            field: "backoff.step",
+            count: 6_000,
+            retries: 9_999,
+            max: MAX_DELAY_LEVELS,
+        }
+    );
+    assert_eq!(err.field(), "backoff.step");
+    let text = err.to_string();
+    assert!(
+        text.contains("backoff.step gives 6000 distinct delays"),
+        "{text}"
+    );
+    assert!(text.contains("64 delay queues"), "{text}");
+
+    // Retrying forever with a 1 ms step: the count saturates instead of running on.
+    let forever = within(secs(30), || {
+        RetryPolicy::builder()
+            .with_backoff(Backoff::Linear {
+                initial: Duration::from_millis(1),
+                step: Duration::from_millis(1),
+                max: MAX_TTL,
+            })
+            .with_max_attempts(u32::MAX)
+            .build()
+    });
+    let err = forever.unwrap_err();
+    assert!(
+        matches!(err, PolicyError::TooManyDelayLevels { count: 100_000, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("at least 100000"), "{err}");
+
+    // A multiplier barely above 1 spreads the delays just as thin.
+    let err = RetryPolicy::exponential(Duration::from_millis(100), 1.001, secs(3600))
+        .with_max_attempts(u32::MAX)
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "backoff.multiplier");
+
+    // An explicit list of 65 distinct delays.
+    let err = RetryPolicy::delays((1..=65).map(secs)).build().unwrap_err();
+    assert_eq!(
+        err,
+        PolicyError::TooManyDelayLevels {
+            field: "backoff.delays",
+            count: 65,
+            retries: 65,
+            max: MAX_DELAY_LEVELS,
+        }
+    );
+
+    // Exactly the cap is fine.
+    let p = RetryPolicy::delays((1..=64).map(secs)).build().unwrap();
+    assert_eq!(p.delay_levels().len(), MAX_DELAY_LEVELS);
+}
+
+#[test]
+fn each_jitter_spreads_delays_across_messages() {
+    let base = secs(10);
+    for jitter in [Jitter::Full, Jitter::Equal, Jitter::Decorrelated] {
+        // Decorrelated jitter grows from the first delay towards the largest: give it room.
+        let backoff = match jitter {
+            Jitter::Decorrelated => RetryPolicy::exponential(secs(1), 2.0, secs(60)),
+            _ => RetryPolicy::fixed(base),
+        };
+        let p = backoff
+            .with_jitter(jitter)
+            .with_max_attempts(4)
+            .build()
+            .unwrap();
+        // The second delayed retry: decorrelated jitter keeps the first at the base.
+        let delays: std::collections::BTreeSet<Duration> =
+            (0..200u64).map(|seed| p.delay(1, seed)).collect();
+        assert!(
+            delays.len() >= 50,
+            "{jitter:?} gave only {} distinct delays over 200 messages",
+            delays.len()
+        );
+        let (lo, hi) = (*delays.first().unwrap(), *delays.last().unwrap());
+        match jitter {
+            Jitter::Full => {
+                assert!(hi <= base);
+                assert!(lo < base / 4 && hi > base * 3 / 4, "{lo:?}..{hi:?}");
+            }
+            Jitter::Equal => {
+                assert!(lo >= base / 2 && hi <= base, "{lo:?}..{hi:?}");
+                assert!(lo < base * 6 / 10 && hi > base * 9 / 10, "{lo:?}..{hi:?}");
+            }
+            // Decorrelated: uniform(first, previous × 3), after a first delay of 1 s.
+            _ => {
+                assert!(lo >= secs(1) && hi <= secs(3), "{lo:?}..{hi:?}");
+                let spread = Duration::from_millis(1_500)..Duration::from_millis(2_500);
+                assert!(lo < spread.start && hi > spread.end, "{lo:?}..{hi:?}");
+            }
+        }
+    }
+}

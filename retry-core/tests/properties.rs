@@ -273,6 +273,29 @@ proptest! {
     }
 
     #[test]
+    fn delay_levels_are_the_distinct_base_delays(
+        backoff in arb_backoff(),
+        attempts in 1u32..3_000,
+    ) {
+        let built = RetryPolicy::builder()
+            .with_backoff(backoff.clone())
+            .with_max_attempts(attempts)
+            .build();
+        let mut naive: Vec<Duration> = (0..attempts - 1).map(|i| backoff.delay(i)).collect();
+        naive.sort_unstable();
+        naive.dedup();
+        match built {
+            Ok(policy) => prop_assert_eq!(policy.delay_levels(), naive.as_slice()),
+            Err(PolicyError::TooManyDelayLevels { count, retries, max, .. }) => {
+                prop_assert_eq!(count, naive.len() as u64);
+                prop_assert_eq!(retries, attempts - 1);
+                prop_assert!(naive.len() > max);
+            }
+            Err(e) => prop_assert!(false, "{e}"),
+        }
+    }
+
+    #[test]
     fn the_same_seed_gives_the_same_schedule(policy in arb_policy(), seed in any::<u64>()) {
         let a: Vec<_> = policy.schedule(seed).collect();
         let b: Vec<_> = policy.clone().schedule(seed).collect();
