@@ -14,7 +14,7 @@ use crate::facts::DeliveryFacts;
 use crate::headers::EngineHeaders;
 use crate::policy::RetryPolicy;
 use crate::time::{Timestamp, format_delay};
-use crate::topology::{Route, TopologyPlan};
+use crate::topology::{QueueType, Route, TopologyPlan};
 
 /// The engine's handle on one delivery, from [`Engine::handle_delivery`] until the delivery
 /// is settled or forgotten. Handles are not reused while the delivery is live, and a stale
@@ -339,11 +339,16 @@ impl Engine {
     ) -> DeliveryId {
         let id = self.allocate();
         let mut facts = facts;
+        if self.plan.queue_type() != QueueType::Quorum {
+            // Only a quorum queue sets x-delivery-count; on any other, a publisher did.
+            facts.x_delivery_count = 0;
+        }
         if lane == Lane::Isolation && facts.crash_evidence() > 0 && self.take_excuse(facts.identity)
         {
             // It went back to the isolation queue through no crash of its own.
             facts.redelivered = false;
             facts.delivery_count = 0;
+            facts.x_delivery_count = 0;
         }
         match admit(&self.policy, lane, &facts) {
             Admission::Run(state) => {

@@ -115,9 +115,14 @@ pub struct DeliveryFacts {
     pub last_failure: Option<Timestamp>,
     /// The broker's redelivered flag.
     pub redelivered: bool,
-    /// The broker's count of earlier deliveries of this copy: quorum `x-delivery-count` or
-    /// AMQP 1.0 `delivery-count`, whichever is larger; 0 when the broker keeps none.
+    /// AMQP 1.0 `delivery-count`: the broker's count of earlier deliveries of this copy; 0
+    /// when the broker keeps none.
     pub delivery_count: u32,
+    /// The `x-delivery-count` header, which a quorum queue sets on each redelivery. On a
+    /// classic queue only a publisher can have set it (a shovel or a forwarding application
+    /// copies headers), so the [`Engine`](crate::Engine) reads it only when its plan's queues
+    /// are quorum queues.
+    pub x_delivery_count: u32,
     /// The sum of `x-death` counts: how often this message was dead-lettered by the broker.
     pub deaths: u32,
     /// Seed of this message's jitter: see [`message_identity`](crate::message_identity).
@@ -146,17 +151,20 @@ impl DeliveryFacts {
             first_failure,
             last_failure,
             redelivered: signals.redelivered,
-            delivery_count: x_delivery_count.max(amqp10_count),
+            delivery_count: amqp10_count,
+            x_delivery_count,
             deaths,
             identity,
             malformed,
         }
     }
 
-    /// How many crashes this delivery shows beyond the recorded ones: the broker's delivery
-    /// count, or 1 for a bare redelivered flag.
+    /// How many crashes this delivery shows beyond the recorded ones: the larger of the
+    /// broker's delivery counts, or 1 for a bare redelivered flag.
     pub fn crash_evidence(&self) -> u32 {
-        self.delivery_count.max(u32::from(self.redelivered))
+        self.delivery_count
+            .max(self.x_delivery_count)
+            .max(u32::from(self.redelivered))
     }
 }
 

@@ -104,9 +104,11 @@
 //! Counters above [`MAX_COUNTER`], negative numbers, times past the year 9999, wrong types
 //! and garbage bytes are read as absent and reported in [`Malformed`]. The broker's own
 //! counters are read too: `x-death` (summed into [`DeliveryFacts::deaths`]), quorum
-//! `x-delivery-count` and AMQP 1.0 `delivery-count` (into [`DeliveryFacts::delivery_count`]),
-//! and the redelivered flag or AMQP 1.0 `first-acquirer`. Clones drop the broker-owned
-//! headers listed in [`headers::BROKER_OWNED`].
+//! `x-delivery-count` (into [`DeliveryFacts::x_delivery_count`], which the engine trusts only
+//! when its plan's queues are quorum queues: on a classic queue only a publisher can have set
+//! it), AMQP 1.0 `delivery-count` (into [`DeliveryFacts::delivery_count`]), and the
+//! redelivered flag or AMQP 1.0 `first-acquirer`. Clones drop the broker-owned headers listed
+//! in [`headers::BROKER_OWNED`].
 //!
 //! ## Crash attribution
 //!

@@ -297,6 +297,20 @@ impl TopologyPlan {
         &self.work_queue
     }
 
+    /// The type of every queue of the plan.
+    ///
+    /// ```
+    /// use retry_core::{QueueType, RetryPolicy, TopologyPlan};
+    ///
+    /// let policy = RetryPolicy::default();
+    /// let plan = TopologyPlan::builder("orders", &policy).with_queue_type(QueueType::Quorum).build()?;
+    /// assert_eq!(plan.queue_type(), QueueType::Quorum);
+    /// # Ok::<(), retry_core::TopologyError>(())
+    /// ```
+    pub fn queue_type(&self) -> QueueType {
+        self.queues[0].arguments.queue_type
+    }
+
     /// The exchanges to declare.
     pub fn exchanges(&self) -> &[ExchangeSpec] {
         &self.exchanges

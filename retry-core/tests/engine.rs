@@ -16,6 +16,15 @@ fn engine(policy: RetryPolicy) -> Engine {
     Engine::new(policy, &plan).unwrap()
 }
 
+/// An engine over quorum queues, which count deliveries in `x-delivery-count`.
+fn quorum_engine(policy: RetryPolicy) -> Engine {
+    let plan = TopologyPlan::builder("work", &policy)
+        .with_queue_type(QueueType::Quorum)
+        .build()
+        .unwrap();
+    Engine::new(policy, &plan).unwrap()
+}
+
 /// The default policy, but a publish the broker does not confirm requeues at once.
 fn no_publish_retries() -> RetryPolicy {
     RetryPolicy::builder()
@@ -463,7 +472,7 @@ fn a_redelivered_work_delivery_is_isolated_as_a_suspect_without_counting_a_crash
     );
 
     // A quorum queue's count is evidence too.
-    let mut e = engine(RetryPolicy::default());
+    let mut e = quorum_engine(RetryPolicy::default());
     e.handle_delivery(
         T0,
         Lane::Work,
@@ -540,7 +549,7 @@ fn crash_limit_parks_with_reason_crash_loop() {
         if let Some(n) = count {
             h.push(("x-delivery-count", HeaderValue::Int(n)));
         }
-        let mut e = engine(policy.clone());
+        let mut e = quorum_engine(policy.clone());
         let id = e.handle_delivery(T0, Lane::Isolation, facts(&h, redelivered));
         let publish = expect_publish(&drain(&mut e, T0));
         e.handle_confirm(T0, id, Confirm::Ack).unwrap();
@@ -776,8 +785,10 @@ fn broker_counters_are_read() {
         0,
     );
     assert_eq!(f.deaths, 5);
+    assert_eq!((f.delivery_count, f.x_delivery_count), (4, 1));
     assert_eq!(
-        f.delivery_count, 4,
+        f.crash_evidence(),
+        4,
         "the larger of x-delivery-count and AMQP 1.0's"
     );
     assert_eq!(f.crash_evidence(), 4);
@@ -897,4 +908,29 @@ fn jittered_delays_route_to_the_level_that_holds_them() {
         assert_eq!(&*publish.route.routing_key, "work.retry.10s");
         assert_eq!(publish.expiration, (delay < secs(10)).then_some(delay));
     }
+}
+
+#[test]
+fn a_publisher_supplied_delivery_count_is_ignored_on_classic_queues() {
+    // A shovel or a forwarding application copied x-delivery-count from another queue.
+    let forged = || facts(&[("x-delivery-count", HeaderValue::Int(4))], false);
+    let policy = RetryPolicy::builder().with_crash_limit(3).build().unwrap();
+
+    // Classic queues never set it: the handler runs, in either lane.
+    let mut e = engine(policy.clone());
+    for lane in [Lane::Work, Lane::Isolation] {
+        let id = e.handle_delivery(T0, lane, forged());
+        assert_eq!(expect_run(&drain(&mut e, T0)), (id, 1), "{lane:?}");
+    }
+
+    // A quorum queue sets it on each redelivery: there the same delivery is a suspect in
+    // the work lane, and a crash in the isolation lane.
+    let mut e = quorum_engine(policy);
+    e.handle_delivery(T0, Lane::Work, forged());
+    let isolate = expect_publish(&drain(&mut e, T0));
+    assert_eq!(&*isolate.route.routing_key, "work.suspect");
+    e.handle_delivery(T0, Lane::Isolation, forged());
+    let divert = expect_publish(&drain(&mut e, T0));
+    assert_eq!(&*divert.route.routing_key, "work.crash.1s");
+    assert_eq!(divert.headers.crashes, 1);
 }

@@ -632,3 +632,50 @@ async fn a_graceful_shutdown_mid_handler_sends_every_ack_before_run_returns() {
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_forwarded_delivery_count_on_a_classic_queue_is_not_crash_evidence() {
+    // A shovel or a forwarding application copied a quorum queue's x-delivery-count.
+    let policy = RetryPolicy::delays([ms(500)]).build().unwrap();
+    let Some((t, q, plan, _c, ch)) = setup("forged-count", &policy).await else {
+        return;
+    };
+    let mut headers = lapin::types::FieldTable::default();
+    headers.insert(
+        "x-delivery-count".into(),
+        lapin::types::AMQPValue::LongInt(4),
+    );
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        lapin::options::BasicPublishOptions::default(),
+        b"forwarded",
+        lapin::BasicProperties::default()
+            .with_message_id("forged-1".into())
+            .with_delivery_mode(2)
+            .with_headers(headers),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let runs = Runs::default();
+    let r = runs.clone();
+    let running = start(
+        Arc::clone(&t),
+        policy,
+        move |m: Message| {
+            r.next(&m);
+            async { Ok::<(), HandlerError>(()) }
+        },
+        &q,
+        |b| b,
+    );
+    assert!(running.until(ms(10_000), |t| !t.is_empty()).await);
+    assert_eq!(running.of("forged-1"), [Terminal::Handled { attempt: 1 }]);
+    let report = running.stop().await;
+    assert_eq!((report.handled, report.isolated), (1, 0));
+    assert_eq!(runs.0.lock().unwrap()["forged-1"], 1);
+    assert_eq!(message_count(&ch, plan.isolation_queue()).await, 0);
+    t.teardown(&plan).await.unwrap();
+}
