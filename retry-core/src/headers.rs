@@ -43,6 +43,12 @@ pub const BROKER_OWNED: [&str; 7] = [
     "x-last-death-reason",
 ];
 
+/// The deepest nesting of tables and arrays a transport reads from the network: a value
+/// nested deeper is read as [`HeaderValue::Null`], so a hostile header cannot make decoding
+/// (or dropping the result) recurse without bound. `x-death`, the deepest header a broker
+/// writes, nests three levels.
+pub const MAX_DEPTH: usize = 32;
+
 /// The longest last-error text kept, in bytes; longer causes are cut at a character boundary
 /// and end with `…`.
 pub const MAX_ERROR_LEN: usize = 1024;

@@ -6,16 +6,31 @@
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use retry_core::headers::MAX_DEPTH;
 use retry_core::{HeaderValue, Headers, Properties, Timestamp};
 use std::time::Duration;
 use tracing::warn;
 
-/// Reads an AMQP field table.
+/// Reads an AMQP field table. Tables and arrays nested deeper than
+/// [`MAX_DEPTH`](retry_core::headers::MAX_DEPTH) are read as [`HeaderValue::Null`], with a
+/// warning.
 pub fn headers_from_table(table: &FieldTable) -> Headers {
+    let mut too_deep = false;
+    let headers = table_at(table, 0, &mut too_deep);
+    if too_deep {
+        warn!(
+            max_depth = MAX_DEPTH,
+            "header values nested too deeply were read as null"
+        );
+    }
+    headers
+}
+
+fn table_at(table: &FieldTable, depth: usize, too_deep: &mut bool) -> Headers {
     table
         .inner()
         .iter()
-        .map(|(k, v)| (k.as_str().to_owned(), value_from_amqp(v)))
+        .map(|(k, v)| (k.as_str().to_owned(), value_at(v, depth, too_deep)))
         .collect()
 }
 
@@ -49,8 +64,19 @@ fn long_string(s: &LongString) -> HeaderValue {
     }
 }
 
-/// Reads one field value.
+/// Reads one field value, as [`headers_from_table`] does.
 pub fn value_from_amqp(v: &AMQPValue) -> HeaderValue {
+    let mut too_deep = false;
+    value_at(v, 0, &mut too_deep)
+}
+
+/// Reads `v`, found inside `depth` tables and arrays.
+fn value_at(v: &AMQPValue, depth: usize, too_deep: &mut bool) -> HeaderValue {
+    let nested = matches!(v, AMQPValue::FieldArray(_) | AMQPValue::FieldTable(_));
+    if nested && depth >= MAX_DEPTH {
+        *too_deep = true;
+        return HeaderValue::Null;
+    }
     match v {
         AMQPValue::Boolean(b) => HeaderValue::Bool(*b),
         AMQPValue::ShortShortInt(n) => HeaderValue::Int(i64::from(*n)),
@@ -65,14 +91,17 @@ pub fn value_from_amqp(v: &AMQPValue) -> HeaderValue {
         AMQPValue::DecimalValue(d) => HeaderValue::Str(format!("{}e-{}", d.value, d.scale)),
         AMQPValue::ShortString(s) => HeaderValue::Str(s.as_str().to_owned()),
         AMQPValue::LongString(s) => long_string(s),
-        AMQPValue::FieldArray(a) => {
-            HeaderValue::Array(a.as_slice().iter().map(value_from_amqp).collect())
-        }
+        AMQPValue::FieldArray(a) => HeaderValue::Array(
+            a.as_slice()
+                .iter()
+                .map(|v| value_at(v, depth + 1, too_deep))
+                .collect(),
+        ),
         // AMQP 0-9-1 timestamps are seconds.
         AMQPValue::Timestamp(secs) => {
             HeaderValue::Timestamp(Timestamp::from_millis(secs.saturating_mul(1000)))
         }
-        AMQPValue::FieldTable(t) => HeaderValue::Table(headers_from_table(t)),
+        AMQPValue::FieldTable(t) => HeaderValue::Table(table_at(t, depth + 1, too_deep)),
         AMQPValue::ByteArray(b) => HeaderValue::Bytes(b.as_slice().to_vec()),
         AMQPValue::Void => HeaderValue::Null,
     }
@@ -213,6 +242,119 @@ pub(crate) fn received(
 mod tests {
     use super::*;
     use lapin::types::{ByteArray, DecimalValue};
+    use proptest::prelude::*;
+
+    /// Levels of tables and arrays in `v`: 0 for a scalar.
+    fn depth(v: &HeaderValue) -> usize {
+        match v {
+            HeaderValue::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+            HeaderValue::Table(t) => 1 + t.iter().map(|(_, v)| depth(v)).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    fn amqp_depth(v: &AMQPValue) -> usize {
+        match v {
+            AMQPValue::FieldArray(a) => 1 + a.as_slice().iter().map(amqp_depth).max().unwrap_or(0),
+            AMQPValue::FieldTable(t) => 1 + t.inner().values().map(amqp_depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// `levels` tables and arrays, alternating, around an integer.
+    fn nested(levels: usize) -> AMQPValue {
+        (0..levels).fold(AMQPValue::LongInt(7), |inner, level| {
+            if level % 2 == 0 {
+                AMQPValue::FieldArray(vec![inner].into())
+            } else {
+                let mut t = FieldTable::default();
+                t.insert("k".into(), inner);
+                AMQPValue::FieldTable(t)
+            }
+        })
+    }
+
+    fn arb_amqp() -> impl Strategy<Value = AMQPValue> {
+        let leaf = prop_oneof![
+            any::<bool>().prop_map(AMQPValue::Boolean),
+            any::<i64>().prop_map(AMQPValue::LongLongInt),
+            (0..u64::MAX / 1000).prop_map(AMQPValue::Timestamp),
+            ".{0,8}".prop_map(|s| AMQPValue::LongString(s.into())),
+            prop::collection::vec(any::<u8>(), 0..8).prop_map(|b| AMQPValue::LongString(b.into())),
+            Just(AMQPValue::Void),
+        ];
+        let tree = leaf.prop_recursive(4, 32, 3, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..3)
+                    .prop_map(|v| AMQPValue::FieldArray(v.into())),
+                prop::collection::vec(("[a-z]{1,4}", inner), 0..3).prop_map(|entries| {
+                    let mut t = FieldTable::default();
+                    for (k, v) in entries {
+                        t.insert(k.into(), v);
+                    }
+                    AMQPValue::FieldTable(t)
+                }),
+            ]
+        });
+        // A small tree wrapped in up to 64 tables and arrays, each with a sibling tree: as
+        // often deeper than MAX_DEPTH as not.
+        let wraps = prop::collection::vec((any::<bool>(), tree.clone()), 0..64);
+        (tree, wraps).prop_map(|(core, wraps)| {
+            wraps.into_iter().fold(core, |inner, (as_table, sibling)| {
+                if as_table {
+                    let mut t = FieldTable::default();
+                    t.insert("k".into(), inner);
+                    t.insert("s".into(), sibling);
+                    AMQPValue::FieldTable(t)
+                } else {
+                    AMQPValue::FieldArray(vec![sibling, inner].into())
+                }
+            })
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn value_trees_read_within_the_depth_limit(value in arb_amqp()) {
+            let mut table = FieldTable::default();
+            table.insert("h".into(), value.clone());
+            let headers = headers_from_table(&table);
+            let read = headers.get("h").unwrap();
+            prop_assert!(depth(read) <= MAX_DEPTH, "read {} levels deep", depth(read));
+            if amqp_depth(&value) <= MAX_DEPTH {
+                // Shallow enough: read in full, and written back as read.
+                prop_assert_eq!(depth(read), amqp_depth(&value));
+                let again = headers_from_table(&table_from_headers(&headers));
+                prop_assert_eq!(&again, &headers);
+            }
+        }
+    }
+
+    #[test]
+    fn deep_nesting_from_the_network_is_cut_at_the_limit() {
+        for levels in [MAX_DEPTH, MAX_DEPTH + 1, 2_000] {
+            let mut t = FieldTable::default();
+            t.insert("deep".into(), nested(levels));
+            let h = headers_from_table(&t);
+            let read = h.get("deep").unwrap();
+            assert_eq!(depth(read), levels.min(MAX_DEPTH), "{levels} levels");
+            // The innermost value survives only within the limit.
+            let mut v = read;
+            loop {
+                v = match v {
+                    HeaderValue::Array(a) => &a[0],
+                    HeaderValue::Table(t) => t.get("k").unwrap(),
+                    _ => break,
+                };
+            }
+            let innermost = if levels <= MAX_DEPTH {
+                HeaderValue::Int(7)
+            } else {
+                HeaderValue::Null
+            };
+            assert_eq!(*v, innermost, "{levels} levels");
+        }
+    }
 
     #[test]
     fn every_field_type_reads_without_panicking() {
