@@ -64,12 +64,6 @@ fn long_string(s: &LongString) -> HeaderValue {
     }
 }
 
-/// Reads one field value, as [`headers_from_table`] does.
-pub fn value_from_amqp(v: &AMQPValue) -> HeaderValue {
-    let mut too_deep = false;
-    value_at(v, 0, &mut too_deep)
-}
-
 /// Reads `v`, found inside `depth` tables and arrays.
 fn value_at(v: &AMQPValue, depth: usize, too_deep: &mut bool) -> HeaderValue {
     let nested = matches!(v, AMQPValue::FieldArray(_) | AMQPValue::FieldTable(_));
