@@ -301,15 +301,13 @@ async fn confirm_channel(connection: &Connection) -> Result<Channel, TransportEr
 fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>) {
     let mut events = connection.events_listener();
     tokio::spawn(async move {
-        let mut lost = false;
         while let Some(event) = events.next().await {
             match event {
-                Event::Error(e) => {
-                    lost = true;
-                    warn!(error = %e, "connection lost; recovering");
-                }
-                Event::Connected if lost => {
-                    lost = false;
+                Event::Error(e) => warn!(error = %e, "connection lost; recovering"),
+                // The listener was made after the first connect: every `Connected` it sees
+                // is a reconnection. A close the broker initiates is not always preceded by
+                // an `Error` event.
+                Event::Connected => {
                     let n = recoveries.fetch_add(1, Ordering::Relaxed) + 1;
                     warn!(
                         recoveries = n,
