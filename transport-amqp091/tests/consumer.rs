@@ -276,7 +276,7 @@ async fn a_delivery_held_by_a_closed_connection_comes_back_a_suspect_and_runs_al
         report.settle_errors, 1,
         "the first run's ack found its channel gone"
     );
-    assert!(t.recoveries() >= 1);
+    assert!(recoveries_reaching(&t, 1).await >= 1);
     assert_nothing_left_once_closed(&t, &ch, &plan).await;
     transport(&config).await.teardown(&plan).await.unwrap();
 }
@@ -525,7 +525,7 @@ async fn consuming_recovers_after_a_forced_close_and_nothing_is_lost() {
         all_handled,
         "every message published after the drop was handled"
     );
-    assert_eq!(t.recoveries(), 1);
+    assert_eq!(recoveries_reaching(&t, 1).await, 1);
     assert_nothing_left_once_closed(&t, &ch, &plan).await;
     transport(&config).await.teardown(&plan).await.unwrap();
 }
@@ -545,19 +545,6 @@ async fn assert_nothing_left_once_closed(
     ] {
         assert_eq!(message_count(ch, queue).await, 0, "{queue}");
     }
-}
-
-/// Ready and unacknowledged messages of `queue`, as the broker counts them.
-async fn ready_and_unacked(queue: &str) -> (u64, u64) {
-    let rows = list_queues_with(queue, &["messages_ready", "messages_unacknowledged"]).await;
-    let row = rows
-        .iter()
-        .find(|r| r["name"] == queue)
-        .unwrap_or_else(|| panic!("no queue {queue} in {rows:?}"));
-    (
-        row["messages_ready"].as_u64().unwrap(),
-        row["messages_unacknowledged"].as_u64().unwrap(),
-    )
 }
 
 #[tokio::test]
@@ -678,4 +665,67 @@ async fn a_forwarded_delivery_count_on_a_classic_queue_is_not_crash_evidence() {
     assert_eq!(runs.0.lock().unwrap()["forged-1"], 1);
     assert_eq!(message_count(&ch, plan.isolation_queue()).await, 0);
     t.teardown(&plan).await.unwrap();
+}
+
+#[tokio::test]
+async fn two_consumers_on_one_transport_each_see_and_settle_only_their_own_queue() {
+    const A: usize = 50;
+    const B: usize = 20;
+    let policy = RetryPolicy::delays([ms(500)]).build().unwrap();
+    let Some((t, a, plan_a, _c, ch)) = setup("two-a", &policy).await else {
+        return;
+    };
+    let b = unique("two-b");
+    let plan_b = TopologyPlan::new(&b, &policy).unwrap();
+    t.provision(&plan_b).await.unwrap();
+    for i in 0..A {
+        publish(&ch, &a, b"a", &format!("a-{i:02}")).await;
+    }
+    for i in 0..B {
+        publish(&ch, &b, b"b", &format!("b-{i:02}")).await;
+    }
+    // Which queue's messages each handler was given.
+    let seen = |prefix: &'static str, wait: u64| {
+        let strangers = Arc::new(Mutex::new(Vec::<String>::new()));
+        let s = Arc::clone(&strangers);
+        let handler = move |m: Message| {
+            let id = m.properties().message_id.clone().unwrap_or_default();
+            if !id.starts_with(prefix) {
+                s.lock().unwrap().push(id);
+            }
+            async move {
+                tokio::time::sleep(ms(wait)).await;
+                Ok::<(), HandlerError>(())
+            }
+        };
+        (handler, strangers)
+    };
+    let (slow, strangers_a) = seen("a-", 100);
+    let running_a = start(Arc::clone(&t), policy.clone(), slow, &a, |b| b);
+    // The second consumer starts while the first holds a full prefetch window.
+    assert!(running_a.until(ms(10_000), |t| t.len() >= 5).await);
+    let (quick, strangers_b) = seen("b-", 0);
+    let running_b = start(Arc::clone(&t), policy, quick, &b, |b| b);
+    assert!(running_b.until(ms(10_000), |t| t.len() == B).await);
+    let report_b = running_b.stop().await;
+    let report_a = running_a.stop().await;
+    t.close().await.unwrap();
+
+    assert_eq!(*strangers_a.lock().unwrap(), Vec::<String>::new());
+    assert_eq!(*strangers_b.lock().unwrap(), Vec::<String>::new());
+    assert_eq!((report_b.handled, report_b.left_unsettled), (B as u64, 0));
+    // Nothing of A was lost or settled by B's acks: what A did not handle is still ready.
+    let (ready, unacked) = ready_and_unacked_settled(&a).await;
+    let parked = ready_and_unacked(plan_a.parking_queue()).await;
+    assert_eq!(unacked, 0);
+    assert_eq!(parked, (0, 0));
+    assert!(
+        report_a.handled < A as u64,
+        "A was meant to be stopped mid-run"
+    );
+    assert_eq!(report_a.handled + ready, A as u64, "{report_a:?}");
+    assert_eq!(ready_and_unacked(&b).await, (0, 0));
+    let teardown = transport(&broker("two-teardown").await.unwrap()).await;
+    teardown.teardown(&plan_a).await.unwrap();
+    teardown.teardown(&plan_b).await.unwrap();
 }

@@ -178,7 +178,8 @@ pub async fn transport(config: &AmqpConfig) -> AmqpTransport {
     AmqpTransport::connect(config.clone()).await.unwrap()
 }
 
-fn rabbitmqctl(args: &[&str]) -> String {
+/// Runs `rabbitmqctl` with `args`, failing the test if it fails.
+pub fn rabbitmqctl(args: &[&str]) -> String {
     let out = Command::new("rabbitmqctl")
         .args(args)
         .output()
@@ -239,6 +240,46 @@ pub async fn list_queues_with(prefix: &str, columns: &[&str]) -> Vec<serde_json:
     })
     .await
     .unwrap()
+}
+
+/// Ready and unacknowledged messages of `queue`, as the broker counts them: unlike a passive
+/// declare, this sees a delivery whose ack never came.
+pub async fn ready_and_unacked(queue: &str) -> (u64, u64) {
+    let rows = list_queues_with(queue, &["messages_ready", "messages_unacknowledged"]).await;
+    let row = rows
+        .iter()
+        .find(|r| r["name"] == queue)
+        .unwrap_or_else(|| panic!("no queue {queue} in {rows:?}"));
+    (
+        row["messages_ready"].as_u64().unwrap(),
+        row["messages_unacknowledged"].as_u64().unwrap(),
+    )
+}
+
+/// [`ready_and_unacked`] once nothing of `queue` is unacknowledged, or after 5 s: a closed
+/// channel's deliveries go back to the queue a moment after the close returns.
+pub async fn ready_and_unacked_settled(queue: &str) -> (u64, u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let counts = ready_and_unacked(queue).await;
+        if counts.1 == 0 || tokio::time::Instant::now() > deadline {
+            return counts;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `t`'s recovery count once it reaches `at_least`, or whatever it is after 10 s: lapin may
+/// finish recording a recovery a moment after consuming has resumed.
+pub async fn recoveries_reaching(t: &AmqpTransport, at_least: u64) -> u64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = t.recoveries();
+        if n >= at_least || tokio::time::Instant::now() > deadline {
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// `rabbitmqctl list_bindings` rows (source, destination, routing key) whose source starts
