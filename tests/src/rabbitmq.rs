@@ -18,6 +18,7 @@ use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table, table_fro
 
 use crate::harness::{ParkedMessage, TestMessage, TopologyFaults};
 use crate::suite::print_uncaptured;
+use transport_amqp091::testing::no_broker;
 
 /// Where the broker is: `AMQP_URL` and `AMQP10_URL`, loopback by default.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,23 +68,9 @@ impl BrokerEnv {
             Ok(Err(e)) => e,
             Err(_) => "no answer within 15 s".to_owned(),
         };
-        if broker_required() {
-            panic!("REQUIRE_BROKER is set, but RabbitMQ does not answer for {what}: {why}");
-        }
-        print_uncaptured(&format!(
-            "\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\
-             !!! SKIPPED {what}: no RabbitMQ ({why}).\n\
-             !!! Start it (with rabbitmq_amqp1_0 enabled), or set REQUIRE_BROKER=1 to make\n\
-             !!! this a failure.\n\
-             !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n"
-        ));
+        no_broker(what, &why);
         None
     }
-}
-
-/// Whether `REQUIRE_BROKER` is set to something other than empty or `0`.
-pub fn broker_required() -> bool {
-    std::env::var("REQUIRE_BROKER").is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
 /// A name no other test, scenario or run uses: `cf-<scenario>-<pid>-<time>-<n>`, short

@@ -17,6 +17,7 @@
 //!   logged, and a delivery tag from before the drop is never acknowledged on the new
 //!   channel.
 //! * The password never appears in logs, errors or `Debug` output ([`AmqpConfig`]).
+//! * [`testing`]: one reading of `REQUIRE_BROKER` for tests that need a broker.
 //!
 //! The broker behaviour this relies on (RabbitMQ 3.10) is measured in the project's design
 //! notes and checked by this crate's integration tests against a real broker.
@@ -30,6 +31,7 @@ mod convert;
 mod error;
 mod provision;
 mod subscription;
+pub mod testing;
 mod transport;
 
 pub use config::AmqpConfig;
