@@ -35,7 +35,8 @@ pub async fn broker(test: &str) -> Option<AmqpConfig> {
                 Ok(Err(e)) => e.to_string(),
                 _ => "timed out".into(),
             };
-            transport_amqp091::testing::no_broker(test, &format!("RabbitMQ at {}: {why}", url()));
+            let at = AmqpConfig::new(url()).redacted_url();
+            transport_amqp091::testing::no_broker(test, &format!("RabbitMQ at {at}: {why}"));
             None
         }
     }
