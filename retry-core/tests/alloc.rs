@@ -1,4 +1,6 @@
-//! The success path allocates nothing once the engine is warm. This file holds a single test
+//! The engine's success path allocates nothing once it is warm: decoding a delivery's full
+//! headers (x-death records, origin strings, a malformed counter), its jitter identity, the
+//! admission, the handler's success and the ack. This file holds a single test
 //! so that no other test thread allocates while it counts.
 
 use std::alloc::System;
@@ -14,19 +16,53 @@ fn the_success_path_does_not_allocate() {
     let policy = RetryPolicy::default();
     let plan = TopologyPlan::new("work", &policy).unwrap();
     let mut engine = Engine::new(policy, &plan).unwrap();
-    // A message on its third attempt, with a full set of engine and broker headers.
+    // A message on its third attempt as a broker delivers it: the engine's headers, its
+    // origin strings, two x-death records from the delay queue, and a malformed counter.
+    let death = |count: i64| {
+        HeaderValue::Table(
+            [
+                ("count", HeaderValue::Int(count)),
+                ("reason", HeaderValue::from("expired")),
+                ("queue", HeaderValue::from("work.retry.1s")),
+                ("exchange", HeaderValue::from("work.retry")),
+                (
+                    "routing-keys",
+                    HeaderValue::Array(vec![HeaderValue::from("work.retry.1s")]),
+                ),
+                (
+                    "time",
+                    HeaderValue::Timestamp(Timestamp::from_millis(1_700_000_003_000)),
+                ),
+            ]
+            .into_iter()
+            .collect(),
+        )
+    };
     let headers: Headers = [
         (headers::ATTEMPTS, HeaderValue::Int(2)),
-        (headers::CRASHES, HeaderValue::Int(0)),
+        (headers::CRASHES, HeaderValue::from("not a number")),
         (headers::FIRST_FAILURE, HeaderValue::Int(1_700_000_000_000)),
         (headers::LAST_FAILURE, HeaderValue::Int(1_700_000_003_000)),
         (headers::LAST_ERROR, HeaderValue::from("timeout")),
+        (headers::ORIGIN_QUEUE, HeaderValue::from("work")),
+        (headers::ORIGIN_EXCHANGE, HeaderValue::from("orders")),
+        (
+            headers::ORIGIN_ROUTING_KEY,
+            HeaderValue::from("order.created"),
+        ),
+        (headers::DELAY, HeaderValue::Int(1_000)),
+        ("x-death", HeaderValue::Array(vec![death(1), death(1)])),
+        ("tenant", HeaderValue::from("acme")),
     ]
     .into_iter()
     .collect();
+    let body = [b'x'; 256];
     let now = Timestamp::from_millis(1_700_000_010_000);
     let cycle = |engine: &mut Engine| {
-        let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), 7);
+        let identity = message_identity(Some("order-7"), &body);
+        let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), identity);
+        assert_eq!((facts.deaths, facts.crashes), (2, 0));
+        assert!(facts.malformed.contains(headers::CRASHES));
         let id = engine.handle_delivery(now, Lane::Work, facts);
         let Some(Action::RunHandler { attempt: 3, .. }) = engine.poll_action(now) else {
             panic!("expected a handler run");
