@@ -4,11 +4,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use retry_core::TopologyPlan;
+use retry_core::{Capabilities, TopologyPlan, Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 use crate::harness::{
     Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
+    assert_declares,
 };
 use crate::rabbitmq::{Admin, BrokerEnv, unique_name};
 
@@ -23,16 +24,22 @@ pub struct Amqp091Harness {
     env: BrokerEnv,
     admin: Admin,
     started: Instant,
+    expected: Capabilities,
 }
 
 impl Amqp091Harness {
-    /// Connects the admin connection.
-    pub async fn connect(env: BrokerEnv) -> Self {
+    /// Connects the admin connection. Every transport-amqp091 connection, the admin's
+    /// included, must declare exactly `expected` (the test's own record of what
+    /// transport-amqp091 supports; see [`HarnessCapabilities::transport`]): panics if one
+    /// does not.
+    pub async fn connect(env: BrokerEnv, expected: Capabilities) -> Self {
         let admin = Admin::connect(&env.amqp091_url).await;
+        assert_declares("transport-amqp091", admin.capabilities(), expected);
         Amqp091Harness {
             env,
             admin,
             started: Instant::now(),
+            expected,
         }
     }
 
@@ -52,7 +59,7 @@ impl Harness for Amqp091Harness {
 
     fn capabilities(&self) -> HarnessCapabilities {
         HarnessCapabilities {
-            transport: self.admin.capabilities(),
+            transport: self.expected,
             crash_consumer: true,
             refuse_publishes: true,
             death_records: true,
@@ -76,6 +83,7 @@ impl Harness for Amqp091Harness {
         let t = AmqpTransport::connect(config)
             .await
             .expect("an AMQP 0-9-1 connection");
+        assert_declares(self.name(), t.capabilities(), self.expected);
         Arc::new(t)
     }
 

@@ -4,13 +4,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use retry_core::{Settlement, Subscription, TopologyPlan, Transport};
+use retry_core::{Capabilities, Settlement, Subscription, TopologyPlan, Transport};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 
 use crate::amqp091::SLACK;
 use crate::harness::{
     Harness, HarnessCapabilities, Need, ParkedMessage, Stopwatch, TestMessage, Timing,
-    TopologyFaults,
+    TopologyFaults, assert_declares,
 };
 use crate::rabbitmq::{Admin, BrokerEnv, unique_name};
 
@@ -24,21 +24,23 @@ pub struct Amqp10Harness {
     env: BrokerEnv,
     admin: Admin,
     started: Instant,
-    capabilities: retry_core::Capabilities,
+    expected: Capabilities,
 }
 
 impl Amqp10Harness {
-    /// Connects the admin connection, and asks an AMQP 1.0 connection what it can do.
-    pub async fn connect(env: BrokerEnv) -> Self {
+    /// Connects the admin connection, and checks that an AMQP 1.0 connection declares
+    /// exactly `expected` (the test's own record of what transport-amqp10 supports on this
+    /// broker; see [`HarnessCapabilities::transport`]), as every later one must: panics if
+    /// one does not.
+    pub async fn connect(env: BrokerEnv, expected: Capabilities) -> Self {
         let admin = Admin::connect(&env.amqp091_url).await;
-        let mut h = Amqp10Harness {
+        let h = Amqp10Harness {
             env,
             admin,
             started: Instant::now(),
-            capabilities: retry_core::Capabilities::default(),
+            expected,
         };
         let probe = h.transport().await;
-        h.capabilities = probe.capabilities();
         probe.close().await;
         h
     }
@@ -61,7 +63,7 @@ impl Harness for Amqp10Harness {
 
     fn capabilities(&self) -> HarnessCapabilities {
         HarnessCapabilities {
-            transport: self.capabilities,
+            transport: self.expected,
             crash_consumer: true,
             refuse_publishes: true,
             death_records: false,
@@ -92,6 +94,7 @@ impl Harness for Amqp10Harness {
         let t = Amqp10Transport::connect(self.config())
             .await
             .expect("an AMQP 1.0 connection");
+        assert_declares(self.name(), t.capabilities(), self.expected);
         Arc::new(t)
     }
 

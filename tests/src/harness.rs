@@ -36,7 +36,10 @@ impl Timing {
 /// What a harness can do, beyond the transport's own [`Capabilities`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HarnessCapabilities {
-    /// What the transport declares.
+    /// What the transport must declare: the value the test that built the harness wrote
+    /// down, never read back from the transport under test. The harness checks every
+    /// connection it opens against it ([`assert_declares`]), so a transport that declares
+    /// less fails instead of quietly skipping the scenarios that need what it dropped.
     pub transport: Capabilities,
     /// A consumer can be made to crash: its future dropped and its connection closed while
     /// it holds deliveries, so the broker hands them out again.
@@ -47,6 +50,15 @@ pub struct HarnessCapabilities {
     pub death_records: bool,
     /// How time is measured.
     pub timing: Timing,
+}
+
+/// Panics unless `transport` (named `name`) declares exactly the capabilities its test
+/// expects. Harnesses call it on every connection they open.
+pub fn assert_declares(name: &str, declared: Capabilities, expected: Capabilities) {
+    assert_eq!(
+        declared, expected,
+        "{name} declares capabilities other than the ones its test expects (left: declared, right: expected)"
+    );
 }
 
 /// Something a scenario needs; a harness that lacks it makes the scenario skip.

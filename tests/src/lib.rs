@@ -32,10 +32,26 @@
 //! scenario: passed (with what it observed), skipped (with why) or failed.
 //!
 //! [`storm`] is the many-message scenario on its own, with the pure engine's expected
-//! decisions per message; the test targets also use it for a differential check (the memory
-//! model and RabbitMQ make the same decisions for the same seeded storm). [`process`] is
-//! what the `crashing_consumer` binary and its test share: a consumer process that aborts on
-//! a poison message, restarted by the test until the poison is parked.
+//! decisions per message and an explicit bound on duplicated messages (0 unless the caller
+//! injects faults that can duplicate). [`process`] is what the `crashing_consumer` binary
+//! and its test share: a consumer process that aborts on a poison message, restarted by the
+//! test until the poison is parked.
+//!
+//! [`differential`] checks the memory model against RabbitMQ directly, not each against the
+//! engine: one scripted workload with a crash, a refused publish, per-message TTLs and
+//! retries through every delay level, on classic and on quorum queues, run on both. A
+//! [`Recorded`](recording::Recorded) transport logs every delivery as the broker produced
+//! it, and each delivery (named by message id and its index among that message's
+//! deliveries) must match between the two runs: the queue it came from and its exchange and
+//! routing key, the redelivered flag, `x-delivery-count`, every `x-death` record (queue,
+//! reason, count, exchange, routing keys, original expiration; times dropped, the unique
+//! queue name normalised) and the `x-first-death-*` headers, and per queue the order of
+//! arrival; so must every message's decisions.
+//!
+//! A harness is built with the transport capabilities its test expects, written in the
+//! test rather than asked of the transport under test: every connection it opens must
+//! declare exactly those, and each suite run asserts the exact set of scenarios that
+//! skipped, so a transport that loses a capability fails instead of quietly skipping.
 //!
 //! `cargo test -p conformance` runs it all; the RabbitMQ targets skip with a loud message
 //! when no broker answers on `AMQP_URL` / `AMQP10_URL` (loopback by default), and fail
@@ -47,8 +63,17 @@
 //!
 //! ```
 //! use conformance::{MemoryHarness, Verdict, scenarios};
+//! use retry_core::Capabilities;
 //!
-//! let h = MemoryHarness::new();
+//! // What transport-memory must declare, written down rather than asked of it.
+//! let expected = Capabilities {
+//!     publisher_confirms: true,
+//!     delivery_count: true,
+//!     native_delays: false,
+//!     dead_letter_exchange: true,
+//!     declares_topology: true,
+//! };
+//! let h = MemoryHarness::new(expected);
 //! let verdict = h.block_on(scenarios::crash_limit_parked(&h));
 //! assert!(matches!(verdict, Verdict::Passed { .. }));
 //! ```
@@ -58,12 +83,14 @@
 
 pub mod amqp091;
 pub mod amqp10;
+pub mod differential;
 pub mod drive;
 pub mod harness;
 pub mod journal;
 pub mod memory;
 pub mod process;
 pub mod rabbitmq;
+pub mod recording;
 pub mod scenarios;
 pub mod storm;
 pub mod suite;

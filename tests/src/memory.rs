@@ -10,11 +10,12 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use retry_core::{Settlement, TopologyPlan, Transport};
+use retry_core::{Capabilities, Settlement, TopologyPlan, Transport};
 use transport_memory::{Broker, MemoryTransport, Outgoing, Overflow, QueueOptions};
 
 use crate::harness::{
     Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
+    assert_declares,
 };
 use crate::suite::{Scenario, SuiteReport, panic_message, run_sequentially};
 
@@ -24,25 +25,25 @@ use crate::suite::{Scenario, SuiteReport, panic_message, run_sequentially};
 pub struct MemoryHarness {
     broker: Broker,
     start: retry_core::Timestamp,
-    capabilities: retry_core::Capabilities,
-}
-
-impl Default for MemoryHarness {
-    fn default() -> Self {
-        Self::new()
-    }
+    expected: Capabilities,
 }
 
 impl MemoryHarness {
-    /// A harness on a new broker.
-    pub fn new() -> Self {
+    /// A harness on a new broker, whose transport must declare exactly `expected` (the
+    /// test's own record of what transport-memory supports; see
+    /// [`HarnessCapabilities::transport`]). Panics if it does not.
+    pub fn new(expected: Capabilities) -> Self {
         let broker = Broker::new();
         let start = broker.now();
-        let capabilities = broker.connect().capabilities();
+        assert_declares(
+            "transport-memory",
+            broker.connect().capabilities(),
+            expected,
+        );
         MemoryHarness {
             broker,
             start,
-            capabilities,
+            expected,
         }
     }
 
@@ -56,12 +57,15 @@ impl MemoryHarness {
         block_on(&self.broker, future)
     }
 
-    /// Runs `scenarios` one after another, each on a harness of its own.
-    pub fn run_suite(scenarios: &[Scenario<MemoryHarness>]) -> SuiteReport {
+    /// Runs `scenarios` one after another, each on a harness of its own that expects
+    /// `expected` (see [`new`](Self::new)).
+    pub fn run_suite(scenarios: &[Scenario<MemoryHarness>], expected: Capabilities) -> SuiteReport {
         run_sequentially("transport-memory", scenarios, |s| {
-            let h = MemoryHarness::new();
-            std::panic::catch_unwind(AssertUnwindSafe(|| h.block_on((s.run)(&h))))
-                .map_err(|payload| panic_message(payload.as_ref()))
+            std::panic::catch_unwind(AssertUnwindSafe(|| {
+                let h = MemoryHarness::new(expected);
+                h.block_on((s.run)(&h))
+            }))
+            .map_err(|payload| panic_message(payload.as_ref()))
         })
     }
 }
@@ -119,7 +123,7 @@ impl Harness for MemoryHarness {
 
     fn capabilities(&self) -> HarnessCapabilities {
         HarnessCapabilities {
-            transport: self.capabilities,
+            transport: self.expected,
             crash_consumer: true,
             refuse_publishes: true,
             death_records: true,
@@ -139,7 +143,9 @@ impl Harness for MemoryHarness {
     }
 
     async fn transport(&self) -> Arc<MemoryTransport> {
-        Arc::new(self.broker.connect())
+        let t = self.broker.connect();
+        assert_declares(self.name(), t.capabilities(), self.expected);
+        Arc::new(t)
     }
 
     async fn provision(&self, plan: &TopologyPlan, faults: &TopologyFaults) {

@@ -1,9 +1,9 @@
 //! The list of scenarios, the runners that run them on a harness, and the report they print.
 
 use std::any::Any;
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::future::Future;
-use std::io::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
@@ -159,6 +159,38 @@ impl SuiteReport {
         print_uncaptured(&self.render());
     }
 
+    /// The scenarios that skipped, in list order.
+    pub fn skipped(&self) -> Vec<&'static str> {
+        self.rows
+            .iter()
+            .filter(|r| matches!(r.status, Status::Skipped(_)))
+            .map(|r| r.scenario)
+            .collect()
+    }
+
+    /// Panics unless exactly the scenarios in `expected` skipped: the set a test writes
+    /// down for its transport, so a transport that loses a capability (or a harness that
+    /// gains one) shows up as a failure rather than as one more quiet skip.
+    pub fn assert_skipped_exactly(&self, expected: &[&str]) {
+        let skipped: BTreeSet<&str> = self.skipped().into_iter().collect();
+        let expected: BTreeSet<&str> = expected.iter().copied().collect();
+        let reasons: Vec<String> = self
+            .rows
+            .iter()
+            .filter_map(|r| match &r.status {
+                Status::Skipped(why) if !expected.contains(r.scenario) => {
+                    Some(format!("{}: {why}", r.scenario))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            skipped, expected,
+            "skipped scenarios on {} (left) differ from the ones its test expects (right); unexpected skips: {reasons:?}",
+            self.transport
+        );
+    }
+
     /// Panics naming every failed scenario.
     pub fn assert_passed(&self) {
         let failed: Vec<String> = self
@@ -179,13 +211,7 @@ impl SuiteReport {
     }
 }
 
-/// Writes to standard error directly: `eprint!` is captured by the test harness for passing
-/// tests, a write to the handle is not.
-pub fn print_uncaptured(text: &str) {
-    let mut stderr = std::io::stderr().lock();
-    let _ = stderr.write_all(text.as_bytes());
-    let _ = stderr.flush();
-}
+pub use transport_amqp091::testing::print_uncaptured;
 
 /// The message of a caught panic.
 pub fn panic_message(payload: &(dyn Any + Send)) -> String {
@@ -249,7 +275,15 @@ where
             let scenario = *s;
             let harness = make();
             tokio::spawn(async move {
-                let h = harness.await;
+                // A harness that cannot be built (no connection, a transport declaring
+                // other capabilities than its test expects) fails its scenario by name.
+                let h = match AssertUnwindSafe(harness).catch_unwind().await {
+                    Ok(h) => h,
+                    Err(payload) => {
+                        let why = panic_message(payload.as_ref());
+                        return (Status::Failed(format!("no harness: {why}")), Duration::ZERO);
+                    }
+                };
                 let t = Instant::now();
                 let run = AssertUnwindSafe((scenario.run)(&h)).catch_unwind();
                 let status = match tokio::time::timeout(limit, run).await {

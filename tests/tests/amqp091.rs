@@ -1,10 +1,13 @@
 //! The conformance suite on transport-amqp091 against the local RabbitMQ, and the
-//! differential check: the memory model and RabbitMQ make the same decisions.
+//! differential check: for the same scripted workload with faults, the memory model produces
+//! the deliveries RabbitMQ produces.
 
-use std::time::Duration;
+mod expected;
 
+use std::time::{Duration, Instant};
+
+use conformance::differential::{self, DifferentialRun};
 use conformance::rabbitmq::{BrokerEnv, runtime};
-use conformance::storm::{StormConfig, storm};
 use conformance::suite::{self, print_uncaptured};
 use conformance::{Amqp091Harness, Harness, MemoryHarness};
 
@@ -19,28 +22,33 @@ fn conformance_suite_on_transport_amqp091() {
         let report = suite::run_concurrently(
             "transport-amqp091 (RabbitMQ)",
             &suite::all(),
-            move || Amqp091Harness::connect(env.clone()),
+            move || Amqp091Harness::connect(env.clone(), expected::AMQP091),
             Duration::from_secs(150),
         )
         .await;
         report.print();
         report.assert_passed();
-        let (_, _, skipped, _) = report.counts();
-        assert_eq!(skipped, 0, "AMQP 0-9-1 on RabbitMQ supports every scenario");
+        report.assert_skipped_exactly(expected::AMQP091_SKIPS);
     });
 }
 
-/// For the same seeded storm, every message's sequence of decisions (its terminals, with
-/// their attempts and delays) is the same on the memory model as on RabbitMQ.
+/// The workload's cases: (name, quorum queues).
+const CASES: [(&str, bool); 2] = [("diff-classic", false), ("diff-quorum", true)];
+
+/// Every delivery of the differential workload (see `conformance::differential`) is the
+/// same on the memory model as on RabbitMQ: queue, route, redelivered flag,
+/// `x-delivery-count`, normalised `x-death`, and each queue's arrival order.
 #[test]
-fn memory_and_rabbitmq_make_the_same_decisions() {
-    let config = StormConfig {
-        messages: 300,
-        seed: 0xd1ff,
-        prefetch: 20,
-    };
-    let memory = MemoryHarness::new();
-    let modelled = memory.block_on(storm(&memory, &config));
+fn memory_model_and_rabbitmq_produce_the_same_deliveries() {
+    let modelled: Vec<DifferentialRun> = CASES
+        .iter()
+        .map(|&(name, quorum)| {
+            let h = MemoryHarness::new(expected::MEMORY);
+            let run = h.block_on(differential::run(&h, name, quorum));
+            differential::assert_covers_workload(&run, quorum);
+            run
+        })
+        .collect();
 
     runtime().block_on(async {
         let Some(env) = BrokerEnv::detect("the differential check on transport-amqp091", false)
@@ -48,35 +56,37 @@ fn memory_and_rabbitmq_make_the_same_decisions() {
         else {
             return;
         };
-        let h = Amqp091Harness::connect(env).await;
-        let run = std::panic::AssertUnwindSafe(storm(&h, &config));
-        let real = futures::FutureExt::catch_unwind(run).await;
+        let started = Instant::now();
+        let h = Amqp091Harness::connect(env, expected::AMQP091).await;
+        let runs = futures::future::join_all(
+            CASES
+                .iter()
+                .map(|&(name, quorum)| differential::run(&h, name, quorum)),
+        );
+        let real = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(runs)).await;
         h.cleanup().await;
         let real = real.unwrap_or_else(|p| std::panic::resume_unwind(p));
+        let took = started.elapsed();
 
-        assert_eq!(
-            modelled.terminals.keys().collect::<Vec<_>>(),
-            real.terminals.keys().collect::<Vec<_>>()
-        );
-        let mut decisions = 0;
-        for (id, expected) in &modelled.terminals {
-            let got = &real.terminals[id];
-            assert_eq!(
-                got, expected,
-                "{id}: RabbitMQ decided {got:?}, the memory model {expected:?}"
-            );
-            decisions += got.len();
+        let mut lines = Vec::new();
+        let mut total = 0;
+        for (((name, _), model), real) in CASES.iter().zip(&modelled).zip(&real) {
+            let c = differential::assert_same_deliveries(model, real, &format!("RabbitMQ ({name})"));
+            total += c.deliveries;
+            lines.push(format!(
+                "   {name}: {} deliveries in {} queues ({} redelivered, {} with x-delivery-count, {} with x-death), {} messages' terminals",
+                c.deliveries,
+                c.queues,
+                c.redelivered,
+                c.delivery_counts,
+                c.with_x_death,
+                model.terminals.len()
+            ));
         }
-        assert_eq!(
-            (modelled.handled, modelled.parked),
-            (real.handled, real.parked)
-        );
         print_uncaptured(&format!(
-            "\n== differential check, seed {:#x}: {} messages, {decisions} decisions, identical on transport-memory and RabbitMQ (AMQP 0-9-1)\n   memory:   {}\n   RabbitMQ: {}\n",
-            config.seed,
-            modelled.published,
-            modelled.summary(),
-            real.summary()
+            "\n== differential check: {total} deliveries compared, identical on transport-memory and RabbitMQ (AMQP 0-9-1): queue and route, redelivered, x-delivery-count, x-death, arrival order; RabbitMQ run took {:.1} s\n{}\n",
+            took.as_secs_f64(),
+            lines.join("\n")
         ));
     });
 }

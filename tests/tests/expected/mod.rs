@@ -1,0 +1,48 @@
+//! What each transport under test must declare, and which scenarios it may skip, written
+//! down here by hand: never read back from the transport under test. A harness checks every
+//! connection it opens against these capabilities, and each suite run asserts its exact
+//! skipped set, so a transport that loses a capability fails loudly instead of skipping
+//! the scenarios that need it.
+
+// Each test target uses the part for the transports it runs.
+#![allow(dead_code)]
+
+use retry_core::Capabilities;
+
+/// transport-memory models everything the engine uses except a native delay.
+pub const MEMORY: Capabilities = Capabilities {
+    publisher_confirms: true,
+    delivery_count: true,
+    native_delays: false,
+    dead_letter_exchange: true,
+    declares_topology: true,
+};
+
+/// On transport-memory every scenario runs.
+pub const MEMORY_SKIPS: &[&str] = &[];
+
+/// transport-amqp091 on RabbitMQ 3.10: quorum queues count deliveries; no native delay.
+pub const AMQP091: Capabilities = Capabilities {
+    publisher_confirms: true,
+    delivery_count: true,
+    native_delays: false,
+    dead_letter_exchange: true,
+    declares_topology: true,
+};
+
+/// On AMQP 0-9-1 every scenario runs.
+pub const AMQP091_SKIPS: &[&str] = &[];
+
+/// transport-amqp10 on RabbitMQ 3.10's AMQP 1.0 plugin: the plugin cannot declare queues
+/// with arguments (topology is declared over AMQP 0-9-1 and only verified), and its
+/// `delivery-count` stays 0.
+pub const AMQP10: Capabilities = Capabilities {
+    publisher_confirms: true,
+    delivery_count: false,
+    native_delays: false,
+    dead_letter_exchange: true,
+    declares_topology: false,
+};
+
+/// On AMQP 1.0 only the scenario in which the transport declares a plan itself skips.
+pub const AMQP10_SKIPS: &[&str] = &["transport_declares_topology"];
