@@ -10,7 +10,7 @@
 //!
 //! * the queue it came from, and the exchange and routing key it carried;
 //! * the redelivered flag;
-//! * `x-delivery-count` (a count of 0 reads as absent: see [`Normalized::of`]);
+//! * `x-delivery-count`;
 //! * every `x-death` record, in order, with all its fields but `time` (`queue`, `reason`,
 //!   `count`, `exchange`, `routing-keys`, `original-expiration`), and the `x-first-death-*`
 //!   headers;
@@ -84,9 +84,8 @@ pub const MAIN_PHASE: [&str; 11] = [
 /// Whether the case refuses publishes into the [`REFUSED`] level. Only on classic queues:
 /// a RabbitMQ 3.10 quorum queue declared with `x-max-length` 0 and `reject-publish`
 /// confirms the publish that takes it past the limit and refuses only the ones after it
-/// (four publishes in a row: ack, nack, nack, nack; a classic queue nacks all four), while
-/// the memory model refuses the first one too. That is a divergence of the model, found by
-/// this check; the quorum case leaves the refusal out until the model follows RabbitMQ.
+/// (four publishes in a row: ack, nack, nack, nack; a classic queue nacks all four). The
+/// model follows that, but a level that takes the first clone is no refusal to compare.
 pub fn refuses(quorum: bool) -> bool {
     !quorum
 }
@@ -269,8 +268,7 @@ impl<H: Harness> Phase<'_, H> {
 
 /// A delivery with what legitimately differs between two runs taken out: the work queue's
 /// name becomes `{W}` in every string, and `x-death` times are dropped. Values are written
-/// out canonically (strings quoted, integers bare, whatever their AMQP width). An
-/// `x-delivery-count` of 0 counts as absent (see [`Normalized::of`]).
+/// out canonically (strings quoted, integers bare, whatever their AMQP width).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Normalized {
     /// The queue it came from.
@@ -340,12 +338,9 @@ impl Normalized {
                 _ => None,
             },
             redelivered: o.redelivered,
-            // 0 earlier deliveries and no header are one fact (the engine reads both as
-            // 0), and the two brokers write it differently: RabbitMQ 3.10's quorum queues
-            // put `x-delivery-count: 0` on a first delivery taken with `basic.get`, the
-            // model writes nothing. A divergence of the model, found by this check, and
-            // the only value normalised away.
-            delivery_count: header(&o.headers, "x-delivery-count").filter(|n| n != "0"),
+            // RabbitMQ 3.10's quorum queues put `x-delivery-count: 0` on a first delivery
+            // taken with `basic.get` (and none on a consumer's): the model must too.
+            delivery_count: header(&o.headers, "x-delivery-count"),
             x_death,
             first_death: [
                 header(&o.headers, "x-first-death-queue"),

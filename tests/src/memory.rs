@@ -195,13 +195,14 @@ impl Harness for MemoryHarness {
     }
 
     async fn take_parked(&self, plan: &TopologyPlan) -> Vec<ParkedMessage> {
+        // Taken with gets, as the RabbitMQ harnesses take them.
         let reader = self.broker.connect();
-        let parked = reader
-            .consume(plan.parking_queue(), u16::MAX)
-            .await
-            .expect("consume the parking queue");
         let mut out = Vec::new();
-        while let Some(d) = parked.try_recv().expect("read the parking queue") {
+        while let Some(d) = reader
+            .fetch(plan.parking_queue())
+            .await
+            .expect("read the parking queue")
+        {
             reader
                 .settle_now(&d.tag, Settlement::Ack)
                 .expect("ack a parked message");

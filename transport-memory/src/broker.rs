@@ -222,6 +222,8 @@ pub(crate) struct Unacked {
     expiration: Option<Duration>,
     expires_at: Option<Timestamp>,
     delivery_count: u32,
+    /// Whether delivery added `x-delivery-count` to the headers.
+    counted: bool,
     /// Keeps the delivered message alive, so its address identifies it while it is in flight.
     pub(crate) message: Message,
     pub(crate) delivered_at: Timestamp,
@@ -232,7 +234,7 @@ impl Unacked {
     fn restore(self) -> Stored {
         let parts = self.message.parts();
         let mut headers = parts.headers.clone();
-        if self.delivery_count > 0 {
+        if self.counted {
             // Added at delivery by a quorum queue; the count itself is kept apart.
             headers.remove("x-delivery-count");
         }
@@ -588,9 +590,13 @@ impl State {
         let now = self.now;
         let queue = &self.queues[q];
         let max = queue.options.max_length;
-        if max.is_some_and(|max| {
-            queue.options.overflow == Overflow::RejectPublish && queue.ready.len() as u64 >= max
-        }) {
+        // A classic queue refuses the publish that would exceed the limit; a quorum queue
+        // only refuses once it is over the limit, so it takes one message past it.
+        let full = |max: u64| match queue.is_quorum() {
+            true => queue.ready.len() as u64 > max,
+            false => queue.ready.len() as u64 >= max,
+        };
+        if queue.options.overflow == Overflow::RejectPublish && max.is_some_and(full) {
             return false;
         }
         self.next_seq += 1;
@@ -608,8 +614,9 @@ impl State {
             self.dead_letter(q, m, DeathReason::Expired);
             return true;
         }
+        let drop_head = self.queues[q].options.overflow == Overflow::DropHead;
         self.queues[q].ready.push_back(m);
-        if let Some(max) = max {
+        if let Some(max) = max.filter(|_| drop_head) {
             while self.queues[q].ready.len() as u64 > max {
                 let Some(head) = self.queues[q].ready.pop_front() else {
                     break;
@@ -762,7 +769,10 @@ impl State {
             redelivered,
             delivery_count,
         } = m;
-        if quorum && delivery_count > 0 {
+        // A quorum queue counts returns in x-delivery-count: from the first return on for a
+        // consumer, and always, 0 included, for a get.
+        let counted = quorum && (delivery_count > 0 || consumer.is_none());
+        if counted {
             headers.insert("x-delivery-count", i64::from(delivery_count));
         }
         let redelivered = redelivered || (quorum && delivery_count > 0);
@@ -811,6 +821,7 @@ impl State {
                 expiration,
                 expires_at,
                 delivery_count: if quorum { delivery_count } else { 0 },
+                counted,
                 message,
                 delivered_at: self.now,
             },

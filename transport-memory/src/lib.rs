@@ -114,8 +114,11 @@
 //!   `x-first-death-queue`, `-reason` and `-exchange`; dead-letter cycles without a
 //!   rejection are dropped.
 //! * `x-max-length` with `x-overflow` `drop-head` (dead-letter the oldest, reason `maxlen`)
-//!   or `reject-publish` (nack the publish); only ready messages count.
-//! * Quorum queues: `x-delivery-count` (absent on the first delivery, counting returns),
+//!   or `reject-publish` (nack the publish); only ready messages count. A classic queue
+//!   refuses the publish that would exceed the limit, a quorum queue only once it is over
+//!   it (so with `x-max-length: 0` it takes one message), as RabbitMQ 3.10 does.
+//! * Quorum queues: `x-delivery-count` (absent on a consumer's first delivery, 0 on a
+//!   first `basic.get`, then counting returns),
 //!   `x-delivery-limit` (dead-letter with reason `delivery_limit`), at-least-once
 //!   dead-lettering (kept until routable) where RabbitMQ honours it.
 //! * Publisher confirms: ack, nack when a queue refuses, a return for an unroutable

@@ -427,6 +427,25 @@ fn a_full_reject_publish_queue_nacks_and_drop_head_dead_letters_with_maxlen() {
     ));
     assert_eq!(bodies(&broker, "bounded"), [b"1".to_vec()]);
 
+    // A quorum queue refuses only once it is over the limit: at 0 it takes one message.
+    broker
+        .declare_queue(
+            "bounded-quorum",
+            QueueOptions::new()
+                .with_queue_type(QueueType::Quorum)
+                .with_max_length(0)
+                .with_overflow(Overflow::RejectPublish),
+        )
+        .unwrap();
+    let confirms: Vec<_> = (0..4)
+        .map(|i| broker.publish(Outgoing::to_queue("bounded-quorum", vec![i])))
+        .collect();
+    assert_eq!(broker.ready("bounded-quorum"), Some(1));
+    assert_eq!(
+        confirms,
+        [Confirm::Ack, Confirm::Nack, Confirm::Nack, Confirm::Nack].map(Ok)
+    );
+
     broker
         .declare_queue("overflow", QueueOptions::new())
         .unwrap();
@@ -580,7 +599,7 @@ fn quorum_queues_count_deliveries_and_dead_letter_past_the_limit() {
         counts.push((
             d.message.headers().get("x-delivery-count").cloned(),
             d.facts.redelivered,
-            d.facts.delivery_count,
+            d.facts.x_delivery_count,
         ));
         conn.settle_now(&d.tag, Settlement::Requeue).unwrap();
     }
@@ -597,6 +616,28 @@ fn quorum_queues_count_deliveries_and_dead_letter_past_the_limit() {
     assert_eq!(parked.len(), 1);
     let deaths = x_death(&parked[0].headers);
     assert_eq!(text(&deaths[0], "reason"), "delivery_limit");
+
+    // A get from a quorum queue carries the count from the first delivery on, 0 included.
+    broker
+        .declare_queue(
+            "got",
+            QueueOptions::new().with_queue_type(QueueType::Quorum),
+        )
+        .unwrap();
+    broker
+        .publish(Outgoing::to_queue("got", b"g".to_vec()))
+        .unwrap();
+    let got = broker
+        .connect()
+        .fetch("got")
+        .now_or_never()
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        got.message.headers().get("x-delivery-count"),
+        Some(&HeaderValue::Int(0))
+    );
     assert_eq!(text(&deaths[0], "queue"), "work");
 }
 
