@@ -156,7 +156,8 @@ impl<T: Transport, H: Handler> Consumer<T, H> {
     }
 
     /// The topology the consumer needs; with [`ConsumerBuilder::provision`] left on, `run`
-    /// declares it before consuming.
+    /// declares it before consuming, and with it off `run` verifies it
+    /// ([`Transport::verify`]).
     pub fn plan(&self) -> &TopologyPlan {
         self.engine.plan()
     }
@@ -207,9 +208,10 @@ impl<T: Transport, H: Handler> Consumer<T, H> {
         &self.transport
     }
 
-    /// Provisions the topology (unless turned off), runs the suspects waiting in the
-    /// isolation queue, starts consuming the work queue, and runs until the transport has no
-    /// more deliveries and every held one is settled, or until `shutdown` resolves.
+    /// Provisions the topology (or, with provisioning off, verifies it), runs the suspects
+    /// waiting in the isolation queue, starts consuming the work queue, and runs until the
+    /// transport has no more deliveries and every held one is settled, or until `shutdown`
+    /// resolves.
     ///
     /// On shutdown the consumer stops receiving and lets in-flight handlers, publishes and
     /// settlements continue for the [shutdown grace](ConsumerBuilder::shutdown_grace).

@@ -26,8 +26,8 @@
 //!
 //! * [`Transport`]: what a broker binding implements: subscribe to a queue ([`Subscription`],
 //!   each with its own channel or link, prefetch and acknowledgement batching), fetch one
-//!   message at a time, publish with confirmation ([`PublishResult`]), settle, provision a
-//!   plan, and say what it can do ([`Capabilities`]). Time comes from the transport too, so a
+//!   message at a time, publish with confirmation ([`PublishResult`]), settle, provision or
+//!   verify a plan, and say what it can do ([`Capabilities`]). Time comes from the transport too, so a
 //!   simulated broker can run the same code on a virtual clock.
 //! * [`Handler`]: the user's code; plain `async fn(Message) -> Result<(), HandlerError>`
 //!   functions and closures are handlers.

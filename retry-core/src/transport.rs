@@ -120,8 +120,103 @@ pub trait Transport: Send + Sync + 'static {
     /// What this transport can do.
     fn capabilities(&self) -> Capabilities;
 
-    /// Declares (or verifies) everything in `plan`; idempotent.
+    /// Declares (or verifies) everything in `plan`; idempotent. A transport that cannot
+    /// declare (see [`Capabilities::declares_topology`]) verifies instead, as
+    /// [`verify`](Self::verify) does.
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError>;
+
+    /// Checks, without declaring anything, that every address the engine can send to under
+    /// `plan` exists, and fails with [`TransportError::MissingAddress`] naming what does
+    /// not. The [`Consumer`](crate::Consumer) calls it before consuming when
+    /// [provisioning is off](crate::ConsumerBuilder::provision); with provisioning on it
+    /// calls [`provision`](Self::provision) instead, which must verify as much.
+    ///
+    /// The default does nothing and returns `Ok(())`. That is right for a transport whose
+    /// broker reports an unroutable publish, as AMQP 0-9-1 does with `mandatory` (the
+    /// publish comes back [`PublishResult::Returned`] and the original is requeued), and for
+    /// one that cannot lose a publish (the in-memory broker). A transport whose broker
+    /// accepts a publish to a missing queue and drops it, such as RabbitMQ's AMQP 1.0
+    /// plugin, must implement it, and must never send to an address it has not verified.
+    /// A transport that wraps another must forward it, or the default hides the inner
+    /// transport's check.
+    ///
+    /// ```
+    /// # use async_trait::async_trait;
+    /// # use retry_core::*;
+    /// # use std::time::Duration;
+    /// /// A broker that drops a publish to a missing queue, so it checks first.
+    /// struct Broker {
+    ///     queues: Vec<String>,
+    /// }
+    ///
+    /// #[async_trait]
+    /// impl Transport for Broker {
+    /// #   type Tag = u64;
+    /// #   type Subscription = Broker;
+    /// #   fn capabilities(&self) -> Capabilities { Capabilities::default() }
+    /// #   async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+    /// #       self.verify(plan).await
+    /// #   }
+    ///     async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+    ///         let missing: Vec<&str> = plan
+    ///             .queues()
+    ///             .iter()
+    ///             .map(|q| q.name.as_str())
+    ///             .filter(|name| !self.queues.iter().any(|q| q == name))
+    ///             .collect();
+    ///         if missing.is_empty() {
+    ///             return Ok(());
+    ///         }
+    ///         Err(TransportError::MissingAddress {
+    ///             address: missing.join(", "),
+    ///             hint: "declare the topology first".into(),
+    ///         })
+    ///     }
+    ///     // ...
+    /// #   async fn consume(&self, _: &str, _: u16) -> Result<Broker, TransportError> {
+    /// #       unreachable!("never consumes: the plan does not verify")
+    /// #   }
+    /// #   async fn fetch(&self, _: &str) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #   async fn ready(&self, _: &str, _: Duration) -> Result<(), TransportError> { Ok(()) }
+    /// #   async fn publish(&self, _: &Message, _: &Publish) -> PublishResult { PublishResult::Confirmed }
+    /// #   async fn settle(&self, _: &u64, _: Settlement) -> Result<(), TransportError> { Ok(()) }
+    /// }
+    /// # #[async_trait]
+    /// # impl Subscription for Broker {
+    /// #     type Tag = u64;
+    /// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #     async fn cancel(&self) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn flush(&self) -> Result<(), TransportError> { Ok(()) }
+    /// # }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// // Someone deleted the delay queue: every queue but that one exists.
+    /// let queues = ["comments", "comments.suspect", "comments.crash.30s", "comments.parking"];
+    /// let broker = Broker { queues: queues.map(String::from).to_vec() };
+    /// async fn handle(_: Message) -> Result<(), HandlerError> { Ok(()) }
+    ///
+    /// // With provisioning off the consumer still verifies, and refuses to start.
+    /// let err = Consumer::builder(broker, policy, handle)
+    ///     .queue("comments")
+    ///     .provision(false)
+    ///     .build()?
+    ///     .run(std::future::pending())
+    ///     .await
+    ///     .unwrap_err();
+    /// let ConsumerError::Verify { source: TransportError::MissingAddress { address, .. }, .. } = err
+    /// else {
+    ///     panic!("{err}")
+    /// };
+    /// assert_eq!(address, "comments.retry.30s");
+    /// # Ok(())
+    /// # }
+    /// ```
+    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        let _ = plan;
+        Ok(())
+    }
 
     /// Starts consuming `queue` with at most `prefetch` unsettled deliveries. Each call makes
     /// a new subscription with a channel or link, prefetch and acknowledgement batching of
@@ -202,6 +297,10 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
 
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
         (**self).provision(plan).await
+    }
+
+    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        (**self).verify(plan).await
     }
 
     async fn consume(

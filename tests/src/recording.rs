@@ -131,6 +131,10 @@ impl<T: Transport> Transport for Recorded<T> {
         self.inner.provision(plan).await
     }
 
+    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        self.inner.verify(plan).await
+    }
+
     async fn consume(
         &self,
         queue: &str,

@@ -34,7 +34,7 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// | [`solo_limit`](Self::solo_limit) | 32 suspects or 5 s per solo phase |
 /// | [`suspect_poll`](Self::suspect_poll) | 5 s |
 /// | [`topology`](Self::topology) | classic queues, one TTL queue per delay |
-/// | [`provision`](Self::provision) | on |
+/// | [`provision`](Self::provision) | on (off: the plan is only verified) |
 /// | [`on_terminal`](Self::on_terminal) | none |
 ///
 /// ```
@@ -192,8 +192,11 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         self
     }
 
-    /// Whether `run` declares the topology plan before consuming. Default on; turn it off
-    /// when the topology is managed elsewhere.
+    /// Whether `run` declares the topology plan before consuming
+    /// ([`Transport::provision`]). Default on; turn it off when the topology is managed
+    /// elsewhere. Off, `run` still checks the plan with [`Transport::verify`] and stops with
+    /// [`ConsumerError::Verify`](crate::ConsumerError::Verify) if something the engine sends
+    /// to is missing (a no-op on transports whose broker reports an unroutable publish).
     pub fn provision(mut self, provision: bool) -> Self {
         self.provision = provision;
         self

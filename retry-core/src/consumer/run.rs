@@ -57,6 +57,17 @@ pub enum ConsumerError {
         /// The transport's error.
         source: TransportError,
     },
+    /// Verifying the topology plan failed, with provisioning turned off
+    /// ([`ConsumerBuilder::provision`](crate::ConsumerBuilder::provision)): something the
+    /// engine sends to is missing (see [`Transport::verify`]), or the broker could not be
+    /// asked. Nothing was consumed.
+    #[error("verifying the topology of queue {queue:?} (provisioning is off) failed: {source}")]
+    Verify {
+        /// The work queue.
+        queue: String,
+        /// The transport's error.
+        source: TransportError,
+    },
     /// Starting to consume failed.
     #[error("starting to consume queue {queue:?} failed: {source}")]
     Consume {
@@ -172,18 +183,24 @@ pub(super) async fn run<T: Transport, H: Handler>(
 
     // Shutdown is honoured during setup too: a broker that never answers must not keep the
     // process from stopping. Nothing is held yet, so there is nothing to leave behind.
-    if config.provision {
-        let provisioned = transport.provision(engine.plan());
-        match until_shutdown(provisioned, shutdown.as_mut()).await {
-            None => return Ok(RunReport::default()),
-            Some(Err(source)) => {
-                return Err(ConsumerError::Provision {
-                    queue: config.queue.clone(),
-                    source,
-                });
-            }
-            Some(Ok(())) => {}
+    // Without provisioning the plan is still verified: a transport whose broker drops a
+    // publish to a missing queue must not start sending clones into the void.
+    let setup = if config.provision {
+        transport.provision(engine.plan())
+    } else {
+        transport.verify(engine.plan())
+    };
+    match until_shutdown(setup, shutdown.as_mut()).await {
+        None => return Ok(RunReport::default()),
+        Some(Err(source)) => {
+            let queue = config.queue.clone();
+            return Err(if config.provision {
+                ConsumerError::Provision { queue, source }
+            } else {
+                ConsumerError::Verify { queue, source }
+            });
         }
+        Some(Ok(())) => {}
     }
 
     let isolation = engine.plan().isolation_queue().to_owned();
