@@ -128,19 +128,35 @@ pub(crate) enum ProbeError {
     Failed(TransportError),
 }
 
-/// Checks that `address` exists. A refused attach ends the whole session on RabbitMQ, so
-/// each probe gets a session of its own.
-pub(crate) async fn probe(
+/// Begins the session one probe runs on: a refused attach ends the whole session on
+/// RabbitMQ, so each probe gets a session of its own. Only this needs the connection; the
+/// probe itself runs on the session, so the connection is free for sends meanwhile.
+pub(crate) async fn probe_session(
     connection: &mut ConnectionHandle<()>,
+    after: Duration,
+) -> Result<SessionHandle<()>, TransportError> {
+    match timeout(after, Session::begin(connection)).await {
+        Ok(Ok(session)) => Ok(session),
+        Ok(Err(e)) => Err(TransportError::Connection(e.to_string())),
+        Err(_) => Err(TransportError::Timeout {
+            operation: "beginning a session to verify an address",
+            after,
+        }),
+    }
+}
+
+/// Checks that `address` exists on `session` (see [`probe_session`]). The answer is the
+/// attach's: the probe link is detached and the session ended in the background, as
+/// RabbitMQ 3.10 now and then takes up to a second to answer an `end` and nothing depends
+/// on it.
+pub(crate) async fn probe(
+    mut session: SessionHandle<()>,
     address: &str,
     how: Probe,
     after: Duration,
 ) -> Result<(), ProbeError> {
-    let work = async {
-        let mut session = Session::begin(connection)
-            .await
-            .map_err(|e| ProbeError::Failed(TransportError::Connection(e.to_string())))?;
-        let outcome = match how {
+    let attach = async {
+        match how {
             Probe::Receiver => match Receiver::builder()
                 .name(link_name("probe"))
                 .source(address)
@@ -148,10 +164,7 @@ pub(crate) async fn probe(
                 .attach(&mut session)
                 .await
             {
-                Ok(receiver) => {
-                    let _ = receiver.detach().await;
-                    Ok(())
-                }
+                Ok(receiver) => Ok(Attached::Receiver(receiver)),
                 Err(e) => Err(classify_receiver(e)),
             },
             Probe::Sender => match Sender::builder()
@@ -160,23 +173,44 @@ pub(crate) async fn probe(
                 .attach(&mut session)
                 .await
             {
-                Ok(sender) => {
-                    let _ = sender.detach().await;
-                    Ok(())
-                }
+                Ok(sender) => Ok(Attached::Sender(sender)),
                 Err(e) => Err(classify_sender(e)),
             },
-        };
-        end_session(&mut session).await;
-        outcome
+        }
     };
-    match timeout(after, work).await {
-        Ok(outcome) => outcome,
-        Err(_) => Err(ProbeError::Failed(TransportError::Timeout {
-            operation: "verifying an address",
-            after,
-        })),
-    }
+    let (outcome, attached) = match timeout(after, attach).await {
+        Ok(Ok(link)) => (Ok(()), Some(link)),
+        Ok(Err(e)) => (Err(e), None),
+        Err(_) => (
+            Err(ProbeError::Failed(TransportError::Timeout {
+                operation: "verifying an address",
+                after,
+            })),
+            None,
+        ),
+    };
+    tokio::spawn(async move {
+        let detaching = async {
+            match attached {
+                Some(Attached::Receiver(receiver)) => {
+                    let _ = receiver.detach().await;
+                }
+                Some(Attached::Sender(sender)) => {
+                    let _ = sender.detach().await;
+                }
+                None => {}
+            }
+        };
+        let _ = timeout(after, detaching).await;
+        end_session(&mut session).await;
+    });
+    outcome
+}
+
+/// A probe link, detached once the probe has its answer.
+enum Attached {
+    Receiver(Receiver),
+    Sender(Sender),
 }
 
 /// Ends a session unless the broker already has, waiting a second at most: RabbitMQ 3.10

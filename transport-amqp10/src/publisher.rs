@@ -1,5 +1,6 @@
 //! The publishing connection: one session, one sender per address, every send bounded by a
-//! timeout.
+//! timeout and preceded by a verification of its address that is no older than the
+//! re-verification age and was made on the same connection.
 //!
 //! It is a connection of its own, apart from the consumer's: on RabbitMQ 3.x a send refused by
 //! a full `reject-publish` queue crashes the broker's session process and the whole
@@ -7,8 +8,9 @@
 //! down only the publishing side, so the original can still be released on the consumer's
 //! link and is requeued, not left to a dying connection.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use fe2o3_amqp::connection::ConnectionHandle;
@@ -23,6 +25,11 @@ use tracing::{debug, warn};
 
 use crate::config::{Amqp10Config, Endpoint};
 use crate::connection::{self, Probe, ProbeError, end_session, link_name};
+use crate::transport::provision_hint;
+use crate::verification::Verifications;
+
+/// No connection has been opened yet.
+const NO_GENERATION: u64 = u64::MAX;
 
 struct Live {
     generation: u64,
@@ -35,8 +42,10 @@ pub(crate) struct Publisher {
     endpoint: Endpoint,
     config: Amqp10Config,
     live: Mutex<Option<Live>>,
-    generations: std::sync::atomic::AtomicU64,
-    verified: std::sync::Mutex<HashSet<String>>,
+    generations: AtomicU64,
+    /// The generation of the connection opened last, readable without the `live` lock.
+    current: AtomicU64,
+    verifications: Verifications,
 }
 
 impl Publisher {
@@ -45,8 +54,9 @@ impl Publisher {
             endpoint,
             config,
             live: Mutex::new(None),
-            generations: std::sync::atomic::AtomicU64::new(0),
-            verified: std::sync::Mutex::new(HashSet::new()),
+            generations: AtomicU64::new(0),
+            current: AtomicU64::new(NO_GENERATION),
+            verifications: Verifications::default(),
         }
     }
 
@@ -75,9 +85,9 @@ impl Publisher {
                 after: self.config.operation_timeout(),
             })?
             .map_err(|e| TransportError::Connection(e.to_string()))?;
-            let generation = self
-                .generations
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+            // Every address is verified again on the new connection before a send to it.
+            self.current.store(generation, Ordering::Release);
             debug!(generation, broker = %self.endpoint.redacted, "publisher connected");
             *live = Some(Live {
                 generation,
@@ -109,32 +119,42 @@ impl Publisher {
         }
     }
 
-    /// Whether `address` was verified on this transport.
-    pub(crate) fn is_verified(&self, address: &str) -> bool {
-        self.verified
-            .lock()
-            .map(|v| v.contains(address))
-            .unwrap_or(false)
+    /// Probes `address` now, whenever it was last verified; the connection's generation.
+    pub(crate) async fn verify(&self, address: &str, how: Probe) -> Result<u64, ProbeError> {
+        self.verified(address, how, true).await
     }
 
-    /// Checks that `address` exists, on a session of its own.
-    pub(crate) async fn verify(&self, address: &str, how: Probe) -> Result<(), ProbeError> {
-        if self.is_verified(address) {
-            return Ok(());
-        }
-        let mut live = self.live.lock().await;
-        let current = self.ensure(&mut live).await.map_err(ProbeError::Failed)?;
-        connection::probe(
-            &mut current.connection,
-            address,
-            how,
-            self.config.operation_timeout(),
-        )
-        .await?;
-        if let Ok(mut v) = self.verified.lock() {
-            v.insert(address.to_owned());
-        }
-        Ok(())
+    /// Makes sure `address` was verified on the current connection less than the
+    /// re-verification age ago, probing it if not (`force` probes anyway). Answers the
+    /// generation of the connection it was verified on.
+    ///
+    /// Probes of one address are single-flight: a send that waited while another probed
+    /// takes that probe's answer instead of probing again.
+    async fn verified(&self, address: &str, how: Probe, force: bool) -> Result<u64, ProbeError> {
+        let slot = self.verifications.slot(address);
+        let current = || self.current.load(Ordering::Acquire);
+        let probe = || async {
+            let after = self.config.operation_timeout();
+            // The connection is held only to begin the probe's session: sends go on while
+            // the probe attaches.
+            let (session, generation) = {
+                let mut live = self.live.lock().await;
+                let current = self.ensure(&mut live).await?;
+                let session = connection::probe_session(&mut current.connection, after).await?;
+                (session, current.generation)
+            };
+            let outcome = connection::probe(session, address, how, after).await;
+            match &outcome {
+                Ok(()) => debug!(address, generation, "verified"),
+                Err(ProbeError::Missing(why)) => debug!(address, generation, %why, "missing"),
+                Err(ProbeError::Failed(e)) => {
+                    debug!(address, generation, error = %e, "probe failed");
+                }
+            }
+            Ok((generation, outcome))
+        };
+        slot.verify(current, self.config.reverify_after(), force, probe)
+            .await
     }
 
     async fn sender(&self, address: &str) -> Result<(Arc<Mutex<Sender>>, u64), TransportError> {
@@ -156,28 +176,46 @@ impl Publisher {
         Ok((sender, current.generation))
     }
 
-    /// Sends `message` unsettled and waits for the broker's outcome, at most the publish
-    /// timeout in all (connecting and waiting for link credit included).
+    /// Sends `message` unsettled to `address` and waits for the broker's outcome, at most
+    /// the publish timeout in all (connecting, verifying and waiting for link credit
+    /// included).
+    ///
+    /// `address` is verified first (with `how`) unless it was verified on this connection
+    /// less than the re-verification age ago: a missing one fails with
+    /// [`TransportError::MissingAddress`], and nothing is sent.
     pub(crate) async fn send(
         &self,
         address: &str,
+        how: Probe,
         message: AmqpMessage<Body<Value>>,
     ) -> PublishResult {
         let after = self.config.publish_timeout();
         let mut generation = None;
         let attempt = async {
-            let (sender, g) = self.sender(address).await?;
+            let verified_on = self.verified(address, how, false).await?;
+            let (sender, g) = self.sender(address).await.map_err(ProbeError::Failed)?;
             generation = Some(g);
+            if g != verified_on && self.verified(address, how, false).await? != g {
+                return Err(ProbeError::Failed(TransportError::Connection(format!(
+                    "the publishing connection was replaced while verifying {address}"
+                ))));
+            }
             // The link is held only to hand the transfer over; the outcome is awaited
             // without it, so concurrent publishes to one address pipeline.
             let pending = {
                 let mut sender = sender.lock().await;
                 sender.send_batchable(message).await
             }
-            .map_err(|e| TransportError::Connection(format!("sending to {address}: {e}")))?;
-            pending
-                .await
-                .map_err(|e| TransportError::Connection(format!("sending to {address}: {e}")))
+            .map_err(|e| {
+                ProbeError::Failed(TransportError::Connection(format!(
+                    "sending to {address}: {e}"
+                )))
+            })?;
+            pending.await.map_err(|e| {
+                ProbeError::Failed(TransportError::Connection(format!(
+                    "sending to {address}: {e}"
+                )))
+            })
         };
         let result = timeout(after, attempt).await;
         match result {
@@ -186,16 +224,21 @@ impl Publisher {
                 debug!(address, outcome = ?other, "publish refused");
                 PublishResult::Refused
             }
-            Ok(Err(e)) => {
-                if let Some(g) = generation {
-                    self.discard(g).await;
-                }
+            Ok(Err(ProbeError::Missing(why))) => {
+                PublishResult::Failed(TransportError::MissingAddress {
+                    address: address.to_owned(),
+                    hint: format!("{why}; {}", provision_hint(&self.config.profile())),
+                })
+            }
+            // The connection failed us, verifying or sending: it cannot be trusted any more.
+            Ok(Err(ProbeError::Failed(e))) => {
+                self.discard(generation.unwrap_or_else(|| self.current.load(Ordering::Acquire)))
+                    .await;
                 PublishResult::Failed(e)
             }
             Err(_) => {
-                if let Some(g) = generation {
-                    self.discard(g).await;
-                }
+                self.discard(generation.unwrap_or_else(|| self.current.load(Ordering::Acquire)))
+                    .await;
                 PublishResult::Failed(TransportError::Timeout {
                     operation: "publish",
                     after,

@@ -120,13 +120,11 @@ fn key(route: &Route) -> (String, String) {
     (route.exchange.to_string(), route.routing_key.to_string())
 }
 
-/// Where a clone goes.
+/// Where a clone goes, and how that address is verified before a send.
 #[derive(Debug, PartialEq, Eq)]
 struct Target {
     address: String,
     probe: Probe,
-    /// What the probe checks when it is not `address` itself.
-    probe_address: Option<String>,
     native_delay: bool,
 }
 
@@ -208,8 +206,16 @@ impl Amqp10Transport {
 
     /// Checks that everything in `plan` exists, without declaring anything, and learns the
     /// plan's routes. Every missing object is named in one
-    /// [`TransportError::MissingAddress`]. On the RabbitMQ profile this is what
-    /// [`provision`](Transport::provision) does.
+    /// [`TransportError::MissingAddress`]. This is what [`provision`](Transport::provision)
+    /// and [`Transport::verify`] do, so a [`Consumer`](retry_core::Consumer) verifies the
+    /// plan before consuming whether or not it provisions. Until a plan is verified no clone
+    /// can be sent on its routes: a route no verified plan knows fails with
+    /// `MissingAddress`.
+    ///
+    /// Every address is probed now, however recently it was verified. After that, a send
+    /// probes its address again when its verification is older than
+    /// [`Amqp10Config::with_reverify_after`] or was made on an earlier publishing
+    /// connection.
     ///
     /// On RabbitMQ queues are probed by attaching a receiver with no credit (`/amq/queue/NAME`
     /// never declares, so a missing queue fails NOT_FOUND) and exchanges by attaching a
@@ -223,7 +229,7 @@ impl Amqp10Transport {
         let mut missing = Vec::new();
         for (what, address, probe) in checks {
             match self.shared.publisher.verify(&address, probe).await {
-                Ok(()) => debug!(%address, "verified"),
+                Ok(_) => debug!(%address, "verified"),
                 Err(ProbeError::Missing(why)) => {
                     debug!(%address, %why, "missing");
                     missing.push(what);
@@ -289,7 +295,6 @@ impl Routes {
             return Ok(Target {
                 address: profile.queue_address(destination),
                 probe: Probe::Sender,
-                probe_address: None,
                 native_delay: true,
             });
         }
@@ -301,7 +306,6 @@ impl Routes {
             return Ok(Target {
                 address: profile.queue_address(queue),
                 probe: queue_probe,
-                probe_address: None,
                 native_delay: false,
             });
         }
@@ -309,26 +313,18 @@ impl Routes {
             return Ok(Target {
                 address: profile.queue_address(&route.routing_key),
                 probe: queue_probe,
-                probe_address: None,
                 native_delay: false,
             });
         }
-        match profile {
-            // Not from a verified plan: the exchange can be checked, its binding cannot.
-            BrokerProfile::RabbitMq3 => Ok(Target {
-                address: format!("/exchange/{}/{}", route.exchange, route.routing_key),
-                probe: Probe::Sender,
-                probe_address: Some(profile.exchange_address(&route.exchange)),
-                native_delay: false,
-            }),
-            BrokerProfile::Generic(_) => Err(TransportError::MissingAddress {
-                address: format!(
-                    "exchange {} with routing key {}",
-                    route.exchange, route.routing_key
-                ),
-                hint: "the generic profile sends only to the queues of a provisioned plan: call provision first".into(),
-            }),
-        }
+        // Not from a verified plan. Its exchange could be checked, but not its binding (AMQP
+        // 1.0 cannot see bindings), and RabbitMQ drops an unroutable send without a word.
+        Err(TransportError::MissingAddress {
+            address: format!(
+                "the queue behind exchange {:?} with routing key {:?}",
+                route.exchange, route.routing_key
+            ),
+            hint: "no verified plan routes it: this transport sends only to queues it has verified (`provision` or `verify` with the plan first; a Consumer does one of them before consuming)".into(),
+        })
     }
 }
 
@@ -352,7 +348,14 @@ impl Transport for Amqp10Transport {
     /// Verifies the plan (see [`verify`](Amqp10Transport::verify)): neither profile declares
     /// topology over AMQP 1.0.
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        self.verify(plan).await
+        Amqp10Transport::verify(self, plan).await
+    }
+
+    /// Verifies the plan (see [`verify`](Amqp10Transport::verify)). A
+    /// [`Consumer`](retry_core::Consumer) with provisioning off calls this before
+    /// consuming: without it no route of the plan is known, and nothing can be sent.
+    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        Amqp10Transport::verify(self, plan).await
     }
 
     /// Attaches a new link on a connection of its own, with a credit of `prefetch`. A missing
@@ -422,28 +425,15 @@ impl Transport for Amqp10Transport {
         Ok(())
     }
 
+    /// Sends the clone to the verified queue its route is bound to. The address is probed
+    /// first if its verification is older than [`Amqp10Config::with_reverify_after`] or was
+    /// made on an earlier publishing connection; a missing one, or a route no verified plan
+    /// knows, fails with [`TransportError::MissingAddress`] and nothing is sent.
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
         let target = match self.target(&publish.route) {
             Ok(t) => t,
             Err(e) => return PublishResult::Failed(e),
         };
-        // RabbitMQ accepts and drops a send to a missing queue: never send anywhere unchecked.
-        let probe_address = target.probe_address.as_deref().unwrap_or(&target.address);
-        match self
-            .shared
-            .publisher
-            .verify(probe_address, target.probe)
-            .await
-        {
-            Ok(()) => {}
-            Err(ProbeError::Missing(why)) => {
-                return PublishResult::Failed(TransportError::MissingAddress {
-                    address: probe_address.to_owned(),
-                    hint: format!("{why}; {}", provision_hint(&self.profile())),
-                });
-            }
-            Err(ProbeError::Failed(e)) => return PublishResult::Failed(e),
-        }
         let schedule = match (target.native_delay, self.profile().native_delay()) {
             (true, Some(kind)) => Some(Schedule {
                 kind,
@@ -457,7 +447,12 @@ impl Transport for Amqp10Transport {
             _ => None,
         };
         let clone = build_clone(original, publish, schedule);
-        self.shared.publisher.send(&target.address, clone).await
+        // RabbitMQ accepts and drops a send to a missing queue: `send` verifies the address
+        // first unless it was verified on its connection within the re-verification age.
+        self.shared
+            .publisher
+            .send(&target.address, target.probe, clone)
+            .await
     }
 
     async fn settle(&self, tag: &Amqp10Tag, settlement: Settlement) -> Result<(), TransportError> {
@@ -585,6 +580,33 @@ mod tests {
         );
         let native = checked(&plan, &artemis);
         assert_eq!(native, ["orders", "orders.suspect", "orders.parking"]);
+    }
+
+    #[test]
+    fn a_route_no_verified_plan_knows_is_refused_on_every_profile() {
+        let plan = orders();
+        let (_, delay) = &plan.delay_routes()[0];
+        let generic = BrokerProfile::Generic(GenericProfile::new());
+        for profile in [BrokerProfile::RabbitMq3, generic] {
+            let err = Routes::default()
+                .target(&profile, delay)
+                .expect_err("no plan verified");
+            let TransportError::MissingAddress { address, hint } = &err else {
+                panic!("{err:?}")
+            };
+            assert!(address.contains("orders.retry"), "{address}");
+            assert!(hint.contains("verify"), "{hint}");
+        }
+        // A queue named by the default exchange is its own address, checked before a send.
+        let direct = Route {
+            exchange: "".into(),
+            routing_key: "orders.retry.1s".into(),
+        };
+        let target = Routes::default()
+            .target(&BrokerProfile::RabbitMq3, &direct)
+            .expect("target");
+        assert_eq!(target.address, "/amq/queue/orders.retry.1s");
+        assert_eq!(target.probe, Probe::Receiver);
     }
 
     #[test]

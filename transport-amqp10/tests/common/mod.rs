@@ -33,7 +33,6 @@ pub fn url091() -> String {
 /// The one place that decides whether a broker test runs: with a broker it runs; without
 /// one it is skipped loudly, unless `REQUIRE_BROKER` is set (CI), where it fails.
 pub async fn broker() -> Option<Broker> {
-    let required = std::env::var("REQUIRE_BROKER").is_ok_and(|v| !v.is_empty() && v != "0");
     let attempt = async {
         let setup = AmqpTransport::connect(AmqpConfig::new(url091()))
             .await
@@ -60,16 +59,7 @@ pub async fn broker() -> Option<Broker> {
                 Ok(Err(e)) => e,
                 _ => "no answer within 15 s".into(),
             };
-            if required {
-                panic!("REQUIRE_BROKER is set but no broker answers: {why}");
-            }
-            eprintln!(
-                "\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\
-                 !!! SKIPPING a RabbitMQ test: {why}\n\
-                 !!! Start RabbitMQ with `rabbitmq-plugins enable rabbitmq_amqp1_0`, or set\n\
-                 !!! REQUIRE_BROKER=1 to make this a failure.\n\
-                 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n"
-            );
+            transport_amqp091::testing::no_broker("a RabbitMQ test over AMQP 1.0", &why);
             None
         }
     }
