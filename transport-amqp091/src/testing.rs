@@ -1,6 +1,6 @@
-//! Support for tests that need a running broker: one reading of `REQUIRE_BROKER`, and a
-//! skip notice the test harness cannot swallow. Every broker test in this workspace uses
-//! it, and a user's own broker tests can too.
+//! Support for tests that need a running broker: one reading of `REQUIRE_BROKER`, a skip
+//! notice the test harness cannot swallow, and a [`LogRecorder`] to check what was logged.
+//! Every broker test in this workspace uses it, and a user's own broker tests can too.
 //!
 //! Without a broker, a test is skipped loudly; with `REQUIRE_BROKER` set to anything but
 //! empty or `0` (as CI sets it), it fails instead, so a broker test can never skip silently.
@@ -18,7 +18,13 @@
 //! }
 //! ```
 
+use std::fmt::Write as _;
 use std::io::Write;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
 
 /// The environment variable that makes broker tests mandatory.
 pub const REQUIRE_BROKER: &str = "REQUIRE_BROKER";
@@ -50,4 +56,96 @@ pub fn no_broker(what: &str, why: &str) {
          !!! make this a failure.\n\
          !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n"
     ));
+}
+
+/// A `tracing` subscriber that keeps every event and span, at every level and from every
+/// crate, as a line of text: to check what reaches the logs, such as that no password does.
+///
+/// ```
+/// use transport_amqp091::testing::LogRecorder;
+///
+/// let recorder = LogRecorder::default();
+/// tracing::subscriber::with_default(recorder.clone(), || {
+///     tracing::warn!(url = "amqp://app:****@broker", "connection lost");
+/// });
+/// assert_eq!(recorder.containing("connection lost").len(), 1);
+/// assert!(recorder.containing("secret").is_empty());
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct LogRecorder {
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl LogRecorder {
+    /// How many lines were recorded.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// The recorded lines that contain `text`.
+    pub fn containing(&self, text: &str) -> Vec<String> {
+        self.lock()
+            .iter()
+            .filter(|line| line.contains(text))
+            .cloned()
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.lines.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn keep(&self, line: Line) {
+        self.lock().push(line.0);
+    }
+}
+
+/// One line being written: a prefix, then ` name=value` per field.
+struct Line(String);
+
+impl Visit for Line {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        let _ = write!(self.0, " {}={value:?}", field.name());
+    }
+
+    fn record_str(&mut self, field: &Field, value: &str) {
+        let _ = write!(self.0, " {}={value}", field.name());
+    }
+}
+
+impl Subscriber for LogRecorder {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let mut line = Line(format!("span {}", span.metadata().name()));
+        span.record(&mut line);
+        self.keep(line);
+        Id::from_u64(1)
+    }
+
+    fn record(&self, _: &Id, values: &Record<'_>) {
+        let mut line = Line("record".into());
+        values.record(&mut line);
+        self.keep(line);
+    }
+
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+
+    fn event(&self, event: &Event<'_>) {
+        let meta = event.metadata();
+        let mut line = Line(format!("{} {}", meta.level(), meta.target()));
+        event.record(&mut line);
+        self.keep(line);
+    }
+
+    fn enter(&self, _: &Id) {}
+
+    fn exit(&self, _: &Id) {}
 }

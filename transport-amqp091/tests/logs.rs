@@ -5,84 +5,17 @@
 
 mod common;
 
-use std::fmt::Write as _;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use common::*;
 use retry_core::{Subscription, Transport};
-use tracing::field::{Field, Visit};
-use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Metadata, Subscriber};
+use transport_amqp091::testing::LogRecorder;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
-
-/// Every event and span field, as text.
-static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-struct Recorder;
-
-struct Line(String);
-
-impl Visit for Line {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        let _ = write!(self.0, " {}={value:?}", field.name());
-    }
-
-    fn record_str(&mut self, field: &Field, value: &str) {
-        let _ = write!(self.0, " {}={value}", field.name());
-    }
-}
-
-fn keep(line: Line) {
-    LINES.lock().unwrap().push(line.0);
-}
-
-impl Subscriber for Recorder {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-
-    fn new_span(&self, span: &Attributes<'_>) -> Id {
-        let mut line = Line(format!("span {}", span.metadata().name()));
-        span.record(&mut line);
-        keep(line);
-        Id::from_u64(1)
-    }
-
-    fn record(&self, _: &Id, values: &Record<'_>) {
-        let mut line = Line("record".into());
-        values.record(&mut line);
-        keep(line);
-    }
-
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-
-    fn event(&self, event: &Event<'_>) {
-        let meta = event.metadata();
-        let mut line = Line(format!("{} {}", meta.level(), meta.target()));
-        event.record(&mut line);
-        keep(line);
-    }
-
-    fn enter(&self, _: &Id) {}
-
-    fn exit(&self, _: &Id) {}
-}
-
-/// The recorded lines that contain `secret`.
-fn leaks(secret: &str) -> Vec<String> {
-    LINES
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|l| l.contains(secret))
-        .cloned()
-        .collect()
-}
 
 #[tokio::test]
 async fn passwords_never_reach_the_logs() {
-    tracing::subscriber::set_global_default(Recorder).expect("the only subscriber");
+    let logs = LogRecorder::default();
+    tracing::subscriber::set_global_default(logs.clone()).expect("the only subscriber");
 
     // A TLS handshake against the plain port fails.
     let tls = AmqpConfig::new("amqps://guest:tls-secret-4711@127.0.0.1:5672/%2f")
@@ -140,14 +73,17 @@ async fn passwords_never_reach_the_logs() {
     assert!(matches!(got, Ok(Ok(Some(_)))), "{got:?}");
     assert_eq!(recovered, 1, "the connection was recovered");
 
-    let lines = LINES.lock().unwrap().len();
-    assert!(lines > 10, "only {lines} lines recorded");
+    assert!(logs.len() > 10, "only {} lines recorded", logs.len());
     for secret in [
         "tls-secret-4711",
         "refused-secret-4711",
         "wrong-secret-4711",
         &secret,
     ] {
-        assert_eq!(leaks(secret), Vec::<String>::new(), "{secret} was logged");
+        assert_eq!(
+            logs.containing(secret),
+            Vec::<String>::new(),
+            "{secret} was logged"
+        );
     }
 }
