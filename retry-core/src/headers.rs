@@ -5,7 +5,8 @@
 //! [`EngineHeaders::write_into`] or [`clone_headers`]. The schema is documented in the crate
 //! docs.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::fmt;
 use std::time::Duration;
 
 use crate::time::{Timestamp, duration_millis};
@@ -104,6 +105,11 @@ impl From<bool> for HeaderValue {
 
 /// An ordered map of header names to values.
 ///
+/// Kept as a vector sorted by name: header maps are small, and a vector clones with one
+/// allocation where a tree allocates per node. Names the engine and brokers write
+/// (`x-retry-*`, `x-death` and its fields, ...) are stored as `&'static str`, so copying or
+/// rewriting them allocates nothing.
+///
 /// ```
 /// use retry_core::{HeaderValue, Headers};
 ///
@@ -111,18 +117,85 @@ impl From<bool> for HeaderValue {
 /// h.insert("x-retry-attempts", 2i64);
 /// assert_eq!(h.get("x-retry-attempts"), Some(&HeaderValue::Int(2)));
 /// ```
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Headers(BTreeMap<String, HeaderValue>);
+#[derive(Clone, Default, PartialEq)]
+pub struct Headers(Vec<(Name, HeaderValue)>);
+
+/// A header name: a well-known one shared, any other owned.
+type Name = Cow<'static, str>;
+
+/// Names stored without allocating, sorted for a binary search.
+const WELL_KNOWN: [&str; 24] = [
+    "count",
+    "exchange",
+    "original-expiration",
+    "queue",
+    "reason",
+    "routing-keys",
+    "time",
+    "x-death",
+    "x-delivery-count",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-queue",
+    "x-last-death-reason",
+    ATTEMPTS,
+    CRASHES,
+    DELAY,
+    FIRST_FAILURE,
+    LAST_ERROR,
+    LAST_FAILURE,
+    ORIGIN_EXCHANGE,
+    ORIGIN_QUEUE,
+    ORIGIN_ROUTING_KEY,
+    REASON,
+];
+
+fn well_known(name: &str) -> Option<&'static str> {
+    WELL_KNOWN.binary_search(&name).ok().map(|i| WELL_KNOWN[i])
+}
+
+/// A name read or built at run time: a well-known one is shared rather than kept.
+fn name_of(name: String) -> Name {
+    match well_known(&name) {
+        Some(known) => Cow::Borrowed(known),
+        None => Cow::Owned(name),
+    }
+}
 
 impl Headers {
     /// An empty map.
     pub fn new() -> Self {
-        Headers(BTreeMap::new())
+        Headers(Vec::new())
+    }
+
+    /// An empty map with room for `n` entries.
+    pub fn with_capacity(n: usize) -> Self {
+        Headers(Vec::with_capacity(n))
+    }
+
+    /// Where `name` is, or where it would go. Most maps are small and most lookups are for
+    /// names already there: those are found by a scan for an equal name, which compares
+    /// lengths before bytes, rather than by a binary search that orders whole names at
+    /// every step.
+    fn find(&self, name: &str) -> Result<usize, usize> {
+        const SCAN: usize = 16;
+        if self.0.len() <= SCAN {
+            let same = |(k, _): &(Name, HeaderValue)| {
+                let k: &str = k;
+                k.len() == name.len() && (std::ptr::eq(k, name) || k == name)
+            };
+            return match self.0.iter().position(same) {
+                Some(i) => Ok(i),
+                None => Err(self.0.partition_point(|(k, _)| k.as_ref() < name)),
+            };
+        }
+        self.0.binary_search_by(|(k, _)| k.as_ref().cmp(name))
     }
 
     /// The value of `name`, if present.
     pub fn get(&self, name: &str) -> Option<&HeaderValue> {
-        self.0.get(name)
+        self.find(name).ok().map(|i| &self.0[i].1)
     }
 
     /// Sets `name`, returning the previous value.
@@ -131,17 +204,46 @@ impl Headers {
         name: impl Into<String>,
         value: impl Into<HeaderValue>,
     ) -> Option<HeaderValue> {
-        self.0.insert(name.into(), value.into())
+        let name: String = name.into();
+        self.set(name_of(name), value.into())
+    }
+
+    /// Sets `name`, as [`insert`](Self::insert) does, without allocating for the name: for
+    /// names known when compiling, such as this module's constants.
+    ///
+    /// ```
+    /// use retry_core::{headers, HeaderValue, Headers};
+    ///
+    /// let mut h = Headers::new();
+    /// h.insert_static(headers::ATTEMPTS, 1i64);
+    /// assert_eq!(h.insert_static(headers::ATTEMPTS, 2i64), Some(HeaderValue::Int(1)));
+    /// ```
+    pub fn insert_static(
+        &mut self,
+        name: &'static str,
+        value: impl Into<HeaderValue>,
+    ) -> Option<HeaderValue> {
+        self.set(Cow::Borrowed(name), value.into())
+    }
+
+    fn set(&mut self, name: Name, value: HeaderValue) -> Option<HeaderValue> {
+        match self.find(&name) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, value)),
+            Err(i) => {
+                self.0.insert(i, (name, value));
+                None
+            }
+        }
     }
 
     /// Removes `name`, returning its value.
     pub fn remove(&mut self, name: &str) -> Option<HeaderValue> {
-        self.0.remove(name)
+        self.find(name).ok().map(|i| self.0.remove(i).1)
     }
 
     /// The entries in name order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &HeaderValue)> {
-        self.0.iter().map(|(k, v)| (k.as_str(), v))
+        self.0.iter().map(|(k, v)| (k.as_ref(), v))
     }
 
     /// The number of entries.
@@ -155,21 +257,54 @@ impl Headers {
     }
 }
 
+impl fmt::Debug for Headers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        struct Entries<'a>(&'a Headers);
+        impl fmt::Debug for Entries<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_map().entries(self.0.iter()).finish()
+            }
+        }
+        f.debug_tuple("Headers").field(&Entries(self)).finish()
+    }
+}
+
 impl<K: Into<String>, V: Into<HeaderValue>> FromIterator<(K, V)> for Headers {
+    /// A later entry with the same name replaces an earlier one.
     fn from_iter<I: IntoIterator<Item = (K, V)>>(iter: I) -> Self {
-        Headers(
-            iter.into_iter()
-                .map(|(k, v)| (k.into(), v.into()))
-                .collect(),
-        )
+        let mut entries: Vec<(Name, HeaderValue)> = iter
+            .into_iter()
+            .map(|(k, v)| (name_of(k.into()), v.into()))
+            .collect();
+        // Latest first, so that the stable sort keeps it first among equal names.
+        entries.reverse();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries.dedup_by(|later, kept| later.0 == kept.0);
+        Headers(entries)
+    }
+}
+
+/// The entries of a [`Headers`], by value, in name order.
+#[derive(Debug)]
+pub struct IntoIter(std::vec::IntoIter<(Name, HeaderValue)>);
+
+impl Iterator for IntoIter {
+    type Item = (String, HeaderValue);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.0.next().map(|(k, v)| (k.into_owned(), v))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.0.size_hint()
     }
 }
 
 impl IntoIterator for Headers {
     type Item = (String, HeaderValue);
-    type IntoIter = std::collections::btree_map::IntoIter<String, HeaderValue>;
+    type IntoIter = IntoIter;
     fn into_iter(self) -> Self::IntoIter {
-        self.0.into_iter()
+        IntoIter(self.0.into_iter())
     }
 }
 
@@ -209,23 +344,23 @@ pub struct EngineHeaders {
 impl EngineHeaders {
     /// Writes these headers into `headers`, replacing earlier engine values.
     pub fn write_into(&self, headers: &mut Headers) {
-        headers.insert(ATTEMPTS, i64::from(self.attempts));
-        headers.insert(CRASHES, i64::from(self.crashes));
+        headers.insert_static(ATTEMPTS, i64::from(self.attempts));
+        headers.insert_static(CRASHES, i64::from(self.crashes));
         if let Some(t) = self.first_failure {
-            headers.insert(FIRST_FAILURE, millis_value(t.as_millis()));
+            headers.insert_static(FIRST_FAILURE, millis_value(t.as_millis()));
         }
         if let Some(t) = self.last_failure {
-            headers.insert(LAST_FAILURE, millis_value(t.as_millis()));
+            headers.insert_static(LAST_FAILURE, millis_value(t.as_millis()));
         }
         if let Some(e) = &self.last_error {
-            headers.insert(LAST_ERROR, e.as_str());
+            headers.insert_static(LAST_ERROR, e.as_str());
         }
         match self.reason {
-            Some(r) => headers.insert(REASON, r.as_str()),
+            Some(r) => headers.insert_static(REASON, r.as_str()),
             None => headers.remove(REASON),
         };
         match self.delay {
-            Some(d) => headers.insert(DELAY, millis_value(duration_millis(d))),
+            Some(d) => headers.insert_static(DELAY, millis_value(duration_millis(d))),
             None => headers.remove(DELAY),
         };
     }
@@ -255,14 +390,25 @@ fn millis_value(ms: u64) -> HeaderValue {
 /// assert!(clone.get(headers::ORIGIN_QUEUE).is_some());
 /// ```
 pub fn clone_headers(original: &Headers, origin: Origin<'_>, update: &EngineHeaders) -> Headers {
-    let mut out = original.clone();
-    for name in BROKER_OWNED {
-        out.remove(name);
-    }
-    if out.get(ORIGIN_QUEUE).is_none() {
-        out.insert(ORIGIN_QUEUE, origin.queue);
-        out.insert(ORIGIN_EXCHANGE, origin.exchange);
-        out.insert(ORIGIN_ROUTING_KEY, origin.routing_key);
+    let first = original.get(ORIGIN_QUEUE).is_none();
+    // Room for what is added: the origin and every engine header on a first clone, at most
+    // the reason and the delay on later ones. Copies wait in delay queues by the thousand,
+    // so the room is kept tight.
+    let room = if first { 10 } else { 2 };
+    // Copied without the broker's entries (x-death can be the largest), rather than copied
+    // whole and pruned.
+    let mut out = Headers::with_capacity(original.len() + room);
+    out.0.extend(
+        original
+            .0
+            .iter()
+            .filter(|(k, _)| !BROKER_OWNED.contains(&k.as_ref()))
+            .cloned(),
+    );
+    if first {
+        out.insert_static(ORIGIN_QUEUE, origin.queue);
+        out.insert_static(ORIGIN_EXCHANGE, origin.exchange);
+        out.insert_static(ORIGIN_ROUTING_KEY, origin.routing_key);
     }
     update.write_into(&mut out);
     out
@@ -292,4 +438,67 @@ pub fn truncate_error(cause: &str) -> String {
     out.push_str(&cause[..end]);
     out.push(ELLIPSIS);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn well_known_names_are_sorted_and_found() {
+        assert!(WELL_KNOWN.windows(2).all(|w| w[0] < w[1]));
+        for name in WELL_KNOWN.iter().chain(&BROKER_OWNED) {
+            assert_eq!(well_known(name), Some(*name));
+        }
+        assert_eq!(well_known("tenant"), None);
+    }
+
+    #[test]
+    fn behaves_as_an_ordered_map() {
+        let mut h: Headers = [("b", 1i64), ("a", 2), ("b", 3), ("x-death", 4)]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            h.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            ["a", "b", "x-death"]
+        );
+        assert_eq!(
+            h.get("b"),
+            Some(&HeaderValue::Int(3)),
+            "the later entry wins"
+        );
+        assert_eq!(h.insert("a", 5i64), Some(HeaderValue::Int(2)));
+        assert_eq!(h.insert(String::from("c"), 6i64), None);
+        assert_eq!(h.remove("x-death"), Some(HeaderValue::Int(4)));
+        assert_eq!(h.remove("x-death"), None);
+        assert_eq!(
+            h.clone().into_iter().collect::<Vec<_>>(),
+            [
+                ("a".to_owned(), HeaderValue::Int(5)),
+                ("b".to_owned(), HeaderValue::Int(3)),
+                ("c".to_owned(), HeaderValue::Int(6)),
+            ]
+        );
+        assert_eq!(
+            format!("{h:?}"),
+            r#"Headers({"a": Int(5), "b": Int(3), "c": Int(6)})"#
+        );
+        let same: Headers = [("c", 6i64), ("b", 3), ("a", 5)].into_iter().collect();
+        assert_eq!(h, same);
+    }
+
+    #[test]
+    fn large_maps_stay_sorted() {
+        let mut h = Headers::new();
+        for i in (0..40i64).rev() {
+            assert_eq!(h.insert(format!("k{i:02}"), i), None);
+        }
+        assert_eq!(h.insert("k07", 70i64), Some(HeaderValue::Int(7)));
+        assert_eq!(h.remove("k39"), Some(HeaderValue::Int(39)));
+        let names: Vec<&str> = h.iter().map(|(k, _)| k).collect();
+        assert!(names.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(names.len(), 39);
+        assert_eq!(h.get("k07"), Some(&HeaderValue::Int(70)));
+        assert_eq!(h.get("k40"), None);
+    }
 }
