@@ -9,6 +9,7 @@
 //! ```text
 //! cargo bench -p transport-memory --bench simulate
 //! BENCH_MESSAGES=1000 cargo bench -p transport-memory --bench simulate
+//! BENCH_ONLY=simulation cargo bench -p transport-memory --bench simulate  # for a profiler
 //! ```
 //!
 //! Each figure is the best of three runs: the machine is shared, and the best run is the
@@ -264,6 +265,24 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000);
+    // One part alone (`simulation`, `raw` or `floor`), so a profile shows nothing else.
+    if let Ok(only) = std::env::var("BENCH_ONLY") {
+        let (wall, count) = match only.as_str() {
+            "simulation" => best(|| {
+                let (w, d, _) = simulation(n);
+                (w, d)
+            }),
+            "raw" => best(|| raw_broker(n)),
+            "floor" => best(|| driver_floor(n)),
+            other => panic!("BENCH_ONLY={other:?}: expected simulation, raw or floor"),
+        };
+        println!(
+            "{only}: {count} deliveries in {:.1} ms = {:.0} deliveries/s",
+            wall.as_secs_f64() * 1e3,
+            per_second(count, wall)
+        );
+        return;
+    }
     let (sim_wall, (deliveries, virtual_time)) = best(|| {
         let (w, d, v) = simulation(n);
         (w, (d, v))

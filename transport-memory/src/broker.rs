@@ -16,6 +16,7 @@ use crate::dead_letter::{Death, is_cycle, record_death};
 use crate::error::BrokerError;
 use crate::exchange::{Exchange, QueueIndex};
 use crate::fault::Faults;
+use crate::hash::FastMap;
 use crate::message::{MessageKey, Outgoing, QueuedMessage};
 use crate::queue::{Overflow, Queue, QueueOptions, Stored};
 use crate::trace::{DeathReason, EventKind, MessageRef, PublishOutcome, Publisher, Trace};
@@ -121,9 +122,9 @@ impl BrokerBuilder {
             now: self.start,
             consumer_timeout: self.consumer_timeout,
             exchanges: Vec::new(),
-            exchange_index: HashMap::new(),
+            exchange_index: FastMap::default(),
             queues: Vec::new(),
-            queue_index: HashMap::new(),
+            queue_index: FastMap::default(),
             connections: Vec::new(),
             open: BTreeSet::new(),
             timers: BTreeMap::new(),
@@ -135,7 +136,7 @@ impl BrokerBuilder {
             tracing: self.trace,
             wakes: Vec::new(),
             dirty: VecDeque::new(),
-            live: HashMap::new(),
+            live: FastMap::default(),
             scratch: Vec::new(),
             deliveries: 0,
         };
@@ -269,9 +270,9 @@ pub(crate) struct State {
     pub(crate) now: Timestamp,
     consumer_timeout: Option<Duration>,
     exchanges: Vec<Exchange>,
-    exchange_index: HashMap<Arc<str>, usize>,
+    exchange_index: FastMap<Arc<str>, usize>,
     pub(crate) queues: Vec<Queue>,
-    queue_index: HashMap<Arc<str>, QueueIndex>,
+    queue_index: FastMap<Arc<str>, QueueIndex>,
     pub(crate) connections: Vec<Connection>,
     /// The connections still open: closed ones stay in `connections` for their ids, and a
     /// long crash loop leaves many, which per-step scans should not visit.
@@ -289,7 +290,7 @@ pub(crate) struct State {
     dirty: VecDeque<QueueIndex>,
     /// In-flight deliveries by the address of their message, so a clone published from a
     /// delivery keeps its identity.
-    pub(crate) live: HashMap<usize, (MessageKey, Arc<str>)>,
+    pub(crate) live: FastMap<usize, (MessageKey, Arc<str>)>,
     scratch: Vec<QueueIndex>,
     pub(crate) deliveries: u64,
 }
@@ -773,13 +774,14 @@ impl State {
         // consumer, and always, 0 included, for a get.
         let counted = quorum && (delivery_count > 0 || consumer.is_none());
         if counted {
-            headers.insert("x-delivery-count", i64::from(delivery_count));
+            headers.insert_static("x-delivery-count", i64::from(delivery_count));
         }
         let redelivered = redelivered || (quorum && delivery_count > 0);
         let parts = MessageParts {
-            queue: queue_name.to_string(),
-            exchange: exchange.to_string(),
-            routing_key: routing_key.to_string(),
+            // `String::from`, not `to_string`: no formatting machinery per delivery.
+            queue: String::from(&*queue_name),
+            exchange: String::from(&*exchange),
+            routing_key: String::from(&*routing_key),
             body,
             properties,
             headers,

@@ -27,7 +27,7 @@ pub(crate) struct Death<'a> {
 pub(crate) fn record_death(headers: &mut Headers, death: &Death<'_>) {
     let mut entries = match headers.remove("x-death") {
         Some(HeaderValue::Array(entries)) => entries,
-        _ => Vec::new(),
+        _ => Vec::with_capacity(1),
     };
     let matches = |v: &HeaderValue| match v {
         HeaderValue::Table(t) => {
@@ -54,38 +54,38 @@ pub(crate) fn record_death(headers: &mut Headers, death: &Death<'_>) {
     });
     let entry = match found {
         Some((mut table, total)) => {
-            table.insert("count", HeaderValue::Int(total.saturating_add(1)));
+            table.insert_static("count", HeaderValue::Int(total.saturating_add(1)));
             table
         }
         None => new_entry(death),
     };
     entries.insert(0, HeaderValue::Table(entry));
-    headers.insert("x-death", HeaderValue::Array(entries));
+    headers.insert_static("x-death", HeaderValue::Array(entries));
     if headers.get("x-first-death-reason").is_none() {
-        headers.insert("x-first-death-reason", death.reason.as_str());
-        headers.insert("x-first-death-queue", death.queue);
-        headers.insert("x-first-death-exchange", death.exchange);
+        headers.insert_static("x-first-death-reason", death.reason.as_str());
+        headers.insert_static("x-first-death-queue", death.queue);
+        headers.insert_static("x-first-death-exchange", death.exchange);
     }
 }
 
 fn new_entry(death: &Death<'_>) -> Headers {
-    let mut t = Headers::new();
-    t.insert("count", HeaderValue::Int(1));
-    t.insert("reason", death.reason.as_str());
-    t.insert("queue", death.queue);
+    let mut t = Headers::with_capacity(7);
+    t.insert_static("count", HeaderValue::Int(1));
+    t.insert_static("reason", death.reason.as_str());
+    t.insert_static("queue", death.queue);
     // AMQP timestamps have one-second resolution.
     let secs = death.time.as_millis() / 1000;
-    t.insert(
+    t.insert_static(
         "time",
         HeaderValue::Timestamp(Timestamp::from_millis(secs * 1000)),
     );
-    t.insert("exchange", death.exchange);
-    t.insert(
+    t.insert_static("exchange", death.exchange);
+    t.insert_static(
         "routing-keys",
         HeaderValue::Array(vec![HeaderValue::Str(death.routing_key.to_owned())]),
     );
     if let Some(e) = death.original_expiration {
-        t.insert("original-expiration", e.as_millis().to_string());
+        t.insert_static("original-expiration", e.as_millis().to_string());
     }
     t
 }

@@ -1,9 +1,10 @@
 //! Exchanges and routing: direct, fanout and topic, as RabbitMQ routes them.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use retry_core::ExchangeKind;
+
+use crate::hash::FastMap;
 
 /// Index of a queue in the broker's table.
 pub(crate) type QueueIndex = usize;
@@ -20,7 +21,7 @@ pub(crate) struct Exchange {
     pub(crate) kind: ExchangeKind,
     bindings: Vec<Binding>,
     /// Direct exchanges route by exact key; this avoids scanning every binding on the hot path.
-    by_key: HashMap<Arc<str>, Vec<QueueIndex>>,
+    by_key: FastMap<Arc<str>, Vec<QueueIndex>>,
 }
 
 impl Exchange {
@@ -28,7 +29,7 @@ impl Exchange {
         Exchange {
             kind,
             bindings: Vec::new(),
-            by_key: HashMap::new(),
+            by_key: FastMap::default(),
         }
     }
 

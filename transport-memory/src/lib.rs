@@ -154,6 +154,7 @@ mod error;
 mod exchange;
 mod executor;
 mod fault;
+mod hash;
 mod message;
 mod queue;
 mod report;

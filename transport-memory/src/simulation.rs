@@ -20,6 +20,7 @@ use crate::broker::{Broker, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_START};
 use crate::error::BrokerError;
 use crate::executor::{Executor, TaskId};
 use crate::fault::{FaultRates, Rng};
+use crate::hash::FastMap;
 use crate::message::{MessageKey, Outgoing};
 use crate::report::{
     ConsumerReport, ConsumerState, Fate, Happened, MessageReport, Report, Run, Stop,
@@ -253,7 +254,7 @@ impl SimulationBuilder {
         }
         let ledger = Arc::new(Ledger {
             inner: Mutex::new(LedgerState {
-                index: BTreeMap::new(),
+                index: FastMap::default(),
                 entries: Vec::new(),
                 default_script: self.default_script,
                 crash_requests: Vec::new(),
@@ -761,8 +762,8 @@ struct Ledger {
 }
 
 struct LedgerState {
-    /// Entries by message id; the map stays sorted for reports, the entries stay put.
-    index: BTreeMap<String, usize>,
+    /// Entries by message id, looked up on every handler run; the entries stay put.
+    index: FastMap<String, usize>,
     entries: Vec<Entry>,
     default_script: Script,
     crash_requests: Vec<u32>,
@@ -1065,9 +1066,9 @@ impl Handler for SimHandler {
             _ => self.finished(key, id, run, &step),
         }
         match step {
-            Step::Fail(cause) => Err(HandlerError::transient(cause.to_string())),
-            Step::Permanent(cause) => Err(HandlerError::permanent(cause.to_string())),
-            Step::RetryAfter(d, cause) => Err(HandlerError::retry_after(d, cause.to_string())),
+            Step::Fail(cause) => Err(HandlerError::transient(String::from(&*cause))),
+            Step::Permanent(cause) => Err(HandlerError::permanent(String::from(&*cause))),
+            Step::RetryAfter(d, cause) => Err(HandlerError::retry_after(d, String::from(&*cause))),
             // Unwinds without the panic hook: the driver catches it like any panic, and
             // scripted panics do not litter test output.
             Step::Panic(message) => std::panic::resume_unwind(Box::new(message.to_string())),

@@ -18,6 +18,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::panic::AssertUnwindSafe;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
@@ -144,6 +145,28 @@ enum Wake<T: Transport> {
     TurnOver,
 }
 
+/// Hashes the engine's delivery ids, numbers it hands out itself: the default hasher's
+/// protection against chosen keys is not needed, and it is looked up several times per
+/// delivery.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 29)
+    }
+}
+
 /// Which intake has the turn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -211,7 +234,7 @@ pub(super) async fn run<T: Transport, H: Handler>(
         observer: observer.as_ref(),
         isolation,
         engine,
-        held: HashMap::with_capacity(usize::from(config.prefetch)),
+        held: HashMap::with_capacity_and_hasher(usize::from(config.prefetch), Default::default()),
         tasks: FuturesUnordered::new(),
         report: RunReport::default(),
         subscription: None,
@@ -236,7 +259,7 @@ struct Driver<'a, T: Transport, H: Handler> {
     observer: Option<&'a Observer>,
     isolation: String,
     engine: Engine,
-    held: HashMap<DeliveryId, Held<T::Tag>>,
+    held: HashMap<DeliveryId, Held<T::Tag>, BuildHasherDefault<IdHasher>>,
     tasks: FuturesUnordered<BoxFuture<'a, Event<T>>>,
     report: RunReport,
     subscription: Option<Arc<T::Subscription>>,
@@ -936,19 +959,32 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
 /// Runs the handler once, catching a panic and cancelling it at the timeout. The call itself
 /// happens inside the caught future, so a handler that panics before its first await is
 /// caught too.
+///
+/// The timeout's timer is only made once the handler has to wait: most handlers on a
+/// simulated clock finish on their first poll, and a timer each would cost more than the
+/// handler. Its deadline is the same, counted from that first poll.
 async fn run_handler<T: Transport, H: Handler>(
     transport: &T,
     handler: &H,
     msg: Message,
     timeout: Duration,
 ) -> HandlerRun {
-    let run = AssertUnwindSafe(async { handler.handle(&msg).await }).catch_unwind();
-    let expired = transport.sleep(timeout);
-    match future::select(pin!(run), expired).await {
-        Either::Left((Ok(result), _)) => HandlerRun::Finished(result),
-        Either::Left((Err(payload), _)) => HandlerRun::Panicked(panic_message(payload.as_ref())),
-        Either::Right(((), _)) => HandlerRun::TimedOut,
-    }
+    let mut run = pin!(AssertUnwindSafe(async { handler.handle(&msg).await }).catch_unwind());
+    let mut expired: Option<BoxFuture<'static, ()>> = None;
+    future::poll_fn(|cx| {
+        if let Poll::Ready(result) = run.as_mut().poll(cx) {
+            return Poll::Ready(match result {
+                Ok(result) => HandlerRun::Finished(result),
+                Err(payload) => HandlerRun::Panicked(panic_message(payload.as_ref())),
+            });
+        }
+        let expired = expired.get_or_insert_with(|| transport.sleep(timeout));
+        match expired.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(HandlerRun::TimedOut),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
 }
 
 fn panic_message(payload: &(dyn Any + Send)) -> String {
