@@ -12,7 +12,10 @@
 //!   a plain positive confirm. Returned, nacked, timed-out or failed publishes requeue it.
 //! * Acknowledgements are batched with `multiple` where it is safe, per subscription, and
 //!   sent before a consumer stops and when the transport closes; several confirms are in
-//!   flight at once. That is what makes the consumer faster than a naive one.
+//!   flight at once. A batch goes out once it fills half the prefetch window, or at once
+//!   when the deliveries still in progress (clones waiting for their confirms) leave the
+//!   broker no free place in the window, coalesced with whatever finishes while it is being
+//!   written. That is what makes the consumer faster than a naive one.
 //! * Automatic recovery: consuming resumes after a dropped connection, each recovery is
 //!   logged, and a delivery tag from before the drop is never acknowledged on the new
 //!   channel.

@@ -21,7 +21,9 @@ use crate::transport::AmqpTag;
 /// prefetch (`basic.qos`), its own consumer and its own acknowledgement batching.
 ///
 /// Acknowledgements of its deliveries are batched with `multiple` over finished prefixes of
-/// tags and sent when half the prefetch is done, on the transport's flush interval, on
+/// tags and sent when the finished deliveries fill half the prefetch window or are at least
+/// as many as the places in the window still free (at once, when deliveries waiting on
+/// their clones' confirms fill it), on the transport's flush interval, on
 /// [`flush`](Subscription::flush), and when the transport is closed. Dropping it closes its
 /// channel, which returns every delivery it holds unsettled (prefetched and never received,
 /// or acknowledged but not yet sent) to the queue: [`flush`](Subscription::flush) first, as
@@ -99,8 +101,8 @@ impl Subscription for AmqpSubscription {
             if self.cancelled.load(Ordering::Acquire) {
                 return Ok(None);
             }
-            // Acks left below the batch size are sent by the flusher within its interval, so
-            // a broker holding deliveries back for them is never kept waiting for long.
+            // Acks not yet due are sent by the flusher within its interval, so a broker
+            // holding deliveries back for them is never kept waiting for long.
             let delivery = match consumer.next().await {
                 None => return Ok(None),
                 Some(Err(err)) => {

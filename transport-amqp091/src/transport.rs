@@ -105,9 +105,11 @@ impl std::fmt::Debug for AmqpTag {
 pub struct AmqpTransport {
     config: AmqpConfig,
     connection: Connection,
-    publish_channel: Mutex<Option<Channel>>,
-    get_channel: Mutex<Option<Channel>>,
-    inspect_channel: Mutex<Option<Channel>>,
+    // Shared, not cloned, per use: a lapin `Channel` is a dozen reference counts to clone
+    // and drop, and every publish takes the publishing channel.
+    publish_channel: Mutex<Option<Arc<Channel>>>,
+    get_channel: Mutex<Option<Arc<Channel>>>,
+    inspect_channel: Mutex<Option<Arc<Channel>>>,
     /// The batchers of the subscriptions still alive, for `close` and `flush_acks`.
     subscriptions: StdMutex<Vec<Weak<Acks>>>,
     recoveries: Arc<AtomicU64>,
@@ -148,7 +150,7 @@ impl AmqpTransport {
         Ok(AmqpTransport {
             config,
             connection,
-            publish_channel: Mutex::new(Some(publish_channel)),
+            publish_channel: Mutex::new(Some(Arc::new(publish_channel))),
             get_channel: Mutex::new(None),
             inspect_channel: Mutex::new(None),
             subscriptions: StdMutex::new(Vec::new()),
@@ -220,14 +222,14 @@ impl AmqpTransport {
     /// fine; a lost connection is left to automatic recovery.
     async fn channel_in(
         &self,
-        slot: &Mutex<Option<Channel>>,
+        slot: &Mutex<Option<Arc<Channel>>>,
         confirms: bool,
-    ) -> Result<Channel, TransportError> {
+    ) -> Result<Arc<Channel>, TransportError> {
         let mut slot = slot.lock().await;
         if let Some(channel) = slot.as_ref()
             && (channel.status().connected() || !self.connection.status().connected())
         {
-            return Ok(channel.clone());
+            return Ok(Arc::clone(channel));
         }
         let channel = if confirms {
             confirm_channel(&self.connection).await?
@@ -238,7 +240,8 @@ impl AmqpTransport {
                 .map_err(connection_error)?
         };
         debug!(channel = channel.id(), confirms, "channel opened");
-        *slot = Some(channel.clone());
+        let channel = Arc::new(channel);
+        *slot = Some(Arc::clone(&channel));
         Ok(channel)
     }
 
@@ -386,7 +389,7 @@ impl Transport for AmqpTransport {
             .await
             .map_err(|e| queue_error(queue, e))?;
         let acks = Arc::new(Acks::default());
-        acks.set_batch(usize::from(prefetch / 2));
+        acks.set_window(usize::from(prefetch));
         spawn_flusher(Arc::downgrade(&acks), self.config.ack_flush_interval());
         {
             let mut subscriptions = self.subscriptions.lock().unwrap_or_else(|e| e.into_inner());
