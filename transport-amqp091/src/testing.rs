@@ -1,5 +1,6 @@
 //! Support for tests that need a running broker: one reading of `REQUIRE_BROKER`, a skip
-//! notice the test harness cannot swallow, and a [`LogRecorder`] to check what was logged.
+//! notice the test harness cannot swallow, [`rabbitmqctl`] for faults and inspection, and a
+//! [`LogRecorder`] to check what was logged.
 //! Every broker test in this workspace uses it, and a user's own broker tests can too.
 //!
 //! Without a broker, a test is skipped loudly; with `REQUIRE_BROKER` set to anything but
@@ -56,6 +57,26 @@ pub fn no_broker(what: &str, why: &str) {
          !!! make this a failure.\n\
          !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n"
     ));
+}
+
+/// Runs `rabbitmqctl` (as on the machine the broker runs on) with `args` and returns what it
+/// printed; panics, naming the command and its error output, if it cannot run or fails.
+///
+/// ```no_run
+/// let users = transport_amqp091::testing::rabbitmqctl(&["list_users", "-q"]);
+/// assert!(users.contains("guest"));
+/// ```
+pub fn rabbitmqctl(args: &[&str]) -> String {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A `tracing` subscriber that keeps every event and span, at every level and from every

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -16,19 +15,7 @@ use retry_core::{
     TopologyPlan, Transport,
 };
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::testing::LogRecorder;
-
-fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use transport_amqp091::testing::{LogRecorder, rabbitmqctl};
 
 async fn connect_error(url: String) -> String {
     let config = Amqp10Config::new(url).with_connect_timeout(Duration::from_secs(5));

@@ -3,7 +3,6 @@
 
 #![allow(dead_code)]
 
-use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -113,18 +112,28 @@ pub async fn get(ch: &Channel, queue: &str) -> Option<Got> {
     })
 }
 
-/// Polls `queue` until a message arrives or `within` passes.
-pub async fn wait_get(ch: &Channel, queue: &str, within: Duration) -> Option<Got> {
+/// Calls `probe` every `every` until what it returns is `done`, or `within` has passed;
+/// returns its last answer.
+pub async fn poll_until<T, F: Future<Output = T>>(
+    within: Duration,
+    every: Duration,
+    mut probe: impl FnMut() -> F,
+    done: impl Fn(&T) -> bool,
+) -> T {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        if let Some(got) = get(ch, queue).await {
-            return Some(got);
+        let answer = probe().await;
+        if done(&answer) || tokio::time::Instant::now() > deadline {
+            return answer;
         }
-        if tokio::time::Instant::now() > deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(every).await;
     }
+}
+
+/// Polls `queue` until a message arrives or `within` passes.
+pub async fn wait_get(ch: &Channel, queue: &str, within: Duration) -> Option<Got> {
+    let every = Duration::from_millis(50);
+    poll_until(within, every, || get(ch, queue), Option::is_some).await
 }
 
 /// Declares a durable queue with these arguments.
@@ -170,19 +179,7 @@ pub async fn transport(config: &AmqpConfig) -> AmqpTransport {
     AmqpTransport::connect(config.clone()).await.unwrap()
 }
 
-/// Runs `rabbitmqctl` with `args`, failing the test if it fails.
-pub fn rabbitmqctl(args: &[&str]) -> String {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+pub use transport_amqp091::testing::rabbitmqctl;
 
 /// Closes, from the broker's side, every connection whose client-provided name is `name`.
 /// Returns how many were closed.
@@ -251,27 +248,16 @@ pub async fn ready_and_unacked(queue: &str) -> (u64, u64) {
 /// [`ready_and_unacked`] once nothing of `queue` is unacknowledged, or after 5 s: a closed
 /// channel's deliveries go back to the queue a moment after the close returns.
 pub async fn ready_and_unacked_settled(queue: &str) -> (u64, u64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let counts = ready_and_unacked(queue).await;
-        if counts.1 == 0 || tokio::time::Instant::now() > deadline {
-            return counts;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (within, every) = (Duration::from_secs(5), Duration::from_millis(100));
+    poll_until(within, every, || ready_and_unacked(queue), |c| c.1 == 0).await
 }
 
 /// `t`'s recovery count once it reaches `at_least`, or whatever it is after 10 s: lapin may
 /// finish recording a recovery a moment after consuming has resumed.
 pub async fn recoveries_reaching(t: &AmqpTransport, at_least: u64) -> u64 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let n = t.recoveries();
-        if n >= at_least || tokio::time::Instant::now() > deadline {
-            return n;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (within, every) = (Duration::from_secs(10), Duration::from_millis(20));
+    let count = || std::future::ready(t.recoveries());
+    poll_until(within, every, count, |n| *n >= at_least).await
 }
 
 /// `rabbitmqctl list_bindings` rows (source, destination, routing key) whose source starts
