@@ -128,6 +128,16 @@ struct Target {
     native_delay: bool,
 }
 
+/// How a queue is probed on `profile`: on RabbitMQ by attaching a receiver with no credit
+/// (`/amq/queue/NAME` never declares, so a missing queue fails), elsewhere by attaching a
+/// sender.
+fn queue_probe(profile: &BrokerProfile) -> Probe {
+    match profile {
+        BrokerProfile::RabbitMq3 => Probe::Receiver,
+        BrokerProfile::Generic(_) => Probe::Sender,
+    }
+}
+
 /// What [`Amqp10Transport::verify`] checks: (what, address, probe). With native delays the
 /// TTL queues are left out: nothing is sent to them.
 fn checks(plan: &TopologyPlan, profile: &BrokerProfile) -> Vec<(String, String, Probe)> {
@@ -140,10 +150,7 @@ fn checks(plan: &TopologyPlan, profile: &BrokerProfile) -> Vec<(String, String, 
         if delayed_natively {
             continue;
         }
-        let probe = match profile {
-            BrokerProfile::RabbitMq3 => Probe::Receiver,
-            BrokerProfile::Generic(_) => Probe::Sender,
-        };
+        let probe = queue_probe(profile);
         checks.push((
             format!("queue {}", queue.name),
             profile.queue_address(&queue.name),
@@ -298,10 +305,7 @@ impl Routes {
                 native_delay: true,
             });
         }
-        let queue_probe = match profile {
-            BrokerProfile::RabbitMq3 => Probe::Receiver,
-            BrokerProfile::Generic(_) => Probe::Sender,
-        };
+        let queue_probe = queue_probe(profile);
         if let Some(queue) = self.bound.get(&k) {
             return Ok(Target {
                 address: profile.queue_address(queue),
