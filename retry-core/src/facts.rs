@@ -238,12 +238,7 @@ impl<'a> ParkedRecord<'a> {
 
 /// A non-negative integer no larger than `max`.
 fn integer(value: &HeaderValue, max: u64) -> Option<u64> {
-    let n = match value {
-        HeaderValue::Int(n) => u64::try_from(*n).ok()?,
-        HeaderValue::UInt(n) => *n,
-        _ => return None,
-    };
-    (n <= max).then_some(n)
+    value.as_u64().filter(|n| *n <= max)
 }
 
 fn counter(headers: &Headers, name: &str, malformed: &mut Malformed) -> Option<u32> {

@@ -79,6 +79,95 @@ pub enum HeaderValue {
     Table(Headers),
 }
 
+impl HeaderValue {
+    /// A non-negative integer, whether it came signed or unsigned; `None` for a negative
+    /// number or any other type.
+    ///
+    /// ```
+    /// use retry_core::HeaderValue;
+    ///
+    /// assert_eq!(HeaderValue::Int(3).as_u64(), Some(3));
+    /// assert_eq!(HeaderValue::UInt(3).as_u64(), Some(3));
+    /// assert_eq!(HeaderValue::Int(-1).as_u64(), None);
+    /// assert_eq!(HeaderValue::from("3").as_u64(), None);
+    /// ```
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            HeaderValue::Int(n) => u64::try_from(*n).ok(),
+            HeaderValue::UInt(n) => Some(*n),
+            _ => None,
+        }
+    }
+
+    /// An integer, whether it came signed or unsigned; `None` for an unsigned number past
+    /// `i64::MAX` or any other type.
+    ///
+    /// ```
+    /// use retry_core::HeaderValue;
+    ///
+    /// assert_eq!(HeaderValue::Int(-2).as_i64(), Some(-2));
+    /// assert_eq!(HeaderValue::UInt(u64::MAX).as_i64(), None);
+    /// ```
+    pub fn as_i64(&self) -> Option<i64> {
+        match self {
+            HeaderValue::Int(n) => Some(*n),
+            HeaderValue::UInt(n) => i64::try_from(*n).ok(),
+            _ => None,
+        }
+    }
+
+    /// A string: `Str` as it is, or `Bytes` that are valid UTF-8 (AMQP 0-9-1 brokers
+    /// write some fields, such as `x-death`'s `queue`, as either).
+    ///
+    /// ```
+    /// use retry_core::HeaderValue;
+    ///
+    /// assert_eq!(HeaderValue::from("rejected").as_str(), Some("rejected"));
+    /// assert_eq!(HeaderValue::Bytes(b"expired".to_vec()).as_str(), Some("expired"));
+    /// assert_eq!(HeaderValue::Int(1).as_str(), None);
+    /// ```
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            HeaderValue::Str(s) => Some(s),
+            HeaderValue::Bytes(b) => std::str::from_utf8(b).ok(),
+            _ => None,
+        }
+    }
+
+    /// A point in time: an AMQP timestamp, or a non-negative integer of milliseconds
+    /// since the Unix epoch (how the engine writes its `x-retry-*-failure` headers).
+    ///
+    /// ```
+    /// use retry_core::{HeaderValue, Timestamp};
+    ///
+    /// let t = Timestamp::from_millis(1_700_000_000_000);
+    /// assert_eq!(HeaderValue::Timestamp(t).as_timestamp(), Some(t));
+    /// assert_eq!(HeaderValue::Int(1_700_000_000_000).as_timestamp(), Some(t));
+    /// ```
+    pub fn as_timestamp(&self) -> Option<Timestamp> {
+        match self {
+            HeaderValue::Timestamp(t) => Some(*t),
+            other => other.as_u64().map(Timestamp::from_millis),
+        }
+    }
+
+    /// The elements of an array.
+    pub fn as_array(&self) -> Option<&[HeaderValue]> {
+        match self {
+            HeaderValue::Array(items) => Some(items),
+            _ => None,
+        }
+    }
+
+    /// A nested table.
+    pub fn as_table(&self) -> Option<&Headers> {
+        match self {
+            HeaderValue::Table(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
 impl From<&str> for HeaderValue {
     fn from(s: &str) -> Self {
         HeaderValue::Str(s.to_owned())

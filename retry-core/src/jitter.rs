@@ -50,8 +50,19 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
-/// SplitMix64: a tiny, well-mixed generator; one draw per (seed, retry index).
-fn splitmix64(mut z: u64) -> u64 {
+/// SplitMix64's output function: `z` advanced by the golden-ratio increment, then mixed.
+/// The jitter draws from it (one draw per seed and retry index), and so may anything that
+/// wants the same small, well-mixed, reproducible stream: calling it on `seed`,
+/// `seed + 0x9e37_79b9_7f4a_7c15`, `seed + 2 * 0x9e37_79b9_7f4a_7c15`, ... gives the
+/// SplitMix64 sequence of `seed`.
+///
+/// ```
+/// use retry_core::splitmix64;
+///
+/// // The first output of SplitMix64 seeded with 0.
+/// assert_eq!(splitmix64(0), 0xe220_a839_7b1d_cdaf);
+/// ```
+pub fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

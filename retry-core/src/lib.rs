@@ -185,7 +185,7 @@ pub use engine::{Action, Confirm, DeliveryId, Engine, EngineError, Publish, Sett
 pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedRecord};
 pub use handler::{FailureKind, Handler, HandlerError};
 pub use headers::{HeaderValue, Headers};
-pub use jitter::{Jitter, message_identity};
+pub use jitter::{Jitter, message_identity, splitmix64};
 pub use message::{Delivery, Message, MessageParts, Properties};
 pub use policy::{
     CrashAction, Exhausted, MAX_DELAY_LEVELS, MAX_TTL, PolicyError, Retry, RetryPolicy,
