@@ -68,31 +68,31 @@ fn bench(c: &mut Criterion) {
     let mut engine = Engine::new(policy.clone(), &plan).unwrap();
     c.bench_function("engine/success (delivery, run, ack)", |b| {
         b.iter(|| {
-            let id = engine.handle_delivery(now, Lane::Work, black_box(facts));
-            let run = engine.poll_action(now);
+            let id = engine.handle_delivery(now, Lane::Work, black_box(facts), ());
+            let run = engine.poll_action();
             engine.handle_outcome(now, id, Outcome::Success).unwrap();
-            (run, engine.poll_action(now))
+            (run, engine.poll_action())
         })
     });
     c.bench_function("engine/retry (delivery, run, publish, confirm, ack)", |b| {
         b.iter(|| {
-            let id = engine.handle_delivery(now, Lane::Work, black_box(facts));
-            let run = engine.poll_action(now);
+            let id = engine.handle_delivery(now, Lane::Work, black_box(facts), ());
+            let run = engine.poll_action();
             engine
                 .handle_outcome(now, id, Outcome::Transient("timeout".into()))
                 .unwrap();
-            let publish = engine.poll_action(now);
+            let publish = engine.poll_action();
             engine.handle_confirm(now, id, Confirm::Ack).unwrap();
-            (run, publish, engine.poll_action(now))
+            (run, publish, engine.poll_action())
         })
     });
     c.bench_function("engine/success incl. decode", |b| {
         b.iter(|| {
             let facts = DeliveryFacts::decode(black_box(&headers), BrokerSignals::default(), 1);
-            let id = engine.handle_delivery(now, Lane::Work, facts);
-            let run = engine.poll_action(now);
+            let id = engine.handle_delivery(now, Lane::Work, facts, ());
+            let run = engine.poll_action();
             engine.handle_outcome(now, id, Outcome::Success).unwrap();
-            (run, engine.poll_action(now))
+            (run, engine.poll_action())
         })
     });
 }

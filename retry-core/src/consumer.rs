@@ -143,7 +143,7 @@ struct Config {
 pub struct Consumer<T: Transport, H: Handler> {
     transport: T,
     handler: H,
-    engine: Engine,
+    engine: Engine<run::Held<T::Tag>>,
     config: Config,
     observer: Option<Observer>,
 }

@@ -1,11 +1,10 @@
 //! The pure decision function: given a policy, what is known about a delivery and what its
 //! handler did, what happens next.
 
-use std::fmt;
 use std::time::Duration;
 
 use crate::facts::DeliveryFacts;
-use crate::headers::truncate_error;
+use crate::headers::{DeadLetterReason, truncate_error};
 use crate::policy::{Exhausted, Retry, RetryPolicy};
 use crate::time::Timestamp;
 
@@ -30,50 +29,6 @@ impl Outcome {
             Outcome::Success => None,
             Outcome::Transient(c) | Outcome::Permanent(c) | Outcome::RetryAfter(_, c) => Some(c),
         }
-    }
-}
-
-/// Why a message was parked (or dropped).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DeadLetterReason {
-    /// Every attempt failed: `attempts-exhausted`.
-    AttemptsExhausted,
-    /// The cap on time since the first failure was reached: `max-elapsed`.
-    MaxElapsed,
-    /// The handler reported a permanent failure: `permanent`.
-    Permanent,
-    /// Running alone, the message took its consumer down more often than the crash limit
-    /// allows: `crash-loop`.
-    CrashLoop,
-}
-
-impl DeadLetterReason {
-    /// The header spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeadLetterReason::AttemptsExhausted => "attempts-exhausted",
-            DeadLetterReason::MaxElapsed => "max-elapsed",
-            DeadLetterReason::Permanent => "permanent",
-            DeadLetterReason::CrashLoop => "crash-loop",
-        }
-    }
-
-    /// Parses the header spelling.
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "attempts-exhausted" => DeadLetterReason::AttemptsExhausted,
-            "max-elapsed" => DeadLetterReason::MaxElapsed,
-            "permanent" => DeadLetterReason::Permanent,
-            "crash-loop" => DeadLetterReason::CrashLoop,
-            _ => return None,
-        })
-    }
-}
-
-impl fmt::Display for DeadLetterReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

@@ -6,33 +6,47 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::time::Duration;
 
+use slotmap::{Key as _, KeyData, SlotMap};
+
 use crate::decision::{
-    Admission, AttemptState, CRASH_CAUSE, DeadLetterReason, Decision, Lane, Outcome, admit, decide,
-    recorded_cause,
+    Admission, AttemptState, CRASH_CAUSE, Decision, Lane, Outcome, admit, decide, recorded_cause,
 };
 use crate::facts::DeliveryFacts;
+use crate::headers::DeadLetterReason;
 use crate::headers::EngineHeaders;
 use crate::policy::RetryPolicy;
 use crate::time::{Timestamp, format_delay};
 use crate::topology::{QueueType, Route, TopologyPlan};
 
 /// The engine's handle on one delivery, from [`Engine::handle_delivery`] until the delivery
-/// is settled or forgotten. Handles are not reused while the delivery is live, and a stale
-/// handle is refused.
+/// is settled or forgotten. A handle carries a generation, so a stale one (its delivery
+/// finished, its slot reused) is refused rather than taken for another delivery.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DeliveryId(u64);
+pub struct DeliveryId(KeyData);
+
+slotmap::new_key_type! {
+    /// The slot map's own key type, kept private so the public handle is ours.
+    struct Slot;
+}
 
 impl DeliveryId {
-    fn new(index: u32, generation: u32) -> Self {
-        DeliveryId((u64::from(generation) << 32) | u64::from(index))
+    fn slot(self) -> Slot {
+        Slot::from(self.0)
     }
 
-    fn index(self) -> usize {
-        (self.0 & 0xffff_ffff) as usize
+    fn index(self) -> u32 {
+        // The low half is the slot index, the high half its generation.
+        self.0.as_ffi() as u32
     }
 
     fn generation(self) -> u32 {
-        (self.0 >> 32) as u32
+        (self.0.as_ffi() >> 32) as u32
+    }
+}
+
+impl From<Slot> for DeliveryId {
+    fn from(slot: Slot) -> Self {
+        DeliveryId(slot.data())
     }
 }
 
@@ -131,9 +145,10 @@ pub struct Publish {
     pub headers: EngineHeaders,
 }
 
-/// Something for the driver to do, in the order the engine emits them.
+/// Something for the driver to do, in the order the engine emits them. `D` is the
+/// caller's data for each delivery (see [`Engine`]); a settlement hands it back.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Action {
+pub enum Action<D = ()> {
     /// Run the handler on the delivery; report with [`Engine::handle_outcome`].
     RunHandler {
         /// The delivery.
@@ -157,10 +172,13 @@ pub enum Action {
         settlement: Settlement,
         /// How the delivery ended.
         terminal: Terminal,
+        /// The data handed in with the delivery: the engine is done with it.
+        data: D,
     },
 }
 
-/// An input the engine cannot accept.
+/// An input the engine cannot accept: a driver bug, such as a confirm for a delivery that
+/// published nothing.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum EngineError {
@@ -173,7 +191,13 @@ pub enum EngineError {
     /// A confirm arrived for a delivery with no publish pending.
     #[error("delivery {0} got a confirm but no publish was requested")]
     UnexpectedConfirm(DeliveryId),
-    /// The plan lacks a delay level the policy needs: it was made for another policy.
+}
+
+/// Why [`Engine::new`] refused a policy and plan: the plan was made for another policy.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanMismatch {
+    /// The plan lacks a delay level the policy needs.
     #[error(
         "the topology plan for {queue:?} has no delay queue for {delay:?}, which the policy needs; make the plan from the same policy"
     )]
@@ -183,8 +207,7 @@ pub enum EngineError {
         /// The missing level.
         delay: Duration,
     },
-    /// The policy diverts crashed suspects through a crash delay the plan has no queue for:
-    /// the plan was made for another policy.
+    /// The policy diverts crashed suspects through a crash delay the plan has no queue for.
     #[error(
         "the topology plan for {queue:?} has no crash-delay queue {missing:?} for the policy's {delay:?} crash delay; make the plan from the same policy"
     )]
@@ -211,7 +234,7 @@ enum Phase {
 }
 
 #[derive(Debug)]
-struct Live {
+struct Live<D> {
     state: AttemptState,
     phase: Phase,
     lane: Lane,
@@ -219,18 +242,25 @@ struct Live {
     publish: Option<Publish>,
     /// Publish retries spent on it.
     publish_retries: u32,
-}
-
-#[derive(Debug)]
-struct Slot {
-    generation: u32,
-    live: Option<Live>,
+    /// The caller's data for the delivery.
+    data: D,
 }
 
 /// How many excused identities the engine remembers; older ones are forgotten first.
 const EXCUSED_CAPACITY: usize = 1024;
 
 /// The retry state machine for one work queue.
+///
+/// It follows quinn-proto's contract: inputs go in through the `handle_*` methods, each
+/// given the time; outputs come out of [`poll_action`](Self::poll_action), which only
+/// drains; in-process waits (immediate retries, publish retries) end at the deadline
+/// [`poll_timeout`](Self::poll_timeout) gives, where the driver calls
+/// [`handle_timeout`](Self::handle_timeout).
+///
+/// `D` is the caller's data for each delivery (a broker tag, the message, a tracing
+/// span): handed in with [`handle_delivery`](Self::handle_delivery), reachable with
+/// [`data`](Self::data) while the delivery is in flight, and handed back by
+/// [`Action::Settle`] or [`forget`](Self::forget), so a driver needs no map of its own.
 ///
 /// ```
 /// use retry_core::{
@@ -241,53 +271,57 @@ const EXCUSED_CAPACITY: usize = 1024;
 ///
 /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
 /// let plan = TopologyPlan::new("comments", &policy)?;
-/// let mut engine = Engine::new(policy, &plan)?;
+/// // The data kept per delivery here is the broker's delivery tag.
+/// let mut engine: Engine<u64> = Engine::new(policy, &plan)?;
 /// let now = Timestamp::from_millis(1_000);
 ///
 /// // A delivery arrives from the work queue: the engine asks for a handler run.
 /// let facts = DeliveryFacts::decode(&Headers::new(), BrokerSignals::default(), 0);
-/// let id = engine.handle_delivery(now, Lane::Work, facts);
-/// assert!(matches!(engine.poll_action(now), Some(Action::RunHandler { attempt: 1, .. })));
+/// let id = engine.handle_delivery(now, Lane::Work, facts, 7);
+/// assert!(matches!(engine.poll_action(), Some(Action::RunHandler { attempt: 1, .. })));
 ///
 /// // It fails: publish a clone to the 30 s delay queue, and only then ack.
 /// engine.handle_outcome(now, id, Outcome::Transient("db down".into()))?;
-/// let Some(Action::Publish { publish, .. }) = engine.poll_action(now) else { panic!() };
+/// let Some(Action::Publish { publish, .. }) = engine.poll_action() else { panic!() };
 /// assert_eq!(&*publish.route.routing_key, "comments.retry.30s");
-/// assert_eq!(engine.poll_action(now), None); // nothing is settled before the confirm
+/// assert_eq!(engine.poll_action(), None); // nothing is settled before the confirm
 ///
 /// engine.handle_confirm(now, id, Confirm::Ack)?;
 /// assert!(matches!(
-///     engine.poll_action(now),
-///     Some(Action::Settle { settlement: Settlement::Ack, terminal: Terminal::Retried { .. }, .. })
+///     engine.poll_action(),
+///     Some(Action::Settle {
+///         settlement: Settlement::Ack,
+///         terminal: Terminal::Retried { .. },
+///         data: 7, // the tag to ack
+///         ..
+///     })
 /// ));
 ///
 /// // A redelivered one is a suspect: cloned into the isolation queue, its handler not run.
 /// let redelivered = BrokerSignals { redelivered: true, ..BrokerSignals::default() };
 /// let facts = DeliveryFacts::decode(&Headers::new(), redelivered, 0);
-/// engine.handle_delivery(now, Lane::Work, facts);
-/// let Some(Action::Publish { publish, .. }) = engine.poll_action(now) else { panic!() };
+/// engine.handle_delivery(now, Lane::Work, facts, 8);
+/// let Some(Action::Publish { publish, .. }) = engine.poll_action() else { panic!() };
 /// assert_eq!(&*publish.route.routing_key, "comments.suspect");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
-pub struct Engine {
+pub struct Engine<D = ()> {
     policy: RetryPolicy,
     plan: TopologyPlan,
-    slots: Vec<Slot>,
-    free: Vec<u32>,
-    actions: VecDeque<Action>,
+    live: SlotMap<Slot, Live<D>>,
+    actions: VecDeque<Action<D>>,
     timers: Vec<(Timestamp, DeliveryId)>,
-    in_flight: usize,
     excused: VecDeque<u64>,
 }
 
-impl Engine {
+impl<D> Engine<D> {
     /// An engine for `policy` over `plan`, which must have been made from the same policy:
     /// every delay level the policy can ask for, and its crash delay, need their queues.
-    pub fn new(policy: RetryPolicy, plan: &TopologyPlan) -> Result<Self, EngineError> {
+    pub fn new(policy: RetryPolicy, plan: &TopologyPlan) -> Result<Self, PlanMismatch> {
         for &delay in policy.delay_levels() {
             if !plan.delay_routes().iter().any(|(level, _)| *level == delay) {
-                return Err(EngineError::MissingDelayLevel {
+                return Err(PlanMismatch::MissingDelayLevel {
                     queue: plan.work_queue().to_owned(),
                     delay,
                 });
@@ -296,7 +330,7 @@ impl Engine {
         if let Some(delay) = policy.crash_delay_level()
             && plan.crash_route().map(|(d, _)| d) != Some(delay)
         {
-            return Err(EngineError::MissingCrashDelay {
+            return Err(PlanMismatch::MissingCrashDelay {
                 queue: plan.work_queue().to_owned(),
                 missing: format!("{}.crash.{}", plan.work_queue(), format_delay(delay)),
                 delay,
@@ -305,11 +339,9 @@ impl Engine {
         Ok(Engine {
             policy,
             plan: plan.clone(),
-            slots: Vec::new(),
-            free: Vec::new(),
+            live: SlotMap::with_key(),
             actions: VecDeque::new(),
             timers: Vec::new(),
-            in_flight: 0,
             excused: VecDeque::new(),
         })
     }
@@ -326,18 +358,30 @@ impl Engine {
 
     /// Deliveries handed in and not yet settled or forgotten.
     pub fn in_flight(&self) -> usize {
-        self.in_flight
+        self.live.len()
     }
 
-    /// A delivery arrived from `lane`. The engine queues a handler run or, for a suspect or
-    /// a crashed suspect, the publish that isolates, diverts or parks it (see [`admit`]).
+    /// The data handed in with a delivery still in flight.
+    pub fn data(&self, id: DeliveryId) -> Option<&D> {
+        self.live.get(id.slot()).map(|live| &live.data)
+    }
+
+    /// The data handed in with a delivery still in flight, to change.
+    pub fn data_mut(&mut self, id: DeliveryId) -> Option<&mut D> {
+        self.live.get_mut(id.slot()).map(|live| &mut live.data)
+    }
+
+    /// A delivery arrived from `lane`; `data` is the caller's, kept until the delivery is
+    /// settled or forgotten. The engine queues a handler run or, for a suspect or a crashed
+    /// suspect, the publish that isolates, diverts or parks it (see [`admit`]). Call
+    /// [`poll_action`](Self::poll_action) next.
     pub fn handle_delivery(
         &mut self,
         now: Timestamp,
         lane: Lane,
         facts: DeliveryFacts,
+        data: D,
     ) -> DeliveryId {
-        let id = self.allocate();
         let mut facts = facts;
         if self.plan.queue_type() != QueueType::Quorum {
             // Only a quorum queue sets x-delivery-count; on any other, a publisher did.
@@ -350,9 +394,20 @@ impl Engine {
             facts.delivery_count = 0;
             facts.x_delivery_count = 0;
         }
-        match admit(&self.policy, lane, &facts) {
+        let admission = admit(&self.policy, lane, &facts);
+        let state = match admission {
+            Admission::Run(state) | Admission::Decided(state, _) => state,
+        };
+        let id = DeliveryId::from(self.live.insert(Live {
+            state,
+            phase: Phase::Running,
+            lane,
+            publish: None,
+            publish_retries: 0,
+            data,
+        }));
+        match admission {
             Admission::Run(state) => {
-                self.set(id, Live::new(state, Phase::Running, lane));
                 self.actions.push_back(Action::RunHandler {
                     delivery: id,
                     attempt: state.attempt,
@@ -365,7 +420,7 @@ impl Engine {
                     Decision::Divert { .. } | Decision::DeadLetter { .. }
                 )
                 .then(|| CRASH_CAUSE.to_owned());
-                self.execute(now, id, lane, state, decision, runs, cause);
+                self.execute(now, id, state, decision, runs, cause);
             }
         }
         id
@@ -393,7 +448,8 @@ impl Engine {
         }
     }
 
-    /// The handler's outcome for a delivery the engine asked to run.
+    /// The handler's outcome for a delivery the engine asked to run. Call
+    /// [`poll_action`](Self::poll_action) next.
     pub fn handle_outcome(
         &mut self,
         now: Timestamp,
@@ -404,7 +460,7 @@ impl Engine {
         if !matches!(live.phase, Phase::Running) {
             return Err(EngineError::UnexpectedOutcome(id));
         }
-        let (mut state, lane) = (live.state, live.lane);
+        let mut state = live.state;
         let decision = decide(&self.policy, &state, &outcome, now);
         if outcome != Outcome::Success && state.first_failure.is_none() {
             state.first_failure = Some(now);
@@ -412,7 +468,6 @@ impl Engine {
         self.execute(
             now,
             id,
-            lane,
             state,
             decision,
             state.attempt,
@@ -423,7 +478,8 @@ impl Engine {
 
     /// The broker's answer to the publish the engine asked for. Only a positive confirm lets
     /// the original be acknowledged. Anything else publishes the clone again after the
-    /// policy's publish-retry wait; once those retries are spent, the original is requeued.
+    /// policy's publish-retry wait, counted from `now`; once those retries are spent, the
+    /// original is requeued. Call [`poll_action`](Self::poll_action) next.
     pub fn handle_confirm(
         &mut self,
         now: Timestamp,
@@ -432,7 +488,10 @@ impl Engine {
     ) -> Result<(), EngineError> {
         let retries = self.policy.publish_retries();
         let policy = &self.policy;
-        let live = Self::live_mut(&mut self.slots, id)?;
+        let live = self
+            .live
+            .get_mut(id.slot())
+            .ok_or(EngineError::UnknownDelivery(id))?;
         let Phase::Confirming { terminal } = live.phase else {
             return Err(EngineError::UnexpectedConfirm(id));
         };
@@ -460,8 +519,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Fires the in-process waits (immediate retries, publish retries) that are due at
-    /// `now`. Safe to call at any time; nothing happens before a wait is due.
+    /// Fires the in-process waits (immediate retries, publish retries) due at `now`. Call it
+    /// once [`poll_timeout`](Self::poll_timeout)'s deadline has passed, then
+    /// [`poll_action`](Self::poll_action). It is safe to call at any time: nothing happens
+    /// before a wait is due.
     pub fn handle_timeout(&mut self, now: Timestamp) {
         let mut i = 0;
         while i < self.timers.len() {
@@ -471,7 +532,9 @@ impl Engine {
                 continue;
             }
             self.timers.swap_remove(i);
-            let Ok(live) = self.get_mut(id) else { continue };
+            let Some(live) = self.live.get_mut(id.slot()) else {
+                continue;
+            };
             let action = match live.phase {
                 Phase::Waiting => {
                     live.phase = Phase::Running;
@@ -493,36 +556,42 @@ impl Engine {
         }
     }
 
-    /// The next action, after firing the waits that are due at `now`. Call it after every
-    /// `handle_*` call and whenever [`poll_timeout`](Self::poll_timeout)'s wait has passed,
-    /// until it returns `None`.
-    pub fn poll_action(&mut self, now: Timestamp) -> Option<Action> {
-        if !self.timers.is_empty() {
-            self.handle_timeout(now);
-        }
+    /// The next action, in the order the engine decided them; `None` when there is nothing
+    /// to do. Call it after every `handle_*` call, until it returns `None`. It only drains:
+    /// waits that have ended are fired by [`handle_timeout`](Self::handle_timeout).
+    #[must_use = "an action the driver does not carry out leaves its delivery stuck"]
+    pub fn poll_action(&mut self) -> Option<Action<D>> {
         self.actions.pop_front()
     }
 
-    /// How long from `now` until the next in-process wait ends (zero if one is due), or
-    /// `None` when nothing waits. The driver sleeps that long, then polls again.
-    pub fn poll_timeout(&self, now: Timestamp) -> Option<Duration> {
-        self.timers
-            .iter()
-            .map(|(until, _)| *until)
-            .min()
-            .map(|until| until.saturating_duration_since(now))
+    /// When the next in-process wait ends, or `None` when nothing waits. Call it after
+    /// draining [`poll_action`](Self::poll_action); sleep until the deadline (it may be in
+    /// the past), then call [`handle_timeout`](Self::handle_timeout).
+    #[must_use = "a wait nobody sleeps on never ends"]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        self.timers.iter().map(|(until, _)| *until).min()
     }
 
     /// Drops a delivery without settling it, for shutdown: the broker keeps it and
-    /// redelivers it. Its queued actions are discarded. Returns whether it was in flight.
-    pub fn forget(&mut self, id: DeliveryId) -> bool {
-        if self.get(id).is_err() {
-            return false;
-        }
+    /// redelivers it. Its queued actions are discarded. Returns its data, or `None` if it
+    /// was not in flight.
+    pub fn forget(&mut self, id: DeliveryId) -> Option<D> {
+        let live = self.live.remove(id.slot())?;
         self.actions.retain(|a| action_delivery(a) != id);
         self.timers.retain(|(_, t)| *t != id);
-        self.release(id);
-        true
+        Some(live.data)
+    }
+
+    /// Forgets every delivery in flight (see [`forget`](Self::forget)), handing back each
+    /// one's data.
+    pub fn forget_all(&mut self) -> Vec<(DeliveryId, D)> {
+        self.actions
+            .retain(|a| !matches!(a, Action::RunHandler { .. } | Action::Publish { .. }));
+        self.timers.clear();
+        self.live
+            .drain()
+            .map(|(slot, live)| (DeliveryId::from(slot), live.data))
+            .collect()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -530,7 +599,6 @@ impl Engine {
         &mut self,
         now: Timestamp,
         id: DeliveryId,
-        lane: Lane,
         mut state: AttemptState,
         decision: Decision,
         runs: u32,
@@ -559,13 +627,13 @@ impl Engine {
             Decision::RetryInProcess { wait } => {
                 state.attempt = state.attempt.saturating_add(1);
                 if wait.is_zero() {
-                    self.set(id, Live::new(state, Phase::Running, lane));
+                    self.update(id, state, Phase::Running);
                     self.actions.push_back(Action::RunHandler {
                         delivery: id,
                         attempt: state.attempt,
                     });
                 } else {
-                    self.set(id, Live::new(state, Phase::Waiting, lane));
+                    self.update(id, state, Phase::Waiting);
                     self.timers.push((now + wait, id));
                 }
                 return;
@@ -618,11 +686,9 @@ impl Engine {
             expiration,
             headers,
         };
-        let mut live = Live::new(state, Phase::Confirming { terminal }, lane);
-        if self.policy.publish_retries() > 0 {
-            live.publish = Some(publish.clone());
-        }
-        self.set(id, live);
+        let keep = (self.policy.publish_retries() > 0).then(|| publish.clone());
+        let live = self.update(id, state, Phase::Confirming { terminal });
+        live.publish = keep;
         self.actions.push_back(Action::Publish {
             delivery: id,
             publish,
@@ -640,78 +706,39 @@ impl Engine {
     }
 
     fn settle(&mut self, id: DeliveryId, settlement: Settlement, terminal: Terminal) {
-        self.release(id);
+        let live = self
+            .live
+            .remove(id.slot())
+            .expect("only a delivery in flight is settled");
         self.actions.push_back(Action::Settle {
             delivery: id,
             settlement,
             terminal,
+            data: live.data,
         });
     }
 
-    fn allocate(&mut self) -> DeliveryId {
-        self.in_flight += 1;
-        match self.free.pop() {
-            Some(index) => {
-                let slot = &mut self.slots[index as usize];
-                DeliveryId::new(index, slot.generation)
-            }
-            None => {
-                let index = u32::try_from(self.slots.len()).expect("fewer than 2^32 in flight");
-                self.slots.push(Slot {
-                    generation: 0,
-                    live: None,
-                });
-                DeliveryId::new(index, 0)
-            }
-        }
+    /// Moves a delivery in flight to its next phase.
+    fn update(&mut self, id: DeliveryId, state: AttemptState, phase: Phase) -> &mut Live<D> {
+        let live = self
+            .live
+            .get_mut(id.slot())
+            .expect("only a delivery in flight moves on");
+        live.state = state;
+        live.phase = phase;
+        live.publish = None;
+        live.publish_retries = 0;
+        live
     }
 
-    fn release(&mut self, id: DeliveryId) {
-        let slot = &mut self.slots[id.index()];
-        slot.live = None;
-        slot.generation = slot.generation.wrapping_add(1);
-        self.free.push(id.index() as u32);
-        self.in_flight -= 1;
-    }
-
-    fn set(&mut self, id: DeliveryId, live: Live) {
-        self.slots[id.index()].live = Some(live);
-    }
-
-    fn get(&self, id: DeliveryId) -> Result<&Live, EngineError> {
-        self.slots
-            .get(id.index())
-            .filter(|s| s.generation == id.generation())
-            .and_then(|s| s.live.as_ref())
-            .ok_or(EngineError::UnknownDelivery(id))
-    }
-
-    fn get_mut(&mut self, id: DeliveryId) -> Result<&mut Live, EngineError> {
-        Self::live_mut(&mut self.slots, id)
-    }
-
-    fn live_mut(slots: &mut [Slot], id: DeliveryId) -> Result<&mut Live, EngineError> {
-        slots
-            .get_mut(id.index())
-            .filter(|s| s.generation == id.generation())
-            .and_then(|s| s.live.as_mut())
+    fn get(&self, id: DeliveryId) -> Result<&Live<D>, EngineError> {
+        self.live
+            .get(id.slot())
             .ok_or(EngineError::UnknownDelivery(id))
     }
 }
 
-impl Live {
-    fn new(state: AttemptState, phase: Phase, lane: Lane) -> Self {
-        Live {
-            state,
-            phase,
-            lane,
-            publish: None,
-            publish_retries: 0,
-        }
-    }
-}
-
-fn action_delivery(a: &Action) -> DeliveryId {
+fn action_delivery<D>(a: &Action<D>) -> DeliveryId {
     match a {
         Action::RunHandler { delivery, .. }
         | Action::Publish { delivery, .. }

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::decision::DeadLetterReason;
+use crate::headers::DeadLetterReason;
 use crate::headers::{self, HeaderValue, Headers};
 use crate::time::Timestamp;
 

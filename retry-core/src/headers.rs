@@ -79,6 +79,50 @@ pub enum HeaderValue {
     Table(Headers),
 }
 
+/// Why a message was parked (or dropped).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeadLetterReason {
+    /// Every attempt failed: `attempts-exhausted`.
+    AttemptsExhausted,
+    /// The cap on time since the first failure was reached: `max-elapsed`.
+    MaxElapsed,
+    /// The handler reported a permanent failure: `permanent`.
+    Permanent,
+    /// Running alone, the message took its consumer down more often than the crash limit
+    /// allows: `crash-loop`.
+    CrashLoop,
+}
+
+impl DeadLetterReason {
+    /// The header spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterReason::AttemptsExhausted => "attempts-exhausted",
+            DeadLetterReason::MaxElapsed => "max-elapsed",
+            DeadLetterReason::Permanent => "permanent",
+            DeadLetterReason::CrashLoop => "crash-loop",
+        }
+    }
+
+    /// Parses the header spelling.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "attempts-exhausted" => DeadLetterReason::AttemptsExhausted,
+            "max-elapsed" => DeadLetterReason::MaxElapsed,
+            "permanent" => DeadLetterReason::Permanent,
+            "crash-loop" => DeadLetterReason::CrashLoop,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl HeaderValue {
     /// A non-negative integer, whether it came signed or unsigned; `None` for a negative
     /// number or any other type.

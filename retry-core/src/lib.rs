@@ -16,8 +16,11 @@
 //!   listed in [`DeliveryFacts::malformed`]; decoding never panics.
 //! * [`admit`] and [`decide`]: the pure decision functions.
 //! * [`Engine`]: the state machine around them, in the style of `quinn-proto`. `handle_*`
-//!   methods feed inputs, `poll_*` methods drain [`Action`]s, and every entry point takes
-//!   `now`. Every move is *publish, await confirm, then settle the original*; a refused,
+//!   methods feed inputs, each given the time; [`Engine::poll_action`] drains
+//!   [`Action`]s; [`Engine::poll_timeout`] is the deadline of the next in-process wait,
+//!   where the driver calls [`Engine::handle_timeout`]. It carries the caller's data for
+//!   each delivery and hands it back when the delivery is settled.
+//!   Every move is *publish, await confirm, then settle the original*; a refused,
 //!   returned or failed publish requeues the original. Duplicates are possible, loss is not.
 //! * [`TopologyPlan`]: the exchanges, queues (with TTL and dead-letter arguments) and bindings
 //!   a work queue needs, as data. The core computes the route of every delay.
@@ -55,10 +58,17 @@
 //! // Receive: decode the facts, hand the delivery in.
 //! let headers = Headers::new();
 //! let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), message_identity(None, b"hi"));
-//! engine.handle_delivery(now, Lane::Work, facts);
+//! engine.handle_delivery(now, Lane::Work, facts, ());
 //!
 //! // Drain actions and carry them out, feeding results back, until the engine is idle.
-//! while let Some(action) = engine.poll_action(now) {
+//! loop {
+//!     let Some(action) = engine.poll_action() else {
+//!         // Nothing to do now: sleep until an in-process wait ends, or stop when none does.
+//!         let Some(due) = engine.poll_timeout() else { break };
+//!         now = due;
+//!         engine.handle_timeout(now);
+//!         continue;
+//!     };
 //!     match action {
 //!         Action::RunHandler { delivery, .. } => {
 //!             let outcome = Outcome::Transient("downstream timeout".into()); // run the handler
@@ -74,9 +84,6 @@
 //!             assert_eq!(settlement, Settlement::Ack);
 //!             assert!(matches!(terminal, Terminal::Retried { attempts: 1, .. }));
 //!         }
-//!     }
-//!     if let Some(wait) = engine.poll_timeout(now) {
-//!         now = now + wait; // sleep until an in-process wait ends
 //!     }
 //! }
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -178,13 +185,13 @@ mod transport;
 
 pub use backoff::Backoff;
 pub use consumer::{Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport};
-pub use decision::{
-    Admission, AttemptState, DeadLetterReason, Decision, Lane, Outcome, admit, decide,
+pub use decision::{Admission, AttemptState, Decision, Lane, Outcome, admit, decide};
+pub use engine::{
+    Action, Confirm, DeliveryId, Engine, EngineError, PlanMismatch, Publish, Settlement, Terminal,
 };
-pub use engine::{Action, Confirm, DeliveryId, Engine, EngineError, Publish, Settlement, Terminal};
 pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedRecord};
 pub use handler::{FailureKind, Handler, HandlerError};
-pub use headers::{HeaderValue, Headers};
+pub use headers::{DeadLetterReason, HeaderValue, Headers};
 pub use jitter::{Jitter, message_identity, splitmix64};
 pub use message::{Delivery, Message, MessageParts, Properties};
 pub use policy::{

@@ -63,15 +63,15 @@ fn the_success_path_does_not_allocate() {
         let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), identity);
         assert_eq!((facts.deaths, facts.crashes), (2, 0));
         assert!(facts.malformed.contains(headers::CRASHES));
-        let id = engine.handle_delivery(now, Lane::Work, facts);
-        let Some(Action::RunHandler { attempt: 3, .. }) = engine.poll_action(now) else {
+        let id = engine.handle_delivery(now, Lane::Work, facts, ());
+        let Some(Action::RunHandler { attempt: 3, .. }) = engine.poll_action() else {
             panic!("expected a handler run");
         };
         engine.handle_outcome(now, id, Outcome::Success).unwrap();
         let Some(Action::Settle {
             settlement: Settlement::Ack,
             ..
-        }) = engine.poll_action(now)
+        }) = engine.poll_action()
         else {
             panic!("expected an ack");
         };

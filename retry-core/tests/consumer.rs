@@ -807,7 +807,7 @@ fn a_plan_without_the_policys_crash_delay_queue_is_refused_by_name() {
         .build()
         .unwrap();
     let plan = TopologyPlan::new(QUEUE, &run_handler).unwrap();
-    let err = retry_core::Engine::new(policy(), &plan).unwrap_err();
+    let err = retry_core::Engine::<()>::new(policy(), &plan).unwrap_err();
     assert!(err.to_string().contains("comments.crash.30s"), "{err}");
     // Run-handler needs no broker delivery count any more: crashes are counted on the
     // message, by clones into the isolation queue.

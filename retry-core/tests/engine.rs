@@ -33,8 +33,10 @@ fn no_publish_retries() -> RetryPolicy {
         .unwrap()
 }
 
+/// What a driver does at `now`: fire the waits that are due, then take every action.
 fn drain(engine: &mut Engine, now: Timestamp) -> Vec<Action> {
-    std::iter::from_fn(|| engine.poll_action(now)).collect()
+    engine.handle_timeout(now);
+    std::iter::from_fn(|| engine.poll_action()).collect()
 }
 
 fn facts(headers: &[(&str, HeaderValue)], redelivered: bool) -> DeliveryFacts {
@@ -51,7 +53,7 @@ fn facts(headers: &[(&str, HeaderValue)], redelivered: bool) -> DeliveryFacts {
 
 /// A fresh delivery from `lane` whose first run failed transiently: its publish is next.
 fn failed_once(e: &mut Engine, lane: Lane) -> DeliveryId {
-    let id = e.handle_delivery(T0, lane, facts(&[], false));
+    let id = e.handle_delivery(T0, lane, facts(&[], false), ());
     expect_run(&drain(e, T0));
     e.handle_outcome(T0, id, Outcome::Transient("x".into()))
         .unwrap();
@@ -94,7 +96,7 @@ fn one_round(
     confirm: Confirm,
 ) -> (Option<Publish>, Settlement, Terminal) {
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, Lane::Work, facts);
+    let id = e.handle_delivery(T0, Lane::Work, facts, ());
     let (run_id, _) = expect_run(&drain(&mut e, T0));
     assert_eq!(run_id, id);
     e.handle_outcome(T0, id, outcome).unwrap();
@@ -302,8 +304,8 @@ fn nothing_is_settled_before_the_confirm() {
     expect_publish(&drain(&mut e, T0));
     // However long the confirm takes, nothing else comes out.
     let later = T0 + secs(3600);
-    assert_eq!(e.poll_action(later), None);
-    assert_eq!(e.poll_timeout(later), None);
+    assert_eq!(drain(&mut e, later), vec![]);
+    assert_eq!(e.poll_timeout(), None);
     assert_eq!(e.in_flight(), 1);
     e.handle_confirm(later, id, Confirm::Ack).unwrap();
     let (settlement, _) = expect_settle(&drain(&mut e, later));
@@ -318,7 +320,7 @@ fn immediate_retries_run_in_process_before_delayed_ones() {
         .unwrap();
     assert_eq!(policy.max_attempts(), 4);
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false), ());
     assert_eq!(expect_run(&drain(&mut e, T0)).1, 1);
 
     let mut now = T0;
@@ -327,11 +329,15 @@ fn immediate_retries_run_in_process_before_delayed_ones() {
             .unwrap();
         // Waiting in-process: no action until the wait is over.
         assert_eq!(drain(&mut e, now), vec![]);
-        assert_eq!(e.poll_timeout(now), Some(Duration::from_millis(100)));
-        assert_eq!(e.poll_action(now + Duration::from_millis(99)), None);
-        now = now + Duration::from_millis(100);
-        assert_eq!(e.poll_timeout(now), Some(Duration::ZERO));
+        let due = now + Duration::from_millis(100);
+        assert_eq!(e.poll_timeout(), Some(due));
+        // A spurious timeout fires nothing, and polling alone never fires a wait.
+        e.handle_timeout(now + Duration::from_millis(99));
+        assert_eq!(e.poll_action(), None);
+        now = due;
+        assert_eq!(e.poll_action(), None, "poll_action only drains");
         assert_eq!(expect_run(&drain(&mut e, now)), (id, attempt));
+        assert_eq!(e.poll_timeout(), None);
     }
     e.handle_outcome(now, id, Outcome::Transient("fail 3".into()))
         .unwrap();
@@ -452,7 +458,7 @@ fn a_redelivered_work_delivery_is_isolated_as_a_suspect_without_counting_a_crash
         ],
         true,
     );
-    let id = e.handle_delivery(T0, Lane::Work, f);
+    let id = e.handle_delivery(T0, Lane::Work, f, ());
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(&*publish.route.exchange, "work.retry");
     assert_eq!(&*publish.route.routing_key, "work.suspect");
@@ -477,6 +483,7 @@ fn a_redelivered_work_delivery_is_isolated_as_a_suspect_without_counting_a_crash
         T0,
         Lane::Work,
         facts(&[("x-delivery-count", HeaderValue::Int(1))], false),
+        (),
     );
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(&*publish.route.routing_key, "work.suspect");
@@ -486,7 +493,7 @@ fn a_redelivered_work_delivery_is_isolated_as_a_suspect_without_counting_a_crash
 fn a_fresh_suspect_runs_and_takes_the_normal_retry_path() {
     let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
     let mut e = engine(policy);
-    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], false));
+    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], false), ());
     let (_, attempt) = expect_run(&drain(&mut e, T0));
     assert_eq!(attempt, 1);
     e.handle_outcome(T0, id, Outcome::Transient("x".into()))
@@ -507,7 +514,7 @@ fn a_suspect_redelivered_from_the_isolation_queue_counts_a_crash_and_waits_the_c
         .unwrap();
     let mut e = engine(policy);
     let f = facts(&[(headers::ATTEMPTS, HeaderValue::Int(1))], true);
-    let id = e.handle_delivery(T0, Lane::Isolation, f);
+    let id = e.handle_delivery(T0, Lane::Isolation, f, ());
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(&*publish.route.routing_key, "work.crash.5s");
     assert_eq!(publish.headers.crashes, 1);
@@ -550,7 +557,7 @@ fn crash_limit_parks_with_reason_crash_loop() {
             h.push(("x-delivery-count", HeaderValue::Int(n)));
         }
         let mut e = quorum_engine(policy.clone());
-        let id = e.handle_delivery(T0, Lane::Isolation, facts(&h, redelivered));
+        let id = e.handle_delivery(T0, Lane::Isolation, facts(&h, redelivered), ());
         let publish = expect_publish(&drain(&mut e, T0));
         e.handle_confirm(T0, id, Confirm::Ack).unwrap();
         let (_, terminal) = expect_settle(&drain(&mut e, T0));
@@ -581,7 +588,7 @@ fn the_work_lane_never_counts_a_crash_however_often_it_is_redelivered() {
         (headers::CRASHES, HeaderValue::Int(3)),
         ("x-delivery-count", HeaderValue::Int(50)),
     ];
-    e.handle_delivery(T0, Lane::Work, facts(&h, true));
+    e.handle_delivery(T0, Lane::Work, facts(&h, true), ());
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(&*publish.route.routing_key, "work.suspect");
     assert_eq!(publish.headers.crashes, 3);
@@ -598,7 +605,7 @@ fn run_handler_mode_sends_a_crashed_suspect_straight_back_to_the_isolation_queue
     let plan = TopologyPlan::new("work", &policy).unwrap();
     assert_eq!(plan.crash_route(), None, "no crash-delay queue");
     let mut e = engine(policy.clone());
-    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
+    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], true), ());
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(&*publish.route.routing_key, "work.suspect");
     assert_eq!((publish.headers.crashes, publish.headers.delay), (1, None));
@@ -614,7 +621,7 @@ fn run_handler_mode_sends_a_crashed_suspect_straight_back_to_the_isolation_queue
     // A second crash goes past the limit of 1.
     let mut e = engine(policy);
     let h = [(headers::CRASHES, HeaderValue::Int(1))];
-    e.handle_delivery(T0, Lane::Isolation, facts(&h, true));
+    e.handle_delivery(T0, Lane::Isolation, facts(&h, true), ());
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(publish.headers.reason, Some(DeadLetterReason::CrashLoop));
 }
@@ -623,7 +630,7 @@ fn run_handler_mode_sends_a_crashed_suspect_straight_back_to_the_isolation_queue
 fn an_excused_suspect_runs_again_without_counting_a_crash() {
     let mut e = engine(RetryPolicy::default());
     e.excuse(42);
-    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
+    let id = e.handle_delivery(T0, Lane::Isolation, facts(&[], true), ());
     expect_run(&drain(&mut e, T0));
     e.handle_outcome(T0, id, Outcome::Success).unwrap();
     assert_eq!(
@@ -631,7 +638,7 @@ fn an_excused_suspect_runs_again_without_counting_a_crash() {
         Terminal::Handled { attempt: 1 }
     );
     // An excuse is used once.
-    e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
+    e.handle_delivery(T0, Lane::Isolation, facts(&[], true), ());
     let publish = expect_publish(&drain(&mut e, T0));
     assert_eq!(publish.headers.crashes, 1);
 }
@@ -651,15 +658,15 @@ fn a_refused_publish_is_retried_with_doubling_waits_before_the_original_is_reque
         vec![],
         "nothing settles while retries remain"
     );
-    assert_eq!(e.poll_timeout(T0), Some(Duration::from_millis(100)));
     let t1 = T0 + Duration::from_millis(100);
+    assert_eq!(e.poll_timeout(), Some(t1));
     assert_eq!(
         expect_publish(&drain(&mut e, t1)),
         first,
         "the same clone again"
     );
     e.handle_confirm(t1, id, Confirm::Returned).unwrap();
-    assert_eq!(e.poll_timeout(t1), Some(Duration::from_millis(200)));
+    assert_eq!(e.poll_timeout(), Some(t1 + Duration::from_millis(200)));
     assert_eq!(drain(&mut e, t1 + Duration::from_millis(199)), vec![]);
     let t2 = t1 + Duration::from_millis(200);
     expect_publish(&drain(&mut e, t2));
@@ -706,7 +713,7 @@ fn a_suspect_requeued_after_its_publish_failed_is_not_blamed_when_it_returns() {
     e.handle_confirm(T0, id, Confirm::Nack).unwrap();
     assert_eq!(expect_settle(&drain(&mut e, T0)).0, Settlement::Requeue);
     // Back from the isolation queue, redelivered: it runs, no crash counted.
-    e.handle_delivery(T0, Lane::Isolation, facts(&[], true));
+    e.handle_delivery(T0, Lane::Isolation, facts(&[], true), ());
     let (_, attempt) = expect_run(&drain(&mut e, T0));
     assert_eq!(attempt, 1);
 }
@@ -809,7 +816,7 @@ fn broker_counters_are_read() {
 #[test]
 fn engine_refuses_inputs_out_of_turn() {
     let mut e = engine(RetryPolicy::default());
-    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false));
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], false), ());
     drain(&mut e, T0);
     assert_eq!(
         e.handle_confirm(T0, id, Confirm::Ack),
@@ -828,7 +835,7 @@ fn engine_refuses_inputs_out_of_turn() {
         e.handle_outcome(T0, id, Outcome::Success),
         Err(EngineError::UnknownDelivery(id))
     );
-    let next = e.handle_delivery(T0, Lane::Work, facts(&[], false));
+    let next = e.handle_delivery(T0, Lane::Work, facts(&[], false), ());
     assert_ne!(next, id);
     assert_eq!(
         e.handle_confirm(T0, id, Confirm::Ack),
@@ -843,16 +850,16 @@ fn forget_leaves_a_delivery_to_the_broker() {
         .build()
         .unwrap();
     let mut e = engine(policy);
-    let waiting = e.handle_delivery(T0, Lane::Work, facts(&[], false));
-    let running = e.handle_delivery(T0, Lane::Work, facts(&[], false));
+    let waiting = e.handle_delivery(T0, Lane::Work, facts(&[], false), ());
+    let running = e.handle_delivery(T0, Lane::Work, facts(&[], false), ());
     drain(&mut e, T0);
     e.handle_outcome(T0, waiting, Outcome::Transient("x".into()))
         .unwrap();
-    assert!(e.forget(waiting));
-    assert!(e.forget(running));
-    assert!(!e.forget(running));
+    assert_eq!(e.forget(waiting), Some(()));
+    assert_eq!(e.forget(running), Some(()));
+    assert_eq!(e.forget(running), None);
     assert_eq!(e.in_flight(), 0);
-    assert_eq!(e.poll_timeout(T0), None);
+    assert_eq!(e.poll_timeout(), None);
     assert_eq!(drain(&mut e, T0 + secs(10)), vec![]);
 }
 
@@ -861,10 +868,10 @@ fn engine_refuses_a_plan_made_for_another_policy() {
     let short = RetryPolicy::delays([secs(1)]).build().unwrap();
     let long = RetryPolicy::delays([secs(1), secs(60)]).build().unwrap();
     let plan = TopologyPlan::new("work", &short).unwrap();
-    let err = Engine::new(long, &plan).unwrap_err();
+    let err = Engine::<()>::new(long, &plan).unwrap_err();
     assert_eq!(
         err,
-        EngineError::MissingDelayLevel {
+        PlanMismatch::MissingDelayLevel {
             queue: "work".into(),
             delay: secs(60)
         }
@@ -876,10 +883,10 @@ fn engine_refuses_a_plan_made_for_another_policy() {
         .build()
         .unwrap();
     let plan = TopologyPlan::new("work", &short).unwrap();
-    let err = Engine::new(divert, &plan).unwrap_err();
+    let err = Engine::<()>::new(divert, &plan).unwrap_err();
     assert_eq!(
         err,
-        EngineError::MissingCrashDelay {
+        PlanMismatch::MissingCrashDelay {
             queue: "work".into(),
             missing: "work.crash.20s".into(),
             delay: secs(20)
@@ -898,7 +905,7 @@ fn jittered_delays_route_to_the_level_that_holds_them() {
     for seed in 0..200u64 {
         let mut e = Engine::new(policy.clone(), &plan).unwrap();
         let f = DeliveryFacts::decode(&Headers::new(), BrokerSignals::default(), seed);
-        let id = e.handle_delivery(T0, Lane::Work, f);
+        let id = e.handle_delivery(T0, Lane::Work, f, ());
         drain(&mut e, T0);
         e.handle_outcome(T0, id, Outcome::Transient("x".into()))
             .unwrap();
@@ -919,18 +926,62 @@ fn a_publisher_supplied_delivery_count_is_ignored_on_classic_queues() {
     // Classic queues never set it: the handler runs, in either lane.
     let mut e = engine(policy.clone());
     for lane in [Lane::Work, Lane::Isolation] {
-        let id = e.handle_delivery(T0, lane, forged());
+        let id = e.handle_delivery(T0, lane, forged(), ());
         assert_eq!(expect_run(&drain(&mut e, T0)), (id, 1), "{lane:?}");
     }
 
     // A quorum queue sets it on each redelivery: there the same delivery is a suspect in
     // the work lane, and a crash in the isolation lane.
     let mut e = quorum_engine(policy);
-    e.handle_delivery(T0, Lane::Work, forged());
+    e.handle_delivery(T0, Lane::Work, forged(), ());
     let isolate = expect_publish(&drain(&mut e, T0));
     assert_eq!(&*isolate.route.routing_key, "work.suspect");
-    e.handle_delivery(T0, Lane::Isolation, forged());
+    e.handle_delivery(T0, Lane::Isolation, forged(), ());
     let divert = expect_publish(&drain(&mut e, T0));
     assert_eq!(&*divert.route.routing_key, "work.crash.1s");
     assert_eq!(divert.headers.crashes, 1);
+}
+
+#[test]
+fn the_callers_data_comes_back_with_the_settlement() {
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new("work", &policy).unwrap();
+    let mut e: Engine<String> = Engine::new(policy, &plan).unwrap();
+    let retried = e.handle_delivery(T0, Lane::Work, facts(&[], false), "tag-1".into());
+    let handled = e.handle_delivery(T0, Lane::Work, facts(&[], false), "tag-2".into());
+    let forgotten = e.handle_delivery(T0, Lane::Work, facts(&[], false), "tag-3".into());
+    e.handle_timeout(T0);
+    while e.poll_action().is_some() {}
+    assert_eq!(e.data(handled).map(String::as_str), Some("tag-2"));
+    e.data_mut(handled).unwrap().push_str("+seen");
+
+    e.handle_outcome(T0, retried, Outcome::Transient("x".into()))
+        .unwrap();
+    e.handle_outcome(T0, handled, Outcome::Success).unwrap();
+    assert!(
+        matches!(e.poll_action(), Some(Action::Publish { delivery, .. }) if delivery == retried)
+    );
+    match e.poll_action() {
+        Some(Action::Settle { delivery, data, .. }) => {
+            assert_eq!(delivery, handled);
+            assert_eq!(data, "tag-2+seen");
+        }
+        other => panic!("expected the handled delivery's settlement, got {other:?}"),
+    }
+    // Until its confirm, the retried delivery's data stays with the engine.
+    assert_eq!(e.data(retried).map(String::as_str), Some("tag-1"));
+    e.handle_confirm(T0, retried, Confirm::Ack).unwrap();
+    assert!(matches!(
+        e.poll_action(),
+        Some(Action::Settle { data, .. }) if data == "tag-1"
+    ));
+    assert_eq!(
+        e.data(retried),
+        None,
+        "a settled delivery's handle is stale"
+    );
+
+    assert_eq!(e.forget_all(), vec![(forgotten, "tag-3".to_owned())]);
+    assert_eq!(e.in_flight(), 0);
+    assert_eq!(e.poll_action(), None);
 }

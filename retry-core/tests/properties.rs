@@ -146,21 +146,21 @@ fn life_of_a_message(policy: &RetryPolicy, fates: &[Fate], seed: u64) -> Life {
             },
             seed,
         );
-        let id = engine.handle_delivery(now, lane, facts);
+        let id = engine.handle_delivery(now, lane, facts, ());
         redelivered = false;
         let mut crashed = false;
         let mut next_lane = lane;
-        while let Some(action) = engine.poll_action(now).or_else(|| {
-            let wait = engine.poll_timeout(now)?;
-            now = now + wait;
-            engine.poll_action(now)
+        while let Some(action) = engine.poll_action().or_else(|| {
+            now = engine.poll_timeout()?;
+            engine.handle_timeout(now);
+            engine.poll_action()
         }) {
             match action {
                 Action::RunHandler { delivery, attempt } => {
                     life.runs.push(attempt);
                     let fate = fates.next().unwrap();
                     if let Fate::Crash = fate {
-                        assert!(engine.forget(delivery));
+                        assert!(engine.forget(delivery).is_some());
                         crashed = true;
                         break;
                     }
@@ -320,7 +320,7 @@ proptest! {
                 (headers::CRASHES, HeaderValue::Int(*crashes)),
             ].into_iter().collect();
             let f = DeliveryFacts::decode(&h, BrokerSignals { redelivered: *redelivered, delivery_count: None }, i as u64);
-            ids.push(engine.handle_delivery(now, lane, f));
+            ids.push(engine.handle_delivery(now, lane, f, ()));
         }
         let mut running = BTreeSet::new();
         let mut publishing = BTreeMap::new();
@@ -328,7 +328,8 @@ proptest! {
         let mut settled = BTreeMap::new();
         let mut choices = choices.iter().cycle();
         for _ in 0..10_000 {
-            while let Some(action) = engine.poll_action(now) {
+            engine.handle_timeout(now);
+            while let Some(action) = engine.poll_action() {
                 match action {
                     Action::RunHandler { delivery, .. } => {
                         prop_assert!(!settled.contains_key(&delivery));
@@ -338,7 +339,7 @@ proptest! {
                         prop_assert!(!settled.contains_key(&delivery));
                         prop_assert!(publishing.insert(delivery, ()).is_none(), "two publishes in flight");
                     }
-                    Action::Settle { delivery, settlement, terminal } => {
+                    Action::Settle { delivery, settlement, terminal, .. } => {
                         prop_assert!(settled.insert(delivery, terminal).is_none(), "settled twice");
                         prop_assert!(!running.contains(&delivery));
                         prop_assert!(!publishing.contains_key(&delivery), "settled before the confirm");
@@ -369,9 +370,9 @@ proptest! {
                 .chain(publishing.keys().map(|d| (*d, false)))
                 .collect();
             if pending.is_empty() {
-                let wait = engine.poll_timeout(now);
-                prop_assert!(wait.is_some(), "stuck with nothing pending");
-                now = now + wait.unwrap();
+                let due = engine.poll_timeout();
+                prop_assert!(due.is_some(), "stuck with nothing pending");
+                now = due.unwrap();
                 continue;
             }
             let (id, is_run) = pending[pick.index(pending.len())];
@@ -387,7 +388,8 @@ proptest! {
         }
         prop_assert_eq!(settled.len(), ids.len());
         prop_assert_eq!(engine.in_flight(), 0);
-        prop_assert_eq!(engine.poll_action(now + MAX_TTL), None);
+        engine.handle_timeout(now + MAX_TTL);
+        prop_assert_eq!(engine.poll_action(), None);
     }
 
     #[test]

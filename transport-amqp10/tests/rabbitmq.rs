@@ -231,8 +231,8 @@ async fn a_released_delivery_comes_back_redelivered_and_is_isolated() {
     assert_eq!(again.facts.delivery_count, 0, "RabbitMQ 3.x keeps no count");
 
     let mut engine = Engine::new(policy, &plan).expect("engine");
-    let id = engine.handle_delivery(t.now(), Lane::Work, again.facts);
-    let Some(retry_core::Action::Publish { publish, .. }) = engine.poll_action(t.now()) else {
+    let id = engine.handle_delivery(t.now(), Lane::Work, again.facts, ());
+    let Some(retry_core::Action::Publish { publish, .. }) = engine.poll_action() else {
         panic!("a redelivered message is isolated without running the handler")
     };
     assert_eq!(&publish.route, plan.isolation_route());
@@ -245,7 +245,7 @@ async fn a_released_delivery_comes_back_redelivered_and_is_isolated() {
         settlement,
         terminal,
         ..
-    }) = engine.poll_action(t.now())
+    }) = engine.poll_action()
     else {
         panic!("settle expected")
     };

@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::{Config, Consumer, Observer};
-use crate::engine::{Engine, EngineError, Terminal};
+use crate::engine::{Engine, PlanMismatch, Terminal};
 use crate::handler::Handler;
 use crate::message::Message;
 use crate::policy::RetryPolicy;
@@ -384,5 +384,5 @@ pub enum ConsumerConfigError {
     Topology(#[from] TopologyError),
     /// The engine refused the plan (a topology customisation dropped a delay level).
     #[error(transparent)]
-    Engine(#[from] EngineError),
+    Plan(#[from] PlanMismatch),
 }

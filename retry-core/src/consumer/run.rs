@@ -16,9 +16,7 @@
 //! a time, each run with nothing else running and settled before the next fetch.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::future::Future;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::panic::AssertUnwindSafe;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
@@ -28,7 +26,7 @@ use std::time::Duration;
 use futures::future::{self, BoxFuture, Either};
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
-use tracing::field::{Empty, debug as debug_value};
+use tracing::field::{Empty, debug as debug_value, display as display_value};
 use tracing::{Instrument, Span, debug, error, info, info_span, warn};
 
 use super::{Config, Consumer, Observer, RunReport};
@@ -120,7 +118,8 @@ enum Event<T: Transport> {
         result: PublishResult,
     },
     Settled {
-        id: DeliveryId,
+        held: Held<T::Tag>,
+        terminal: Terminal,
         result: Result<(), TransportError>,
     },
     Subscribed(Result<T::Subscription, TransportError>),
@@ -145,28 +144,6 @@ enum Wake<T: Transport> {
     TurnOver,
 }
 
-/// Hashes the engine's delivery ids, numbers it hands out itself: the default hasher's
-/// protection against chosen keys is not needed, and it is looked up several times per
-/// delivery.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0 ^ (self.0 >> 29)
-    }
-}
-
 /// Which intake has the turn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -181,14 +158,14 @@ enum Phase {
     Solo { started: Timestamp, runs: u32 },
 }
 
-/// A delivery between its receipt and the end of its settlement.
-struct Held<Tag> {
+/// What the driver keeps of a delivery, as the engine's data for it, from its receipt
+/// until its settlement is done.
+pub(super) struct Held<Tag> {
     tag: Tag,
     message: Message,
     span: Span,
     lane: Lane,
     identity: u64,
-    terminal: Option<Terminal>,
 }
 
 pub(super) async fn run<T: Transport, H: Handler>(
@@ -234,7 +211,7 @@ pub(super) async fn run<T: Transport, H: Handler>(
         observer: observer.as_ref(),
         isolation,
         engine,
-        held: HashMap::with_capacity_and_hasher(usize::from(config.prefetch), Default::default()),
+        settling: 0,
         tasks: FuturesUnordered::new(),
         report: RunReport::default(),
         subscription: None,
@@ -258,8 +235,9 @@ struct Driver<'a, T: Transport, H: Handler> {
     config: &'a Config,
     observer: Option<&'a Observer>,
     isolation: String,
-    engine: Engine,
-    held: HashMap<DeliveryId, Held<T::Tag>, BuildHasherDefault<IdHasher>>,
+    engine: Engine<Held<T::Tag>>,
+    /// Deliveries the engine is done with whose settlement is under way.
+    settling: usize,
     tasks: FuturesUnordered<BoxFuture<'a, Event<T>>>,
     report: RunReport,
     subscription: Option<Arc<T::Subscription>>,
@@ -335,13 +313,19 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
 
         loop {
             let now = self.transport.now();
-            while let Some(action) = self.engine.poll_action(now) {
+            if self.engine.poll_timeout().is_some_and(|due| due <= now) {
+                self.engine.handle_timeout(now);
+            }
+            while let Some(action) = self.engine.poll_action() {
                 self.start(action)?;
             }
-            timer = match (self.engine.poll_timeout(now), timer) {
+            timer = match (self.engine.poll_timeout(), timer) {
                 (None, _) => None,
-                (Some(wait), Some((due, sleep))) if due == now + wait => Some((due, sleep)),
-                (Some(wait), _) => Some((now + wait, self.transport.sleep(wait))),
+                (Some(due), Some((armed, sleep))) if armed == due => Some((due, sleep)),
+                (Some(due), _) => {
+                    let wait = due.saturating_duration_since(now);
+                    Some((due, self.transport.sleep(wait)))
+                }
             };
             if let Some(fatal) = intake.fatal.as_ref()
                 && intake.receiving
@@ -352,7 +336,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             self.advance(&mut intake, now, shutting_down);
             // Fetches, subscribing and flushes are tasks too: none is cut short.
             let stopping = shutting_down || !intake.receiving;
-            if stopping && self.held.is_empty() && self.tasks.is_empty() {
+            if stopping && self.held() == 0 && self.tasks.is_empty() {
                 break;
             }
 
@@ -398,7 +382,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 Wake::Shutdown => {
                     info!(
                         queue = %self.config.queue,
-                        in_flight = self.held.len(),
+                        in_flight = self.held(),
                         grace = %format_delay(self.config.shutdown_grace),
                         "shutdown requested: no more deliveries, finishing the ones held",
                     );
@@ -451,7 +435,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     let turn_over = intake.turn.is_none();
                     if intake.suspects && turn_over && intake.receiving {
                         intake.phase = Phase::Draining;
-                        debug!(queue = %self.config.queue, held = self.held.len(), "suspects waiting: draining the work lane");
+                        debug!(queue = %self.config.queue, held = self.held(), "suspects waiting: draining the work lane");
                         continue;
                     }
                     if !intake.receiving {
@@ -474,7 +458,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                         intake.watch =
                             Some(Box::pin(async move { transport.ready(&queue, poll).await }));
                     }
-                    if self.held.len() >= usize::from(self.config.prefetch) {
+                    if self.held() >= usize::from(self.config.prefetch) {
                         return;
                     }
                     if let Some(delivery) = intake.deferred.take() {
@@ -487,14 +471,14 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     return;
                 }
                 Phase::Draining => {
-                    if !self.held.is_empty() {
+                    if self.held() > 0 {
                         // Redelivered deliveries still arriving are isolated meanwhile: after
                         // a crash they come first, and a handler never runs for them.
                         if let Some(subscription) = self.subscription.clone()
                             && intake.receiving
                             && intake.recv.is_none()
                             && intake.deferred.is_none()
-                            && self.held.len() < usize::from(self.config.prefetch)
+                            && self.held() < usize::from(self.config.prefetch)
                         {
                             intake.recv = Some(self.receive(subscription, intake.backoff.take()));
                         }
@@ -524,7 +508,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     };
                 }
                 Phase::Solo { started, runs } => {
-                    if !self.held.is_empty() || intake.fetching {
+                    if self.held() > 0 || intake.fetching {
                         return;
                     }
                     let spent = now.saturating_duration_since(started);
@@ -571,7 +555,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             Ok(Some(delivery)) => {
                 intake.next_backoff = MIN_RECEIVE_BACKOFF;
                 let isolating = intake.phase == Phase::Draining
-                    && !self.held.is_empty()
+                    && self.held() > 0
                     && delivery.facts.crash_evidence() > 0;
                 if intake.phase == Phase::Work || isolating {
                     self.admit(delivery, Lane::Work);
@@ -649,17 +633,25 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         // The run number the engine admits it at, so a delivery that never reaches a handler
         // (an isolation or a crash diversion) still reports where it stood.
         let message = message.with_attempt(facts.attempts.saturating_add(1));
-        let id = self
-            .engine
-            .handle_delivery(self.transport.now(), lane, facts);
         let span = info_span!(
             "delivery",
             queue = %self.config.queue,
             lane = ?lane,
-            delivery = %id,
+            delivery = Empty,
             attempt = Empty,
             terminal = Empty,
         );
+        let held = Held {
+            tag,
+            message,
+            span: span.clone(),
+            lane,
+            identity: facts.identity,
+        };
+        let id = self
+            .engine
+            .handle_delivery(self.transport.now(), lane, facts, held);
+        span.record("delivery", display_value(&id));
         if !facts.malformed.is_empty() {
             warn!(
                 parent: &span,
@@ -676,22 +668,11 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 "delivery was held by a consumer that went away",
             );
         }
-        self.held.insert(
-            id,
-            Held {
-                tag,
-                message,
-                span,
-                lane,
-                identity: facts.identity,
-                terminal: None,
-            },
-        );
     }
 
     /// Starts an action. Actions start in the engine's order and then run concurrently; the
     /// engine only asks to settle a delivery after its clone's confirm came back.
-    fn start(&mut self, action: Action) -> Result<(), ConsumerError> {
+    fn start(&mut self, action: Action<Held<T::Tag>>) -> Result<(), ConsumerError> {
         let (transport, handler, config) = (self.transport, self.handler, self.config);
         match action {
             Action::RunHandler { delivery, attempt } => {
@@ -740,21 +721,21 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 ));
             }
             Action::Settle {
-                delivery,
                 settlement,
                 terminal,
+                data: held,
+                ..
             } => {
-                let held = self.held_mut(delivery)?;
-                held.terminal = Some(terminal);
                 held.span.record("terminal", debug_value(&terminal));
                 log_terminal(&held.span, &terminal, settlement);
-                let tag = held.tag.clone();
                 let span = held.span.clone();
+                self.settling += 1;
                 self.tasks.push(Box::pin(
                     async move {
-                        let result = transport.settle(&tag, settlement).await;
+                        let result = transport.settle(&held.tag, settlement).await;
                         Event::Settled {
-                            id: delivery,
+                            held,
+                            terminal,
                             result,
                         }
                     }
@@ -778,7 +759,11 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 }
                 self.engine.handle_confirm(now, id, result.confirm())?;
             }
-            Event::Settled { id, result } => self.settled(id, result, intake)?,
+            Event::Settled {
+                held,
+                terminal,
+                result,
+            } => self.settled(held, terminal, result, intake),
             Event::Subscribed(result) => {
                 intake.subscribing = false;
                 match result {
@@ -832,16 +817,14 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
 
     fn settled(
         &mut self,
-        id: DeliveryId,
+        held: Held<T::Tag>,
+        terminal: Terminal,
         result: Result<(), TransportError>,
         intake: &mut Intake<'a, T>,
-    ) -> Result<(), ConsumerError> {
-        let held = self
-            .held
-            .remove(&id)
-            .ok_or(EngineError::UnknownDelivery(id))?;
-        match (result, held.terminal) {
-            (Ok(()), Some(terminal)) => {
+    ) {
+        self.settling -= 1;
+        match result {
+            Ok(()) => {
                 // A clone just went into the isolation queue: it waits for a solo run.
                 let into_isolation = match terminal {
                     Terminal::Isolated => true,
@@ -867,8 +850,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     observer(&held.message, &terminal);
                 }
             }
-            (Ok(()), None) => {}
-            (Err(e), _) => {
+            Err(e) => {
                 self.report.settle_errors += 1;
                 if held.lane == Lane::Isolation {
                     // The broker puts it back in the isolation queue redelivered, and this
@@ -883,7 +865,6 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 );
             }
         }
-        Ok(())
     }
 
     fn outcome(&mut self, id: DeliveryId, run: HandlerRun) -> Outcome {
@@ -914,12 +895,20 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
     /// The shutdown grace is over: whatever is still held goes back to the broker unsettled,
     /// and the work still running for it is dropped with the loop.
     fn abandon_held(&mut self) {
-        for (id, held) in self.held.drain() {
-            self.engine.forget(id);
+        for (_, held) in self.engine.forget_all() {
             self.report.left_unsettled += 1;
             warn!(
                 parent: &held.span,
                 "shutdown grace over: left unsettled for the broker to redeliver",
+            );
+        }
+        if self.settling > 0 {
+            // Their settlements are cut short with the loop: the broker may redeliver them.
+            self.report.left_unsettled += self.settling as u64;
+            warn!(
+                queue = %self.config.queue,
+                settling = self.settling,
+                "shutdown grace over: settlements under way were cut short",
             );
         }
     }
@@ -943,15 +932,20 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         }
     }
 
+    /// Deliveries held: in the engine, or settling.
+    fn held(&self) -> usize {
+        self.engine.in_flight() + self.settling
+    }
+
     fn held_mut(&mut self, id: DeliveryId) -> Result<&mut Held<T::Tag>, EngineError> {
-        self.held
-            .get_mut(&id)
+        self.engine
+            .data_mut(id)
             .ok_or(EngineError::UnknownDelivery(id))
     }
 
     fn span(&self, id: DeliveryId) -> Span {
-        self.held
-            .get(&id)
+        self.engine
+            .data(id)
             .map_or_else(Span::none, |held| held.span.clone())
     }
 }

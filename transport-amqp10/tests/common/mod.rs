@@ -3,7 +3,6 @@
 
 #![allow(dead_code)]
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -238,20 +237,19 @@ pub async fn transport() -> Amqp10Transport {
 }
 
 /// Drives `engine` over the work-queue `subscription` of `transport` until `terminals`
-/// deliveries have ended or `within` passes, running `handler` inline. Returns how each
-/// delivery ended, with its message.
+/// deliveries have ended or `within` passes, running `handler` inline. Each delivery rides
+/// in the engine as its data, so no map of its own is kept. Returns how each delivery
+/// ended, with its message.
 pub async fn drive<T: Transport>(
     transport: &T,
     subscription: &T::Subscription,
-    engine: &mut Engine,
+    engine: &mut Engine<Delivery<T::Tag>>,
     handler: &impl Fn(&Message) -> Outcome,
     terminals: usize,
     within: Duration,
 ) -> Vec<(Terminal, Message)> {
     let deadline = Instant::now() + within;
-    let mut held: Vec<(retry_core::DeliveryId, Delivery<T::Tag>)> = Vec::new();
     let mut ended = Vec::new();
-    let mut pending: VecDeque<Action> = VecDeque::new();
     while ended.len() < terminals {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -263,52 +261,46 @@ pub async fn drive<T: Transport>(
             Ok(Err(e)) => panic!("recv failed: {e}"),
             Err(_) => break,
         };
-        let id = engine.handle_delivery(transport.now(), Lane::Work, delivery.facts);
-        held.push((id, delivery));
+        let facts = delivery.facts;
+        engine.handle_delivery(transport.now(), Lane::Work, facts, delivery);
         loop {
-            let now = transport.now();
-            while let Some(a) = engine.poll_action(now) {
-                pending.push_back(a);
-            }
-            let Some(action) = pending.pop_front() else {
-                match engine.poll_timeout(now) {
-                    Some(wait) => {
-                        tokio::time::sleep(wait).await;
+            let Some(action) = engine.poll_action() else {
+                match engine.poll_timeout() {
+                    Some(due) => {
+                        let now = transport.now();
+                        tokio::time::sleep(due.saturating_duration_since(now)).await;
+                        engine.handle_timeout(transport.now());
                         continue;
                     }
                     None => break,
                 }
             };
-            let find = |id| {
-                held.iter()
-                    .position(|(h, _)| *h == id)
-                    .expect("action for a held delivery")
-            };
             match action {
                 Action::RunHandler { delivery, attempt } => {
-                    let i = find(delivery);
-                    let msg = held[i].1.message.with_attempt(attempt);
-                    let outcome = handler(&msg);
+                    let held = engine.data(delivery).expect("action for a held delivery");
+                    let outcome = handler(&held.message.with_attempt(attempt));
                     engine
                         .handle_outcome(transport.now(), delivery, outcome)
                         .expect("outcome");
                 }
                 Action::Publish { delivery, publish } => {
-                    let i = find(delivery);
-                    let result = transport.publish(&held[i].1.message, &publish).await;
+                    let held = engine.data(delivery).expect("action for a held delivery");
+                    let result = transport.publish(&held.message, &publish).await;
                     engine
                         .handle_confirm(transport.now(), delivery, result.confirm())
                         .expect("confirm");
                 }
                 Action::Settle {
-                    delivery,
                     settlement,
                     terminal,
+                    data,
+                    ..
                 } => {
-                    let i = find(delivery);
-                    let (_, d) = held.swap_remove(i);
-                    transport.settle(&d.tag, settlement).await.expect("settle");
-                    ended.push((terminal, d.message));
+                    transport
+                        .settle(&data.tag, settlement)
+                        .await
+                        .expect("settle");
+                    ended.push((terminal, data.message));
                 }
             }
         }
