@@ -13,7 +13,8 @@ use crate::decision::{
 };
 use crate::facts::DeliveryFacts;
 use crate::headers::DeadLetterReason;
-use crate::headers::EngineHeaders;
+use crate::headers::{EngineHeaders, Headers, Origin};
+use crate::message::Message;
 use crate::policy::RetryPolicy;
 use crate::time::{Timestamp, format_delay};
 use crate::topology::{QueueType, Route, TopologyPlan};
@@ -143,6 +144,45 @@ pub struct Publish {
     pub expiration: Option<Duration>,
     /// The engine's headers for the clone.
     pub headers: EngineHeaders,
+}
+
+impl Publish {
+    /// The clone's headers: `original`'s, minus the broker's own, with where it came from
+    /// recorded on a first clone, and the engine's written over (see
+    /// [`clone_headers`](crate::headers::clone_headers)). Every transport builds its clones'
+    /// headers here.
+    ///
+    /// ```
+    /// use retry_core::headers::{self, EngineHeaders};
+    /// use retry_core::{Headers, Message, MessageParts, Publish, Route};
+    ///
+    /// let original = Message::new(MessageParts {
+    ///     queue: "comments".into(),
+    ///     routing_key: "comments".into(),
+    ///     headers: [("tenant", "acme")].into_iter().collect(),
+    ///     ..MessageParts::default()
+    /// });
+    /// let publish = Publish {
+    ///     route: Route { exchange: "".into(), routing_key: "comments.suspect".into() },
+///     expiration: None,
+///     headers: EngineHeaders {
+///         attempts: 0, crashes: 1, first_failure: None, last_failure: None,
+///         last_error: None, reason: None, delay: None,
+///     },
+/// };
+    /// let clone = publish.clone_headers(&original);
+    /// assert!(clone.get("tenant").is_some());
+    /// assert_eq!(clone.get(headers::ORIGIN_QUEUE).and_then(|v| v.as_str()), Some("comments"));
+    /// assert_eq!(clone.get(headers::CRASHES).and_then(|v| v.as_u64()), Some(1));
+    /// ```
+    pub fn clone_headers(&self, original: &Message) -> Headers {
+        let origin = Origin {
+            queue: original.queue(),
+            exchange: original.exchange(),
+            routing_key: original.routing_key(),
+        };
+        crate::headers::clone_headers(original.headers(), origin, &self.headers)
+    }
 }
 
 /// Something for the driver to do, in the order the engine emits them. `D` is the

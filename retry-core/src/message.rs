@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::facts::DeliveryFacts;
+use crate::facts::{BrokerSignals, DeliveryFacts};
+use crate::jitter::message_identity;
 use crate::headers::Headers;
 use crate::time::Timestamp;
 
@@ -136,4 +137,39 @@ pub struct Delivery<T> {
     pub message: Message,
     /// The facts the engine decides on.
     pub facts: DeliveryFacts,
+}
+
+impl<T> Delivery<T> {
+    /// A delivery built from what a transport read off the wire: the message's parts, the
+    /// broker's signals and the settling tag. Every transport builds its deliveries here,
+    /// so the facts are decoded the same way everywhere: from the parts' headers, with the
+    /// jitter seed taken from the message id, or the body when there is none
+    /// ([`message_identity`](crate::message_identity)).
+    ///
+    /// ```
+    /// use retry_core::{BrokerSignals, Delivery, Headers, MessageParts};
+    ///
+    /// let mut headers = Headers::new();
+    /// headers.insert("x-retry-attempts", 2i64);
+    /// let parts = MessageParts {
+    ///     queue: "comments".into(),
+    ///     body: b"hi".to_vec(),
+    ///     headers,
+    ///     ..MessageParts::default()
+    /// };
+    /// let signals = BrokerSignals { redelivered: true, delivery_count: None };
+    /// let delivery = Delivery::new(7u64, parts, signals);
+    /// assert_eq!(delivery.facts.attempts, 2);
+    /// assert!(delivery.facts.redelivered);
+    /// assert_eq!(delivery.message.queue(), "comments");
+    /// ```
+    pub fn new(tag: T, parts: MessageParts, signals: BrokerSignals) -> Self {
+        let identity = message_identity(parts.properties.message_id.as_deref(), &parts.body);
+        let facts = DeliveryFacts::decode(&parts.headers, signals, identity);
+        Delivery {
+            tag,
+            message: Message::new(parts),
+            facts,
+        }
+    }
 }

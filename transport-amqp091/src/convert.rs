@@ -194,42 +194,32 @@ pub fn properties_to_amqp(
     out
 }
 
-/// A lapin delivery from `queue` as the engine reads it: its tag and acker, the message and
-/// the facts decoded from it.
-pub(crate) fn received(
+/// A lapin delivery from `queue` as the engine reads it, settled through the tag `tag`
+/// makes of its delivery tag and acker.
+pub(crate) fn received<T>(
     delivery: lapin::message::Delivery,
     queue: &str,
-) -> (
-    u64,
-    lapin::Acker,
-    retry_core::Message,
-    retry_core::DeliveryFacts,
-) {
+    tag: impl FnOnce(u64, lapin::Acker) -> T,
+) -> retry_core::Delivery<T> {
     let headers = delivery
         .properties
         .headers()
         .as_ref()
         .map(headers_from_table)
         .unwrap_or_default();
-    let properties = properties_from_amqp(&delivery.properties);
-    let identity = retry_core::message_identity(properties.message_id.as_deref(), &delivery.data);
-    let facts = retry_core::DeliveryFacts::decode(
-        &headers,
-        retry_core::BrokerSignals {
-            redelivered: delivery.redelivered,
-            delivery_count: None,
-        },
-        identity,
-    );
-    let message = retry_core::Message::new(retry_core::MessageParts {
+    let parts = retry_core::MessageParts {
         queue: queue.to_owned(),
         exchange: delivery.exchange.as_str().to_owned(),
         routing_key: delivery.routing_key.as_str().to_owned(),
+        properties: properties_from_amqp(&delivery.properties),
         body: delivery.data,
-        properties,
         headers,
-    });
-    (delivery.delivery_tag, delivery.acker, message, facts)
+    };
+    let signals = retry_core::BrokerSignals {
+        redelivered: delivery.redelivered,
+        delivery_count: None,
+    };
+    retry_core::Delivery::new(tag(delivery.delivery_tag, delivery.acker), parts, signals)
 }
 
 #[cfg(test)]

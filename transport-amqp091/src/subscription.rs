@@ -115,13 +115,14 @@ impl Subscription for AmqpSubscription {
                 }
                 Some(Ok(d)) => d,
             };
-            let (delivery_tag, acker, message, facts) = received(delivery, &self.queue);
-            let epoch = self.acks.received(delivery_tag, acker);
-            return Ok(Some(Delivery {
-                tag: AmqpTag::batched(Arc::clone(&self.acks), epoch, delivery_tag),
-                message,
-                facts,
-            }));
+            return Ok(Some(received(
+                delivery,
+                &self.queue,
+                |delivery_tag, acker| {
+                    let epoch = self.acks.received(delivery_tag, acker);
+                    AmqpTag::batched(Arc::clone(&self.acks), epoch, delivery_tag)
+                },
+            )));
         }
     }
 

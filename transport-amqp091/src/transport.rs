@@ -12,7 +12,6 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Acker, Channel, Confirmation, Connection, ConnectionProperties, Event};
-use retry_core::headers::{Origin, clone_headers};
 use retry_core::{
     Capabilities, Delivery, Message, Publish, PublishResult, Settlement, TopologyPlan, Transport,
     TransportError,
@@ -250,12 +249,7 @@ impl AmqpTransport {
         original: &Message,
         publish: &Publish,
     ) -> Result<Confirmation, TransportError> {
-        let origin = Origin {
-            queue: original.queue(),
-            exchange: original.exchange(),
-            routing_key: original.routing_key(),
-        };
-        let headers = clone_headers(original.headers(), origin, &publish.headers);
+        let headers = publish.clone_headers(original);
         let properties = properties_to_amqp(original.properties(), &headers, publish.expiration);
         let exchange = short(&publish.route.exchange)?;
         let routing_key = short(&publish.route.routing_key)?;
@@ -413,15 +407,10 @@ impl Transport for AmqpTransport {
             .await
             .map_err(|e| queue_error(queue, e))?;
         Ok(got.map(|got| {
-            let (delivery_tag, acker, message, facts) = received(got.delivery, queue);
-            Delivery {
-                tag: AmqpTag {
-                    settler: Settler::Direct(acker),
-                    delivery_tag,
-                },
-                message,
-                facts,
-            }
+            received(got.delivery, queue, |delivery_tag, acker| AmqpTag {
+                settler: Settler::Direct(acker),
+                delivery_tag,
+            })
         }))
     }
 

@@ -14,10 +14,10 @@ use fe2o3_amqp::types::messaging::{
     MessageId, Priority, Properties as AmqpProperties,
 };
 use fe2o3_amqp::types::primitives::{Binary, Symbol, Timestamp as AmqpTimestamp, Value};
-use retry_core::headers::{BROKER_OWNED, Origin, clone_headers};
+use retry_core::headers::BROKER_OWNED;
 use retry_core::{
-    BrokerSignals, DeliveryFacts, HeaderValue, Headers, Message, MessageParts, Properties, Publish,
-    Timestamp, message_identity,
+    BrokerSignals, Delivery, HeaderValue, Headers, Message, MessageParts, Properties, Publish,
+    Timestamp,
 };
 
 use crate::convert::{Originals, read_application_properties, write_application_properties};
@@ -100,22 +100,17 @@ fn encoded<T: serde_amqp::serde::Serialize>(value: &T) -> Value {
     Value::Binary(serde_amqp::to_vec(value).unwrap_or_default().into())
 }
 
-/// A received message, converted: its parts and the broker's signals about it.
-#[derive(Debug)]
-pub(crate) struct Received {
-    pub(crate) message: Message,
-    pub(crate) facts: DeliveryFacts,
-}
-
-/// Converts a received AMQP 1.0 message consumed from `queue`.
+/// Converts a received AMQP 1.0 message consumed from `queue` into a delivery settled
+/// through `tag`.
 ///
 /// The exchange is unknown over AMQP 1.0 and left empty; the routing key is the `subject`
 /// (RabbitMQ puts the AMQP 0-9-1 routing key there), else the queue name.
-pub(crate) fn read_message(
+pub(crate) fn read_message<T>(
     message: AmqpMessage<Body<Value>>,
     queue: &str,
     profile: &BrokerProfile,
-) -> Received {
+    tag: T,
+) -> Delivery<T> {
     let AmqpMessage {
         header,
         delivery_annotations: _,
@@ -168,17 +163,15 @@ pub(crate) fn read_message(
     }
 
     let signals = signals(header.as_ref(), profile);
-    let identity = message_identity(neutral.message_id.as_deref(), &body);
-    let facts = DeliveryFacts::decode(&headers, signals, identity);
-    let message = Message::new(MessageParts {
+    let parts = MessageParts {
         queue: queue.to_owned(),
         exchange: String::new(),
         routing_key,
         body,
         properties: neutral,
         headers,
-    });
-    Received { message, facts }
+    };
+    Delivery::new(tag, parts, signals)
 }
 
 /// The broker's signals. RabbitMQ 3.x leaves `delivery-count` at 0 and marks a redelivery
@@ -277,12 +270,7 @@ pub(crate) fn build_clone(
     publish: &Publish,
     schedule: Option<Schedule>,
 ) -> AmqpMessage<Body<Value>> {
-    let origin = Origin {
-        queue: original.queue(),
-        exchange: original.exchange(),
-        routing_key: original.routing_key(),
-    };
-    let mut headers = clone_headers(original.headers(), origin, &publish.headers);
+    let mut headers = publish.clone_headers(original);
     headers.remove(NATIVE_HEADER);
     let native = Native::decode(original.headers());
     let application_properties = write_application_properties(&headers, &native.originals);
@@ -422,7 +410,7 @@ mod tests {
             body: Body::Data(vec![Data(Binary::from(body.clone()))].into()),
             footer: None,
         };
-        let received = read_message(incoming, "q", &rabbit());
+        let received = read_message(incoming, "q", &rabbit(), ());
         let msg = &received.message;
         assert_eq!(msg.body(), &body[..]);
         assert_eq!(msg.routing_key(), "orders.created");
@@ -488,7 +476,7 @@ mod tests {
                 body: body.clone(),
                 footer: None,
             };
-            let received = read_message(incoming, "q", &rabbit());
+            let received = read_message(incoming, "q", &rabbit(), ());
             assert_eq!(
                 received.message.body(),
                 serde_amqp::to_vec(&body).expect("encodes").as_slice(),
@@ -517,7 +505,7 @@ mod tests {
             ),
             footer: None,
         };
-        let received = read_message(incoming, "q", &rabbit());
+        let received = read_message(incoming, "q", &rabbit(), ());
         assert_eq!(received.message.body(), b"abcde");
     }
 

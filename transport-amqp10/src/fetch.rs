@@ -272,17 +272,12 @@ impl FetchTask {
         };
         let (info, message) = delivery.into_parts();
         self.held = Some(info.delivery_id());
-        let received = read_message(message, &self.queue, &self.profile);
         let tag = Amqp10Tag {
             link,
             info,
             generation: self.generation,
         };
-        Ok(Some(Delivery {
-            tag,
-            message: received.message,
-            facts: received.facts,
-        }))
+        Ok(Some(read_message(message, &self.queue, &self.profile, tag)))
     }
 
     /// Settles the one delivery held, at once.

@@ -250,9 +250,8 @@ impl LinkTask {
                         let Some(tag_link) = self.own.upgrade() else { break };
                         let (info, message) = delivery.into_parts();
                         self.held.insert(info.delivery_id());
-                        let received = read_message(message, &self.queue, &self.profile);
                         let tag = Amqp10Tag { link: tag_link, info, generation: self.generation };
-                        let delivery = Delivery { tag, message: received.message, facts: received.facts };
+                        let delivery = read_message(message, &self.queue, &self.profile, tag);
                         if out.send(Incoming::Delivery(Box::new(delivery))).await.is_err() {
                             break;
                         }
