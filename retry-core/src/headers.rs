@@ -563,10 +563,7 @@ pub fn truncate_error(cause: &str) -> String {
         return cause.to_owned();
     }
     const ELLIPSIS: char = '…';
-    let mut end = MAX_ERROR_LEN - ELLIPSIS.len_utf8();
-    while !cause.is_char_boundary(end) {
-        end -= 1;
-    }
+    let end = cause.floor_char_boundary(MAX_ERROR_LEN - ELLIPSIS.len_utf8());
     let mut out = String::with_capacity(end + ELLIPSIS.len_utf8());
     out.push_str(&cause[..end]);
     out.push(ELLIPSIS);

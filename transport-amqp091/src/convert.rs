@@ -43,18 +43,12 @@ pub fn table_from_headers(headers: &Headers) -> FieldTable {
             Ok(key) => {
                 table.insert(key, value_to_amqp(v));
             }
-            Err(_) => warn!(header = %truncate(k), "header name longer than 255 bytes left out"),
+            Err(_) => {
+                warn!(header = %&k[..k.floor_char_boundary(64)], "header name longer than 255 bytes left out")
+            }
         }
     }
     table
-}
-
-fn truncate(s: &str) -> &str {
-    let mut end = s.len().min(64);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 fn long_string(s: &LongString) -> HeaderValue {

@@ -22,18 +22,10 @@ pub(crate) fn short(name: &str) -> Result<ShortString, TransportError> {
         TransportError::Other(
             format!(
                 "name {:?}… is {} bytes, longer than AMQP allows (255)",
-                prefix(name, 32),
+                &name[..name.floor_char_boundary(32)],
                 name.len()
             )
             .into(),
         )
     })
-}
-
-fn prefix(s: &str, max: usize) -> &str {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
