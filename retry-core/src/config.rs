@@ -26,58 +26,37 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 use crate::backoff::Backoff;
 use crate::jitter::Jitter;
 use crate::policy::{CrashAction, Exhausted, PolicyError, RetryPolicy, RetryPolicyBuilder};
-
-fn human<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    humantime::parse_duration(&s)
-        .map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}")))
-}
-
-fn human_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-    human(d).map(Some)
-}
-
-fn human_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Duration>, D::Error> {
-    let list = Vec::<String>::deserialize(d)?;
-    list.iter()
-        .map(|s| {
-            humantime::parse_duration(s)
-                .map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}")))
-        })
-        .collect()
-}
 
 /// The `backoff` table.
 #[derive(Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
 pub(crate) enum BackoffConfig {
     Fixed {
-        #[serde(deserialize_with = "human")]
+        #[serde(with = "humantime_serde")]
         delay: Duration,
     },
     Linear {
-        #[serde(deserialize_with = "human")]
+        #[serde(with = "humantime_serde")]
         initial: Duration,
-        #[serde(deserialize_with = "human")]
+        #[serde(with = "humantime_serde")]
         step: Duration,
-        #[serde(deserialize_with = "human")]
+        #[serde(with = "humantime_serde")]
         max: Duration,
     },
     Exponential {
-        #[serde(deserialize_with = "human")]
+        #[serde(with = "humantime_serde")]
         initial: Duration,
         multiplier: f64,
-        #[serde(deserialize_with = "human")]
+        #[serde(with = "humantime_serde")]
         max: Duration,
     },
     List {
-        #[serde(deserialize_with = "human_list")]
-        delays: Vec<Duration>,
+        delays: Vec<humantime_serde::Serde<Duration>>,
     },
 }
 
@@ -89,21 +68,21 @@ pub(crate) struct PolicyConfig {
     max_attempts: Option<u32>,
     #[serde(default)]
     jitter: Jitter,
-    #[serde(default, deserialize_with = "human_opt")]
+    #[serde(default, with = "humantime_serde")]
     max_elapsed: Option<Duration>,
     #[serde(default)]
     immediate_retries: u32,
-    #[serde(default, deserialize_with = "human_opt")]
+    #[serde(default, with = "humantime_serde")]
     immediate_wait: Option<Duration>,
     crash_limit: Option<u32>,
     #[serde(default)]
     on_crash: CrashAction,
-    #[serde(default, deserialize_with = "human_opt")]
+    #[serde(default, with = "humantime_serde")]
     crash_delay: Option<Duration>,
     #[serde(default)]
     on_exhausted: Exhausted,
     publish_retries: Option<u32>,
-    #[serde(default, deserialize_with = "human_opt")]
+    #[serde(default, with = "humantime_serde")]
     publish_retry_wait: Option<Duration>,
 }
 
@@ -123,7 +102,9 @@ impl TryFrom<PolicyConfig> for RetryPolicy {
                 multiplier,
                 max,
             },
-            BackoffConfig::List { delays } => Backoff::List(delays),
+            BackoffConfig::List { delays } => {
+                Backoff::List(delays.into_iter().map(|d| *d).collect())
+            }
         };
         let mut b: RetryPolicyBuilder = RetryPolicy::builder()
             .with_backoff(backoff)

@@ -712,13 +712,13 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
     let text = err.to_string();
     for number in [
         "consumer_timeout (30m)",
-        "handler_timeout 3m20s",
+        "handler_timeout 3m 20s",
         "3 runs",
         "immediate_retries 2",
         "immediate_wait 5s",
         "publish retry waits 1s",
         "solo_time 5s",
-        "= 30m38s",
+        "= 30m 38s",
     ] {
         assert!(text.contains(number), "{number:?} missing from: {text}");
     }

@@ -303,7 +303,7 @@ mod config {
             ),
             (
                 r#"backoff = { kind = "fixed", delay = "soon" }"#,
-                "invalid duration \"soon\"",
+                "string \"soon\", expected a duration",
             ),
             (
                 r#"backoff = { kind = "exponential", initial = "1s", multiplier = 0.5, max = "1m" }"#,

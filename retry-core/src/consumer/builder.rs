@@ -320,11 +320,12 @@ fn check_consumer_timeout(
     Ok(())
 }
 
+/// A duration for people to read; `Duration::MAX` (no limit) reads as "forever".
 fn human(d: &Duration) -> String {
     if *d == Duration::MAX {
         return "forever".to_owned();
     }
-    format_delay(*d)
+    humantime::format_duration(*d).to_string()
 }
 
 /// Why a consumer could not be built. Each variant names the setting at fault.
