@@ -94,9 +94,11 @@ impl fmt::Display for HandlerError {
     }
 }
 
+/// Transparent over its cause: `Display` is the cause's and `source` is the cause's
+/// source, so an error chain names the cause once.
 impl StdError for HandlerError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        Some(&*self.cause)
+        self.cause.source()
     }
 }
 

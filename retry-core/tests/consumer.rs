@@ -911,6 +911,40 @@ async fn provisioning_can_be_turned_off_and_its_failure_stops_the_run() {
         .await
         .unwrap_err();
     assert!(matches!(err, ConsumerError::Provision { .. }), "{err:?}");
+    // The chain names each cause once: printed by the error that has it, or returned as
+    // its source, never both.
+    let chain = error_chain(&err);
+    assert_eq!(chain.matches("comments.retry").count(), 1, "{chain}");
+    assert!(
+        chain.starts_with("provisioning the topology of queue"),
+        "{chain}"
+    );
+}
+
+/// An error and its sources, joined as `{:#}` in anyhow prints them.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut next = err.source();
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
+}
+
+#[test]
+fn a_handler_error_is_transparent_over_its_cause() {
+    #[derive(Debug, thiserror::Error)]
+    #[error("timed out calling the search index")]
+    struct Upstream(#[source] std::io::Error);
+
+    let cause = Upstream(std::io::Error::other("connection refused"));
+    let err = HandlerError::transient(cause);
+    assert_eq!(
+        error_chain(&err),
+        "timed out calling the search index: connection refused"
+    );
 }
 
 #[tokio::test(start_paused = true)]

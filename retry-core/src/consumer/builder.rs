@@ -8,7 +8,6 @@ use crate::engine::{Engine, PlanMismatch, Terminal};
 use crate::handler::Handler;
 use crate::message::Message;
 use crate::policy::RetryPolicy;
-use crate::time::format_delay;
 use crate::topology::{TopologyBuilder, TopologyError, TopologyPlan};
 use crate::transport::Transport;
 

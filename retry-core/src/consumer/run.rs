@@ -16,6 +16,7 @@
 //! a time, each run with nothing else running and settled before the next fetch.
 
 use std::any::Any;
+use std::error::Error;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::{Pin, pin};
@@ -49,7 +50,7 @@ const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 #[non_exhaustive]
 pub enum ConsumerError {
     /// Declaring the topology plan failed.
-    #[error("provisioning the topology of queue {queue:?} failed: {source}")]
+    #[error("provisioning the topology of queue {queue:?} failed")]
     Provision {
         /// The work queue.
         queue: String,
@@ -60,7 +61,7 @@ pub enum ConsumerError {
     /// ([`ConsumerBuilder::provision`](crate::ConsumerBuilder::provision)): something the
     /// engine sends to is missing (see [`Transport::verify`]), or the broker could not be
     /// asked. Nothing was consumed.
-    #[error("verifying the topology of queue {queue:?} (provisioning is off) failed: {source}")]
+    #[error("verifying the topology of queue {queue:?} (provisioning is off) failed")]
     Verify {
         /// The work queue.
         queue: String,
@@ -68,7 +69,7 @@ pub enum ConsumerError {
         source: TransportError,
     },
     /// Starting to consume failed.
-    #[error("starting to consume queue {queue:?} failed: {source}")]
+    #[error("starting to consume queue {queue:?} failed")]
     Consume {
         /// The work queue.
         queue: String,
@@ -77,7 +78,7 @@ pub enum ConsumerError {
     },
     /// Receiving failed in a way that trying again cannot fix (lost connections and
     /// timeouts are retried instead). Deliveries already held were finished first.
-    #[error("receiving from queue {queue:?} failed: {source}")]
+    #[error("receiving from queue {queue:?} failed")]
     Receive {
         /// The work queue.
         queue: String,
@@ -86,7 +87,7 @@ pub enum ConsumerError {
     },
     /// Taking suspects from the isolation queue failed in a way that trying again cannot
     /// fix (the queue does not exist, say). Deliveries already held were finished first.
-    #[error("taking suspects from the isolation queue {queue:?} failed: {source}")]
+    #[error("taking suspects from the isolation queue {queue:?} failed")]
     Isolation {
         /// The isolation queue.
         queue: String,
@@ -94,7 +95,7 @@ pub enum ConsumerError {
         source: TransportError,
     },
     /// The engine refused an input: a bug in the driver, never a broker condition.
-    #[error("the retry engine refused the consumer's input: {0}")]
+    #[error("the retry engine refused the consumer's input")]
     Engine(#[from] EngineError),
 }
 
@@ -330,7 +331,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             if let Some(fatal) = intake.fatal.as_ref()
                 && intake.receiving
             {
-                error!(queue = %self.config.queue, error = %fatal, "finishing the deliveries held, then stopping");
+                error!(queue = %self.config.queue, error = fatal as &dyn Error, "finishing the deliveries held, then stopping");
                 intake.stop_receiving();
             }
             self.advance(&mut intake, now, shutting_down);
@@ -577,7 +578,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 self.report.receive_errors += 1;
                 warn!(
                     queue = %self.config.queue,
-                    error = %e,
+                    error = &e as &dyn Error,
                     retry_in = %format_delay(intake.next_backoff),
                     "receive failed; trying again",
                 );
@@ -601,7 +602,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 self.report.receive_errors += 1;
                 warn!(
                     queue = %self.isolation,
-                    error = %e,
+                    error = &e as &dyn Error,
                     retry_in = %format_delay(self.config.suspect_poll),
                     "taking suspects failed; trying again",
                 );
@@ -755,7 +756,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             }
             Event::Published { id, result } => {
                 if let PublishResult::Failed(e) = &result {
-                    warn!(parent: &self.span(id), error = %e, "publishing the clone failed");
+                    warn!(parent: &self.span(id), error = e as &dyn Error, "publishing the clone failed");
                 }
                 self.engine.handle_confirm(now, id, result.confirm())?;
             }
@@ -789,13 +790,13 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 }
             }
             Event::Cancelled(Err(e)) => {
-                warn!(queue = %self.config.queue, error = %e, "stopping the consumer failed");
+                warn!(queue = %self.config.queue, error = &e as &dyn Error, "stopping the consumer failed");
             }
             Event::Cancelled(Ok(())) => {}
             Event::Flushed { ends_phase, result } => {
                 intake.flushing &= !ends_phase;
                 if let Err(e) = result {
-                    warn!(queue = %self.config.queue, error = %e, "sending acknowledgements failed; the broker redelivers what it did not see settled");
+                    warn!(queue = %self.config.queue, error = &e as &dyn Error, "sending acknowledgements failed; the broker redelivers what it did not see settled");
                 }
             }
             Event::Fetched(result) => {
@@ -860,7 +861,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 }
                 warn!(
                     parent: &held.span,
-                    error = %e,
+                    error = &e as &dyn Error,
                     "settling failed; the broker will redeliver",
                 );
             }
@@ -872,7 +873,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         match run {
             HandlerRun::Finished(Ok(())) => Outcome::Success,
             HandlerRun::Finished(Err(e)) => {
-                debug!(parent: &span, error = %e, kind = ?e.kind(), "handler failed");
+                debug!(parent: &span, error = &e as &dyn Error, kind = ?e.kind(), "handler failed");
                 e.to_outcome()
             }
             HandlerRun::Panicked(cause) => {
@@ -924,7 +925,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         match future::select(flushed, deadline).await {
             Either::Left((Ok(()), _)) => {}
             Either::Left((Err(e), _)) => {
-                error!(queue = %self.config.queue, error = %e, "the last acknowledgements were not sent; the broker redelivers those deliveries");
+                error!(queue = %self.config.queue, error = &e as &dyn Error, "the last acknowledgements were not sent; the broker redelivers those deliveries");
             }
             Either::Right(((), _)) => {
                 error!(queue = %self.config.queue, after = %format_delay(FINAL_FLUSH_TIMEOUT), "sending the last acknowledgements timed out; the broker may redeliver those deliveries");
