@@ -186,13 +186,13 @@ impl DeliveryFacts {
 pub struct ParkedRecord<'a> {
     /// Why it was parked.
     pub reason: Option<DeadLetterReason>,
-    /// Failed runs.
+    /// Handler runs that failed before it was parked (`x-retry-attempts`).
     pub attempts: u32,
-    /// Crashes.
+    /// Consumers it took down (`x-retry-crashes`).
     pub crashes: u32,
-    /// First failure.
+    /// When its first run failed (`x-retry-first-failure`).
     pub first_failure: Option<Timestamp>,
-    /// Latest failure.
+    /// When its latest run failed or it last crashed its consumer (`x-retry-last-failure`).
     pub last_failure: Option<Timestamp>,
     /// The latest cause.
     pub last_error: Option<&'a str>,

@@ -29,7 +29,7 @@ pub struct Capabilities {
 /// The broker's answer to a publish, as the transport saw it.
 #[derive(Debug)]
 pub enum PublishResult {
-    /// Confirmed.
+    /// The broker confirmed it: it has the message.
     Confirmed,
     /// Refused with a negative confirm.
     Refused,
@@ -85,13 +85,14 @@ pub enum TransportError {
     Timeout {
         /// What was waited for.
         operation: &'static str,
-        /// How long.
+        /// How long it waited before giving up.
         after: Duration,
     },
     /// The transport was closed.
     #[error("transport closed")]
     Closed,
-    /// Anything else.
+    /// A failure none of the other variants describe, kept whole so its chain of causes
+    /// survives.
     #[error(transparent)]
     Other(Box<dyn std::error::Error + Send + Sync>),
 }

@@ -1,6 +1,7 @@
 //! Support for tests that need a running broker: one reading of `REQUIRE_BROKER`, a skip
-//! notice the test harness cannot swallow, [`rabbitmqctl`] for faults and inspection, and a
-//! [`LogRecorder`] to check what was logged.
+//! notice the test harness cannot swallow, [`rabbitmqctl`] for faults and inspection,
+//! [`refusing`] queue arguments to make a publish fail, and a [`LogRecorder`] to check what
+//! was logged.
 //! Every broker test in this workspace uses it, and a user's own broker tests can too.
 //!
 //! Without a broker, a test is skipped loudly; with `REQUIRE_BROKER` set to anything but
@@ -26,6 +27,30 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
+
+/// `args` plus a length limit of zero with `reject-publish`: a queue declared with them
+/// refuses every publish with a negative confirm, which is how tests make a clone's publish
+/// fail on a real broker.
+///
+/// ```
+/// use lapin::types::{AMQPValue, FieldTable};
+/// use transport_amqp091::testing::refusing;
+///
+/// let args = refusing(FieldTable::default());
+/// assert_eq!(
+///     args.inner().get("x-overflow"),
+///     Some(&AMQPValue::LongString("reject-publish".into()))
+/// );
+/// ```
+pub fn refusing(mut args: lapin::types::FieldTable) -> lapin::types::FieldTable {
+    use lapin::types::AMQPValue;
+    args.insert("x-max-length".into(), AMQPValue::LongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    args
+}
 
 /// The environment variable that makes broker tests mandatory.
 pub const REQUIRE_BROKER: &str = "REQUIRE_BROKER";

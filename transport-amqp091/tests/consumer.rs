@@ -13,6 +13,7 @@ use retry_core::{
     Terminal, TopologyPlan, Transport, headers,
 };
 use transport_amqp091::AmqpTransport;
+use transport_amqp091::testing::refusing;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)

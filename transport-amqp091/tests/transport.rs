@@ -11,6 +11,7 @@ use retry_core::{
     HeaderValue, Message, MessageParts, Properties, Publish, PublishResult, QueueType, RetryPolicy,
     Route, Settlement, Subscription, Timestamp, TopologyPlan, Transport, TransportError,
 };
+use transport_amqp091::testing::refusing;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 fn secs(n: u64) -> Duration {

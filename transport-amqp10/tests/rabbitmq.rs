@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
-use lapin::types::AMQPValue;
 use retry_core::headers::{ATTEMPTS, DELAY, EngineHeaders};
 use retry_core::{
     Confirm, DeadLetterReason, Engine, HeaderValue, Lane, Outcome, ParkedRecord, Publish,
@@ -329,18 +328,11 @@ async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
         .expect("policy");
     let delay_queue = plan.queues()[1].name.clone();
     // The delay queue refuses everything: a full queue with reject-publish.
-    let extra = vec![
-        (
-            delay_queue.clone(),
-            "x-max-length".into(),
-            AMQPValue::LongLongInt(0),
-        ),
-        (
-            delay_queue.clone(),
-            "x-overflow".into(),
-            AMQPValue::LongString("reject-publish".into()),
-        ),
-    ];
+    let extra = transport_amqp091::testing::refusing(Default::default())
+        .inner()
+        .iter()
+        .map(|(name, value)| (delay_queue.clone(), name.to_string(), value.clone()))
+        .collect();
     let _cleanup = b.declare(&plan, &[], extra).await;
     b.publish(&q, b"must not be lost", BasicProperties::default())
         .await;

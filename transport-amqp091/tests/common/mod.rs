@@ -150,17 +150,6 @@ pub async fn declare_durable(ch: &Channel, name: &str, args: FieldTable) {
     .unwrap();
 }
 
-/// `args` plus a length limit of zero with `reject-publish`: a queue that refuses every
-/// publish with a negative confirm.
-pub fn refusing(mut args: FieldTable) -> FieldTable {
-    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
-    args.insert(
-        "x-overflow".into(),
-        lapin::types::AMQPValue::LongString("reject-publish".into()),
-    );
-    args
-}
-
 pub async fn message_count(ch: &Channel, queue: &str) -> u32 {
     ch.queue_declare(
         queue.into(),
