@@ -469,7 +469,7 @@ pub struct EngineHeaders {
     /// on the message.
     pub last_error: Option<String>,
     /// Set on parked messages.
-    pub reason: Option<crate::DeadLetterReason>,
+    pub reason: Option<DeadLetterReason>,
     /// Set on delayed copies: the delay they go through.
     pub delay: Option<Duration>,
 }

@@ -96,8 +96,8 @@ impl Message {
         &self.parts.body
     }
 
-    /// The properties.
-    pub fn properties(&self) -> &crate::Properties {
+    /// The properties: content type, message id, priority and the rest.
+    pub fn properties(&self) -> &Properties {
         &self.parts.properties
     }
 

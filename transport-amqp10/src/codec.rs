@@ -524,7 +524,7 @@ mod tests {
 
     #[test]
     fn generic_brokers_are_read_by_delivery_count() {
-        let generic = BrokerProfile::Generic(crate::GenericProfile::new());
+        let generic = BrokerProfile::Generic(crate::profile::GenericProfile::new());
         let fresh = Header {
             first_acquirer: false,
             delivery_count: 0,

@@ -384,7 +384,7 @@ fn redact(raw: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::GenericProfile;
+    use crate::profile::GenericProfile;
 
     #[test]
     fn parses_plain_and_tls_urls() {

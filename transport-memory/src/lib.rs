@@ -7,27 +7,47 @@
 //!
 //! ## Design
 //!
-//! Three layers, each usable on its own:
+//! Three layers, each usable on its own, each in its own folder of `src/`. A layer uses the
+//! ones below it and never the ones above:
 //!
-//! * [`Broker`]: exchanges (direct, fanout, topic, the default exchange), bindings, queues
-//!   with the arguments a [`TopologyPlan`](retry_core::TopologyPlan) uses, publisher
-//!   confirms, consumers with prefetch, and a virtual clock. All state sits behind one
-//!   mutex; time moves only when [`Broker::step`], [`Broker::advance`] or a [`Simulation`]
-//!   moves it, and every deadline (a message expiring, a sleep ending, a consumer timeout)
-//!   fires at its exact virtual time.
-//! * [`MemoryTransport`]: one client connection, implementing
+//! ```text
+//! simulation/   Simulation, Script, Report, the executor, Broker::block_on
+//!     │ runs the retry driver on
+//! transport/    MemoryTransport, MemorySubscription: the engine's Transport; builds its
+//!     │         Delivery and DeliveryFacts, declares its TopologyPlan
+//!     │ a client of
+//! broker/       Broker: the RabbitMQ model and its virtual clock; knows nothing of the
+//!               retry engine, and hands messages out as plain data
+//! ```
+//!
+//! * [`Broker`] (`broker/`): exchanges (direct, fanout, topic, the default exchange),
+//!   bindings, queues with the arguments a [`TopologyPlan`](retry_core::TopologyPlan) uses,
+//!   publisher confirms, consumers with prefetch, and a virtual clock. All state sits behind
+//!   one mutex, split by what owns it: the topology (exchanges, bindings, routing), the
+//!   queues, the connections (consumers, prefetch, unacknowledged deliveries) and the
+//!   clock's timers; one core moves each message along publish → route → deliver → settle →
+//!   dead-letter. Time moves only when [`Broker::step`], [`Broker::advance`] or a
+//!   [`Simulation`] moves it, and every deadline (a message expiring, a sleep ending, a
+//!   consumer timeout) fires at its exact virtual time. The broker gives each message a
+//!   [`MessageKey`] at publish, which every copy of it carries.
+//! * [`MemoryTransport`] (`transport/`): one client connection, implementing
 //!   [`Transport`](retry_core::Transport). Its [`now`](retry_core::Transport::now) and
 //!   [`sleep`](retry_core::Transport::sleep) are the broker's virtual clock; each
 //!   subscription ([`MemorySubscription`]) is a consumer of its own whose `recv` is a future
 //!   woken when a delivery arrives; `fetch` is `basic.get`; `ready` wakes exactly when a
 //!   message becomes ready in the watched queue; and it recovers a closed connection the
-//!   way lapin's automatic recovery does.
-//! * [`Simulation`]: a single-threaded executor that polls consumer futures until none can
-//!   make progress, then moves the clock to the earliest deadline and fires it, until
-//!   nothing is left (or a virtual-time horizon is reached). Handlers follow per-message
-//!   [`Script`]s; a [`Step::Crash`] kills the consumer process, dropping its future with its
-//!   deliveries unsettled, and a new process starts after a restart delay. The [`Report`]
-//!   says where every message ended, what each run did and when, and carries the [`Trace`].
+//!   way lapin's automatic recovery does. A clone the engine publishes of a delivery keeps
+//!   the delivery's [`MessageKey`].
+//! * [`Simulation`] (`simulation/`): a single-threaded executor that polls consumer futures
+//!   until none can make progress, then moves the clock to the earliest deadline and fires
+//!   it, until nothing is left (or a virtual-time horizon is reached). Handlers follow
+//!   per-message [`Script`]s; a [`Step::Crash`] kills the consumer process, dropping its
+//!   future with its deliveries unsettled, and a new process starts after a restart delay.
+//!   The [`Report`] says where every message ended, what each run did and when, and carries
+//!   the [`Trace`]. [`Broker::block_on`] runs a single future the same way.
+//!
+//! The [`Trace`] belongs to the broker and every layer writes to it, so its events include
+//! the driver's outcomes ([`EventKind::Terminal`]).
 //!
 //! ## A crash loop in a unit test
 //!
@@ -59,7 +79,8 @@
 //!
 //! The simulation's loop is small enough to write out: poll the consumer until it stalls,
 //! then move the clock to the next deadline. Here with a no-op waker, polling again after
-//! every step:
+//! every step ([`Broker::block_on`] is this loop, polling only when woken, with bounds
+//! and a clear panic when the future waits on nothing):
 //!
 //! ```
 //! use std::pin::pin;
@@ -148,32 +169,26 @@
 #![warn(missing_docs)]
 
 mod broker;
-mod clock;
-mod dead_letter;
-mod error;
-mod exchange;
-mod executor;
-mod fault;
-mod hash;
-mod message;
-mod queue;
-mod report;
-mod script;
 mod simulation;
-mod trace;
 mod transport;
 
+pub use broker::clock::Sleep;
+pub use broker::error::BrokerError;
+pub use broker::exchange::topic_matches;
+pub use broker::fault::FaultRates;
+pub use broker::message::{MessageKey, Outgoing, QueuedMessage};
+pub use broker::queue::{Overflow, QueueOptions};
+pub use broker::trace::{
+    DeathReason, Event, EventKind, MessageRef, PublishOutcome, Publisher, Trace,
+};
 pub use broker::{Broker, BrokerBuilder, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_START, QueueStats};
-pub use clock::Sleep;
-pub use error::BrokerError;
-pub use exchange::topic_matches;
-pub use fault::FaultRates;
-pub use message::{MessageKey, Outgoing, QueuedMessage};
-pub use queue::{Overflow, QueueOptions};
-pub use report::{
+pub use simulation::builder::{DEFAULT_HORIZON, SimulationBuilder};
+pub use simulation::error::SimulationError;
+pub use simulation::report::{
     ConsumerReport, ConsumerState, Fate, MessageEvent, MessageReport, Report, Run, Stop, Totals,
 };
-pub use script::{Script, Step};
-pub use simulation::{DEFAULT_HORIZON, SimEvent, Simulation, SimulationBuilder, SimulationError};
-pub use trace::{DeathReason, Event, EventKind, MessageRef, PublishOutcome, Publisher, Trace};
-pub use transport::{DeliveryTag, MemorySubscription, MemoryTransport};
+pub use simulation::script::{Script, Step};
+pub use simulation::simulator::{SimEvent, Simulation};
+pub use transport::connection::MemoryTransport;
+pub use transport::delivery::DeliveryTag;
+pub use transport::subscription::MemorySubscription;

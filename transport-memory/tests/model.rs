@@ -573,6 +573,112 @@ fn the_engine_clone_publish_is_mandatory_and_keeps_the_message_identity() {
     assert!(matches!(result, PublishResult::Returned));
 }
 
+/// A clone publish as the engine makes one: attempt 1 failed, retry in 30 s.
+fn retry_in_30s(plan: &TopologyPlan, now: Timestamp) -> Publish {
+    let (route, _) = plan.route_for(secs(30)).unwrap();
+    Publish {
+        route: route.clone(),
+        expiration: None,
+        headers: EngineHeaders {
+            attempts: 1,
+            crashes: 0,
+            first_failure: Some(now),
+            last_failure: Some(now),
+            last_error: Some("boom".into()),
+            reason: None,
+            delay: Some(secs(30)),
+        },
+    }
+}
+
+#[test]
+fn clones_of_deliveries_with_equal_content_keep_each_its_own_identity() {
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new("comments", &policy).unwrap();
+    let broker = Broker::new();
+    broker.provision(&plan).unwrap();
+    for _ in 0..2 {
+        broker
+            .publish(Outgoing::to_queue("comments", b"same".to_vec()))
+            .unwrap();
+    }
+    let conn = consumer(&broker, "comments", 2);
+    let [first, second]: [_; 2] = drain(&conn).try_into().unwrap();
+    assert_eq!(first.message.parts(), second.message.parts());
+    let publish = retry_in_30s(&plan, broker.now());
+    let clone_of = |d: &retry_core::Delivery<DeliveryTag>| {
+        let result = conn.conn.publish(&d.message, &publish).now_or_never();
+        assert!(matches!(result, Some(PublishResult::Confirmed)));
+    };
+    clone_of(&second);
+    clone_of(&first);
+    // Once settled, a delivery is no longer followed: a clone of it is a new message.
+    conn.settle_now(&first.tag, Settlement::Ack).unwrap();
+    clone_of(&first);
+    let clones: Vec<(u64, String)> = broker
+        .messages("comments.retry.30s")
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.key.get(), m.label.to_string()))
+        .collect();
+    assert_eq!(
+        clones,
+        [(2, "#2".into()), (1, "#1".into()), (3, "#3".into())],
+        "each clone is the message it was made from"
+    );
+}
+
+#[test]
+fn a_delivery_settled_before_it_is_received_keeps_its_content() {
+    let broker = Broker::new();
+    broker
+        .declare_queue("parking", QueueOptions::new())
+        .unwrap();
+    broker
+        .declare_queue(
+            "work",
+            QueueOptions::new()
+                .with_dead_letter_exchange("")
+                .with_dead_letter_routing_key("parking"),
+        )
+        .unwrap();
+    broker
+        .publish(Outgoing::to_queue("work", b"early".to_vec()).with_header("tenant", "acme"))
+        .unwrap();
+    let conn = consumer(&broker, "work", 1);
+    // Pushed to the consumer, not yet received: its tag is the connection's first.
+    let tag = DeliveryTag {
+        connection: conn.connection_id(),
+        tag: 1,
+    };
+    conn.settle_now(&tag, Settlement::Reject).unwrap();
+    let parked = broker.messages("parking").unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].body, b"early");
+    assert_eq!(parked[0].headers.get("tenant"), Some(&"acme".into()));
+    // The client still hands it out, as a client library that had it buffered does.
+    let d = conn.try_recv().unwrap().expect("still buffered");
+    assert_eq!(d.message.body(), b"early");
+}
+
+#[test]
+fn deliveries_not_yet_received_come_back_with_their_content_when_the_connection_closes() {
+    let broker = Broker::new();
+    fill_work(&broker, (0..3u8).map(|i| vec![i]));
+    let crashing = consumer(&broker, "work", 3);
+    let received = crashing.try_recv().unwrap().expect("a delivery");
+    assert_eq!(received.message.body(), [0]);
+    assert!(broker.close_connection(crashing.connection_id(), "consumer crashed"));
+    assert_eq!(bodies(&broker, "work"), [vec![0], vec![1], vec![2]]);
+    assert!(
+        broker
+            .messages("work")
+            .unwrap()
+            .iter()
+            .all(|m| m.redelivered)
+    );
+}
+
 #[test]
 fn quorum_queues_count_deliveries_and_dead_letter_past_the_limit() {
     let broker = Broker::new();

@@ -4,10 +4,8 @@ use std::sync::Arc;
 
 use retry_core::ExchangeKind;
 
-use crate::hash::FastMap;
-
-/// Index of a queue in the broker's table.
-pub(crate) type QueueIndex = usize;
+use crate::broker::hash::FastMap;
+use crate::broker::queues::QueueIndex;
 
 #[derive(Debug)]
 struct Binding {
@@ -18,7 +16,7 @@ struct Binding {
 /// An exchange and its bindings.
 #[derive(Debug)]
 pub(crate) struct Exchange {
-    pub(crate) kind: ExchangeKind,
+    kind: ExchangeKind,
     bindings: Vec<Binding>,
     /// Direct exchanges route by exact key; this avoids scanning every binding on the hot path.
     by_key: FastMap<Arc<str>, Vec<QueueIndex>>,
@@ -31,6 +29,10 @@ impl Exchange {
             bindings: Vec::new(),
             by_key: FastMap::default(),
         }
+    }
+
+    pub(crate) fn kind(&self) -> ExchangeKind {
+        self.kind
     }
 
     /// Adds a binding; binding the same queue with the same key twice is a no-op, as on

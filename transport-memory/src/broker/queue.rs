@@ -2,12 +2,14 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::task::Waker;
 use std::time::Duration;
 
-use retry_core::{HeaderValue, Headers, Properties, QueueArguments, QueueType, Timestamp};
+use retry_core::{HeaderValue, Headers, QueueType, Timestamp};
 
-use crate::error::BrokerError;
-use crate::message::MessageKey;
+use crate::broker::error::BrokerError;
+use crate::broker::message::{QueuedMessage, Stored};
+use crate::broker::trace::DeathReason;
 
 /// What a queue does when a publish would take it past `x-max-length`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -31,7 +33,8 @@ impl Overflow {
 
 /// The arguments of a queue, typed: the subset of RabbitMQ's `x-` arguments the retry
 /// engine relies on. Build one with the `with_*` methods, from a plan's
-/// [`QueueArguments`], or from an AMQP argument table with [`from_arguments`].
+/// [`QueueArguments`](retry_core::QueueArguments), or from an AMQP argument table with
+/// [`from_arguments`].
 ///
 /// ```
 /// use transport_memory::{Overflow, QueueOptions};
@@ -283,62 +286,24 @@ fn strategy_str(at_least_once: bool) -> &'static str {
     }
 }
 
-impl From<&QueueArguments> for QueueOptions {
-    fn from(args: &QueueArguments) -> Self {
-        QueueOptions {
-            queue_type: args.queue_type,
-            message_ttl: args.message_ttl,
-            dead_letter_exchange: args.dead_letter_exchange.clone(),
-            dead_letter_routing_key: args.dead_letter_routing_key.clone(),
-            max_length: None,
-            overflow: match args.overflow {
-                Some(retry_core::Overflow::RejectPublish) => Overflow::RejectPublish,
-                None => Overflow::DropHead,
-            },
-            delivery_limit: args.delivery_limit,
-            at_least_once: args.at_least_once,
-        }
-    }
-}
-
-/// A message as the broker holds it in a queue.
-#[derive(Clone, Debug)]
-pub(crate) struct Stored {
-    pub(crate) key: MessageKey,
-    pub(crate) label: Arc<str>,
-    /// Position in the queue; a requeued message goes back to its place.
-    pub(crate) seq: u64,
-    pub(crate) exchange: Arc<str>,
-    pub(crate) routing_key: Arc<str>,
-    pub(crate) body: Vec<u8>,
-    pub(crate) properties: Properties,
-    pub(crate) headers: Headers,
-    /// The per-message TTL (`expiration` property).
-    pub(crate) expiration: Option<Duration>,
-    pub(crate) expires_at: Option<Timestamp>,
-    pub(crate) redelivered: bool,
-    /// Quorum queues' count of returns to the queue.
-    pub(crate) delivery_count: u32,
-}
-
-/// A queue's state.
+/// A queue's state: its messages, its consumers, and who waits for it.
 #[derive(Debug)]
 pub(crate) struct Queue {
-    pub(crate) name: Arc<str>,
-    pub(crate) options: QueueOptions,
+    name: Arc<str>,
+    options: QueueOptions,
     /// The options' dead-letter exchange and key, shared by every dead letter.
-    pub(crate) dead_letter_exchange: Option<Arc<str>>,
-    pub(crate) dead_letter_routing_key: Option<Arc<str>>,
-    pub(crate) ready: VecDeque<Stored>,
+    dead_letter_exchange: Option<Arc<str>>,
+    dead_letter_routing_key: Option<Arc<str>>,
+    ready: VecDeque<Stored>,
     /// Consumers as (connection, consumer index), served round-robin.
-    pub(crate) consumers: Vec<(usize, usize)>,
-    pub(crate) next_consumer: usize,
-    pub(crate) unacked: usize,
+    consumers: Vec<(usize, usize)>,
+    next_consumer: usize,
+    unacked: usize,
     /// At-least-once dead letters that could not be routed yet; retried when the topology
     /// changes, as RabbitMQ retries them until they are routed.
-    pub(crate) stuck_dead_letters: Vec<(Stored, crate::trace::DeathReason)>,
+    stuck_dead_letters: Vec<(Stored, DeathReason)>,
     /// Clients waiting for a message to be ready here (a watch of the isolation queue).
-    pub(crate) watchers: Vec<std::task::Waker>,
+    watchers: Vec<Waker>,
 }
 
 impl Queue {
@@ -357,8 +322,33 @@ impl Queue {
         }
     }
 
+    pub(crate) fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    pub(crate) fn options(&self) -> &QueueOptions {
+        &self.options
+    }
+
     pub(crate) fn is_quorum(&self) -> bool {
         self.options.queue_type == QueueType::Quorum
+    }
+
+    /// Where its dead letters go: `None` when it has no dead-letter exchange.
+    pub(crate) fn dead_letter_exchange(&self) -> Option<&Arc<str>> {
+        self.dead_letter_exchange.as_ref()
+    }
+
+    /// The routing key its dead letters get; `None` keeps theirs.
+    pub(crate) fn dead_letter_routing_key(&self) -> Option<&Arc<str>> {
+        self.dead_letter_routing_key.as_ref()
+    }
+
+    /// Whether a quorum queue's delivery limit is passed at `delivery_count` returns.
+    pub(crate) fn over_delivery_limit(&self, delivery_count: u32) -> bool {
+        self.options
+            .delivery_limit
+            .is_some_and(|limit| delivery_count > limit)
     }
 
     /// When the message entering now expires: the lower of the queue's TTL and the message's
@@ -373,6 +363,60 @@ impl Queue {
             (a, b) => a.or(b),
         };
         ttl.map(|t| now + t)
+    }
+
+    /// Whether it refuses a publish now: `reject-publish` and full. A classic queue refuses
+    /// the publish that would exceed the limit; a quorum queue only refuses once it is over
+    /// the limit, so it takes one message past it.
+    pub(crate) fn refuses_publish(&self) -> bool {
+        let full = |max: u64| match self.is_quorum() {
+            true => self.ready.len() as u64 > max,
+            false => self.ready.len() as u64 >= max,
+        };
+        self.options.overflow == Overflow::RejectPublish
+            && self.options.max_length.is_some_and(full)
+    }
+
+    /// Whether no message is ready.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.ready.is_empty()
+    }
+
+    /// The ready messages, head first.
+    pub(crate) fn ready(&self) -> impl Iterator<Item = &Stored> {
+        self.ready.iter()
+    }
+
+    /// The number of ready messages.
+    pub(crate) fn ready_len(&self) -> usize {
+        self.ready.len()
+    }
+
+    pub(crate) fn head(&self) -> Option<&Stored> {
+        self.ready.front()
+    }
+
+    pub(crate) fn pop_head(&mut self) -> Option<Stored> {
+        self.ready.pop_front()
+    }
+
+    /// Adds a message at the tail.
+    pub(crate) fn push(&mut self, message: Stored) {
+        self.ready.push_back(message);
+    }
+
+    /// Adds a message at the head, where a duplicate of the message just delivered waits.
+    pub(crate) fn push_front(&mut self, message: Stored) {
+        self.ready.push_front(message);
+    }
+
+    /// The oldest message, when `drop-head` must make room under `x-max-length`.
+    pub(crate) fn take_over_max_length(&mut self) -> Option<Stored> {
+        let max = self.options.max_length?;
+        if self.options.overflow != Overflow::DropHead || self.ready.len() as u64 <= max {
+            return None;
+        }
+        self.ready.pop_front()
     }
 
     /// Puts a returned message back in its place: returns are rare and go near the head, so
@@ -391,5 +435,104 @@ impl Queue {
     /// holds back shorter ones behind it.
     pub(crate) fn head_expiry(&self) -> Option<Timestamp> {
         self.ready.front().and_then(|m| m.expires_at)
+    }
+
+    /// Copies of the ready messages, head first.
+    pub(crate) fn snapshot(&self) -> Vec<QueuedMessage> {
+        self.ready
+            .iter()
+            .map(|m| QueuedMessage {
+                key: m.key,
+                label: m.label.clone(),
+                exchange: m.exchange.to_string(),
+                routing_key: m.routing_key.to_string(),
+                body: m.body.clone(),
+                properties: m.properties.clone(),
+                headers: m.headers.clone(),
+                expiration: m.expiration,
+                expires_at: m.expires_at,
+                redelivered: m.redelivered,
+                delivery_count: m.delivery_count,
+            })
+            .collect()
+    }
+
+    /// Adds consumer `consumer` of connection `conn`.
+    pub(crate) fn add_consumer(&mut self, conn: usize, consumer: usize) {
+        self.consumers.push((conn, consumer));
+    }
+
+    /// Removes consumer `consumer` of connection `conn`, if it is here; the round-robin
+    /// starts over.
+    pub(crate) fn remove_consumer(&mut self, conn: usize, consumer: usize) {
+        self.consumers.retain(|&c| c != (conn, consumer));
+        self.next_consumer = 0;
+    }
+
+    pub(crate) fn consumer_count(&self) -> usize {
+        self.consumers.len()
+    }
+
+    /// The next consumer with room for a delivery, round-robin; `has_room` says which have.
+    pub(crate) fn next_consumer(
+        &mut self,
+        has_room: impl Fn(usize, usize) -> bool,
+    ) -> Option<(usize, usize)> {
+        let n = self.consumers.len();
+        for i in 0..n {
+            let at = (self.next_consumer + i) % n;
+            let (conn, consumer) = self.consumers[at];
+            if has_room(conn, consumer) {
+                self.next_consumer = (at + 1) % n;
+                return Some((conn, consumer));
+            }
+        }
+        None
+    }
+
+    /// A message left for a client, unacknowledged.
+    pub(crate) fn delivered(&mut self) {
+        self.unacked += 1;
+    }
+
+    /// An unacknowledged message was settled or came back.
+    pub(crate) fn settled(&mut self) {
+        self.unacked -= 1;
+    }
+
+    /// Messages delivered and not yet settled.
+    pub(crate) fn unacked(&self) -> usize {
+        self.unacked
+    }
+
+    /// Keeps an at-least-once dead letter that reached no queue.
+    pub(crate) fn push_stuck(&mut self, message: Stored, reason: DeathReason) {
+        self.stuck_dead_letters.push((message, reason));
+    }
+
+    /// The dead letters waiting for a route, to try again.
+    pub(crate) fn take_stuck(&mut self) -> Vec<(Stored, DeathReason)> {
+        std::mem::take(&mut self.stuck_dead_letters)
+    }
+
+    /// The dead letters waiting for a route.
+    pub(crate) fn stuck(&self) -> impl Iterator<Item = &Stored> {
+        self.stuck_dead_letters.iter().map(|(m, _)| m)
+    }
+
+    pub(crate) fn stuck_len(&self) -> usize {
+        self.stuck_dead_letters.len()
+    }
+
+    /// Wakes `waker` when a message is ready here with no consumer to take it.
+    pub(crate) fn watch(&mut self, waker: &Waker) {
+        if !self.watchers.iter().any(|w| w.will_wake(waker)) {
+            self.watchers.push(waker.clone());
+        }
+    }
+
+    /// The clients watching, to wake.
+    pub(crate) fn take_watchers(&mut self) -> Vec<Waker> {
+        std::mem::take(&mut self.watchers)
     }
 }

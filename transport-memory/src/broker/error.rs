@@ -1,7 +1,5 @@
 //! Errors of broker operations, with RabbitMQ's reply codes in their text.
 
-use retry_core::TransportError;
-
 /// Why the broker refused an operation. The texts follow RabbitMQ's channel errors.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -41,32 +39,4 @@ pub enum BrokerError {
     /// The connection is closed.
     #[error("connection closed: {0}")]
     ConnectionClosed(String),
-}
-
-impl From<BrokerError> for TransportError {
-    fn from(e: BrokerError) -> Self {
-        match e {
-            BrokerError::ExchangeNotFound(name) => TransportError::MissingAddress {
-                address: format!("exchange {name:?}"),
-                hint: "declare it, or provision the topology plan first".to_owned(),
-            },
-            BrokerError::QueueNotFound(name) => TransportError::MissingAddress {
-                address: format!("queue {name:?}"),
-                hint: "declare it, or provision the topology plan first".to_owned(),
-            },
-            BrokerError::Inequivalent {
-                object,
-                argument,
-                existing,
-                wanted,
-            } => TransportError::TopologyConflict {
-                object,
-                argument,
-                existing,
-                wanted,
-            },
-            BrokerError::ConnectionClosed(reason) => TransportError::Connection(reason),
-            other => TransportError::Other(Box::new(other)),
-        }
-    }
 }

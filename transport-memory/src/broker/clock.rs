@@ -8,7 +8,8 @@ use std::task::{Context, Poll};
 
 use retry_core::Timestamp;
 
-use crate::broker::Shared;
+use crate::broker::core::Shared;
+use crate::broker::timers::TimerKey;
 
 /// A future that completes when the broker's virtual clock reaches its deadline. Dropping it
 /// cancels the timer.
@@ -16,7 +17,7 @@ use crate::broker::Shared;
 pub struct Sleep {
     shared: Arc<Shared>,
     deadline: Timestamp,
-    timer: Option<(Timestamp, u64)>,
+    timer: Option<TimerKey>,
 }
 
 impl fmt::Debug for Sleep {
@@ -51,22 +52,15 @@ impl Future for Sleep {
             return Poll::Ready(());
         }
         let mut state = this.shared.lock();
-        if state.now >= this.deadline {
+        if state.now() >= this.deadline {
             if let Some(key) = this.timer.take() {
-                state.timers.remove(&key);
+                state.timers().disarm(&key);
             }
             return Poll::Ready(());
         }
-        let key = match this.timer {
-            Some(key) => key,
-            None => {
-                state.next_timer += 1;
-                let key = (this.deadline, state.next_timer);
-                this.timer = Some(key);
-                key
-            }
-        };
-        state.timers.insert(key, cx.waker().clone());
+        let timers = state.timers();
+        let key = *this.timer.get_or_insert_with(|| timers.key(this.deadline));
+        timers.arm(key, cx.waker().clone());
         Poll::Pending
     }
 }
@@ -74,7 +68,7 @@ impl Future for Sleep {
 impl Drop for Sleep {
     fn drop(&mut self) {
         if let Some(key) = self.timer.take() {
-            self.shared.lock().timers.remove(&key);
+            self.shared.lock().timers().disarm(&key);
         }
     }
 }

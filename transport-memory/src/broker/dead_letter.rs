@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use retry_core::{HeaderValue, Headers, Timestamp};
 
-use crate::trace::DeathReason;
+use crate::broker::trace::DeathReason;
 
 /// What one death records.
 pub(crate) struct Death<'a> {

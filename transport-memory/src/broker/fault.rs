@@ -1,11 +1,9 @@
 //! Fault injection on the broker side: refused, lost and unconfirmed publishes, and
 //! duplicated deliveries, counted or at seeded random rates.
 
-use std::sync::Arc;
+use retry_core::splitmix64;
 
-use crate::broker::Broker;
-use crate::queue::Stored;
-use crate::trace::EventKind;
+use crate::broker::message::Stored;
 
 /// What happens to one publish through a connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,17 +69,20 @@ impl FaultRates {
 #[derive(Clone, Debug)]
 pub(crate) struct Rng(u64);
 
+/// SplitMix64's increment: the golden ratio in 64 bits.
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
 impl Rng {
     pub(crate) fn new(seed: u64) -> Self {
         Rng(seed)
     }
 
     pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        // `splitmix64` adds the increment before mixing, so this is the output of the
+        // advanced state, as SplitMix64 gives it.
+        let out = splitmix64(self.0);
+        self.0 = self.0.wrapping_add(GOLDEN);
+        out
     }
 
     /// True with probability `p` (clamped to [0, 1]).
@@ -94,6 +95,7 @@ impl Rng {
     }
 }
 
+/// The faults waiting to happen: counted ones first, then random ones.
 #[derive(Debug, Default)]
 pub(crate) struct Faults {
     lose: u32,
@@ -104,6 +106,37 @@ pub(crate) struct Faults {
 }
 
 impl Faults {
+    /// The next `n` publishes through connections are lost.
+    pub(crate) fn lose_publishes(&mut self, n: u32) {
+        self.lose += n;
+    }
+
+    /// The next `n` publishes through connections are refused.
+    pub(crate) fn refuse_publishes(&mut self, n: u32) {
+        self.refuse += n;
+    }
+
+    /// The confirms of the next `n` publishes through connections are lost.
+    pub(crate) fn lose_confirms(&mut self, n: u32) {
+        self.lose_confirm += n;
+    }
+
+    /// The next `n` deliveries are duplicated.
+    pub(crate) fn duplicate_deliveries(&mut self, n: u32) {
+        self.duplicate += n;
+    }
+
+    /// Faults at random from now on, drawn from a generator seeded with `seed`.
+    pub(crate) fn random(&mut self, seed: u64, rates: FaultRates) {
+        self.random = Some((rates, Rng::new(seed)));
+    }
+
+    /// No more faults, counted or random.
+    pub(crate) fn clear(&mut self) {
+        *self = Faults::default();
+    }
+
+    /// The fault, if any, of a publish through a connection.
     pub(crate) fn on_publish(&mut self) -> Option<PublishFault> {
         if take(&mut self.lose) {
             return Some(PublishFault::Lose);
@@ -149,54 +182,31 @@ fn take(n: &mut u32) -> bool {
     true
 }
 
-impl Broker {
-    fn fault(&self, description: String, f: impl FnOnce(&mut Faults)) {
-        self.shared.with(|s| {
-            f(&mut s.faults);
-            let description = Arc::from(description);
-            s.record(|| EventKind::Fault { description });
-        });
+#[cfg(test)]
+mod tests {
+    use super::Rng;
+
+    /// SplitMix64 written out: advance the state, then mix it. Seeded runs replay only if
+    /// the fault stream stays exactly this.
+    fn reference(mut state: u64, n: usize) -> Vec<u64> {
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                z ^ (z >> 31)
+            })
+            .collect()
     }
 
-    /// The next `n` publishes through any connection never reach the broker: the publisher
-    /// sees [`PublishResult::Failed`](retry_core::PublishResult::Failed).
-    pub fn lose_publishes(&self, n: u32) {
-        self.fault(format!("lose the next {n} publishes"), |f| f.lose += n);
-    }
-
-    /// The next `n` publishes through any connection are refused with a negative confirm.
-    pub fn refuse_publishes(&self, n: u32) {
-        self.fault(format!("refuse the next {n} publishes"), |f| f.refuse += n);
-    }
-
-    /// The next `n` publishes through any connection are routed, but their confirms are
-    /// lost: the publisher sees a failure while the message is in its queue, so the engine's
-    /// requeue of the original makes a duplicate.
-    pub fn lose_confirms(&self, n: u32) {
-        self.fault(
-            format!("lose the confirms of the next {n} publishes"),
-            |f| {
-                f.lose_confirm += n;
-            },
-        );
-    }
-
-    /// The next `n` deliveries are each followed by a second copy of the same message.
-    pub fn duplicate_deliveries(&self, n: u32) {
-        self.fault(format!("duplicate the next {n} deliveries"), |f| {
-            f.duplicate += n;
-        });
-    }
-
-    /// From now on, faults at random with these rates, from a generator seeded with `seed`.
-    pub fn random_faults(&self, seed: u64, rates: FaultRates) {
-        self.fault(format!("random faults, seed {seed}: {rates:?}"), |f| {
-            f.random = Some((rates, Rng::new(seed)));
-        });
-    }
-
-    /// Stops random and pending counted faults.
-    pub fn clear_faults(&self) {
-        self.fault("clear faults".to_owned(), |f| *f = Faults::default());
+    #[test]
+    fn the_fault_stream_is_splitmix64_of_the_seed() {
+        assert_eq!(Rng::new(0).next_u64(), 0xe220_a839_7b1d_cdaf);
+        for seed in [0, 7, 0x5eed_fa17, u64::MAX] {
+            let mut rng = Rng::new(seed);
+            let drawn: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
+            assert_eq!(drawn, reference(seed, 1000), "seed {seed}");
+        }
     }
 }

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use retry_core::{DeadLetterReason, RunReport, Terminal, Timestamp, format_delay};
 
-use crate::script::Step;
-use crate::trace::{Elapsed, Trace, describe_terminal};
+use crate::broker::trace::{Elapsed, Trace, describe_terminal};
+use crate::simulation::script::Step;
 
 /// Where a message ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,7 +16,7 @@ use crate::trace::{Elapsed, Trace, describe_terminal};
 pub enum Fate {
     /// A handler succeeded on it.
     Handled {
-        /// When.
+        /// The virtual time its handler succeeded.
         at: Timestamp,
         /// On which run number (the engine's attempt).
         attempt: u32,
@@ -29,7 +29,7 @@ pub enum Fate {
     },
     /// It was dropped, as the policy allows.
     Dropped {
-        /// Why.
+        /// The rule that let it go, e.g. attempts exhausted under `Exhausted::Drop`.
         reason: DeadLetterReason,
     },
     /// It is still on its way: in this queue, or held by a consumer when `None`.

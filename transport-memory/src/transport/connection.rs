@@ -8,24 +8,26 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
-use retry_core::headers::{Origin, clone_headers};
 use retry_core::{
-    Capabilities, Confirm, Delivery, Message, Publish, PublishResult, Settlement, Subscription,
-    Timestamp, TopologyPlan, Transport, TransportError,
+    Capabilities, Confirm, Delivery, Message, Publish, PublishResult, Settlement, Timestamp,
+    TopologyPlan, Transport, TransportError,
 };
 
-use crate::broker::{Broker, Publishing, message_address};
-use crate::error::BrokerError;
-use crate::message::Outgoing;
-use crate::trace::{EventKind, MessageRef, PublishOutcome, Publisher};
+use crate::broker::Broker;
+use crate::broker::core::State;
+use crate::broker::error::BrokerError;
+use crate::broker::message::{MessageKey, Outgoing, Publishing};
+use crate::broker::trace::{EventKind, MessageRef, PublishOutcome, Publisher};
+use crate::transport::delivery::{DeliveryTag, identity_of, receive};
+use crate::transport::link::{Link, LinkHandle, SubscriptionState, lock_link};
+use crate::transport::subscription::MemorySubscription;
 
-/// The handle that settles one delivery: its connection and its delivery tag there.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct DeliveryTag {
-    /// The connection it was delivered on.
-    pub connection: u64,
-    /// The delivery tag, from 1 on each connection.
-    pub tag: u64,
+impl Broker {
+    /// Opens a client connection: a [`MemoryTransport`] for the retry engine's driver.
+    pub fn connect(&self) -> MemoryTransport {
+        let id = self.shared.with(State::open_connection);
+        MemoryTransport::new(self.clone(), id)
+    }
 }
 
 /// A client connection (with one channel in confirm mode) to a [`Broker`]: the retry
@@ -71,37 +73,6 @@ pub struct MemoryTransport {
     link: Arc<Mutex<Link>>,
 }
 
-/// A view of which connection a transport is using, kept by whoever watches it from outside
-/// (the simulation, to crash or disconnect the consumer that owns the transport).
-#[derive(Clone, Debug)]
-pub(crate) struct LinkHandle(Arc<Mutex<Link>>);
-
-impl LinkHandle {
-    pub(crate) fn connection(&self) -> usize {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).id
-    }
-}
-
-/// The connection currently in use, and the subscriptions to redo on a new one.
-#[derive(Debug)]
-struct Link {
-    id: usize,
-    subscriptions: Vec<SubscriptionState>,
-    recover: bool,
-}
-
-#[derive(Debug)]
-struct SubscriptionState {
-    queue: String,
-    prefetch: u16,
-    /// The connection and consumer index it consumes on now.
-    connection: usize,
-    consumer: usize,
-    cancelled: bool,
-    /// Whether the close of its connection was reported by a `recv` yet.
-    close_reported: bool,
-}
-
 impl fmt::Debug for MemoryTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryTransport")
@@ -111,14 +82,10 @@ impl fmt::Debug for MemoryTransport {
 }
 
 impl MemoryTransport {
-    pub(crate) fn new(broker: Broker, id: usize) -> Self {
+    fn new(broker: Broker, id: usize) -> Self {
         MemoryTransport {
             broker,
-            link: Arc::new(Mutex::new(Link {
-                id,
-                subscriptions: Vec::new(),
-                recover: true,
-            })),
+            link: Arc::new(Mutex::new(Link::new(id))),
         }
     }
 
@@ -131,7 +98,7 @@ impl MemoryTransport {
     }
 
     pub(crate) fn link_handle(&self) -> LinkHandle {
-        LinkHandle(self.link.clone())
+        LinkHandle::new(&self.link)
     }
 
     /// The same connection, without automatic recovery: once closed, it stays closed and
@@ -181,12 +148,12 @@ impl MemoryTransport {
     fn publish_inner(&self, p: Publishing) -> PublishResult {
         let id = self.id();
         self.broker.shared.with(|s| {
-            if let Some(reason) = &s.connections[id].closed {
+            if let Some(reason) = s.connections().closed(id) {
                 let reason = reason.to_string();
                 if s.tracing() {
                     let (key, label) = match p.identity.clone() {
                         Some(identity) => identity,
-                        None => (crate::message::MessageKey(0), Arc::from("?")),
+                        None => (MessageKey(0), Arc::from("?")),
                     };
                     let why = Arc::from(reason.as_str());
                     s.record(|| EventKind::Published {
@@ -217,38 +184,20 @@ impl MemoryTransport {
         })
     }
 
-    /// Reopens a closed connection and consumes again, as automatic recovery does.
-    fn recover(link: &mut Link, s: &mut crate::broker::State) -> Result<(), TransportError> {
-        let old = link.id;
-        link.id = s.open_connection();
-        let description = Arc::from(format!("conn {old} recovered as conn {}", link.id));
-        s.record(|| EventKind::Fault { description });
-        for sub in link.subscriptions.iter_mut().filter(|sub| !sub.cancelled) {
-            sub.consumer = s.consume(link.id, &sub.queue, sub.prefetch)?;
-            sub.connection = link.id;
-            sub.close_reported = false;
-        }
-        Ok(())
-    }
-
     /// The open connection to use for a new operation: a closed one is recovered first
     /// (unless recovery is off).
     fn ensure_open(&self) -> Result<usize, TransportError> {
         let mut link = self.link();
         self.broker.shared.with(|s| {
-            if let Some(reason) = &s.connections[link.id].closed {
+            if let Some(reason) = s.connections().closed(link.id) {
                 if !link.recover {
                     return Err(TransportError::Connection(reason.to_string()));
                 }
-                Self::recover(&mut link, s)?;
+                link.recover(s)?;
             }
             Ok(link.id)
         })
     }
-}
-
-fn lock_link(link: &Mutex<Link>) -> MutexGuard<'_, Link> {
-    link.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drop for MemoryTransport {
@@ -257,109 +206,6 @@ impl Drop for MemoryTransport {
         self.broker
             .shared
             .with(|s| s.close_connection(id, "client went away"));
-    }
-}
-
-/// A consumer of one queue on a [`MemoryTransport`]'s connection, with its own prefetch.
-/// Made by [`Transport::consume`]; it follows its transport to a recovered connection.
-pub struct MemorySubscription {
-    broker: Broker,
-    link: Arc<Mutex<Link>>,
-    index: usize,
-}
-
-impl fmt::Debug for MemorySubscription {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let link = lock_link(&self.link);
-        let sub = &link.subscriptions[self.index];
-        f.debug_struct("MemorySubscription")
-            .field("queue", &sub.queue)
-            .field("prefetch", &sub.prefetch)
-            .field("connection", &sub.connection)
-            .finish()
-    }
-}
-
-impl MemorySubscription {
-    /// The next delivery if one is waiting, without waiting: for tests that drive the
-    /// broker by hand. `Ok(None)` when nothing is waiting. Does not recover a closed
-    /// connection.
-    pub fn try_recv(&self) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
-        let link = lock_link(&self.link);
-        let sub = &link.subscriptions[self.index];
-        let mut state = self.broker.shared.lock();
-        let c = &mut state.connections[sub.connection];
-        if let Some(reason) = &c.closed {
-            return Err(TransportError::Connection(reason.to_string()));
-        }
-        Ok(c.consumers[sub.consumer].inbox.pop_front())
-    }
-
-    /// Polls for a delivery. A closed connection is reported once, then recovered.
-    fn poll_recv(
-        &self,
-        cx: &mut std::task::Context<'_>,
-    ) -> Poll<Result<Option<Delivery<DeliveryTag>>, TransportError>> {
-        let mut link = lock_link(&self.link);
-        self.broker.shared.with(|s| {
-            let sub = &mut link.subscriptions[self.index];
-            if sub.cancelled {
-                return Poll::Ready(Ok(None));
-            }
-            if let Some(reason) = &s.connections[sub.connection].closed {
-                if !sub.close_reported {
-                    sub.close_reported = true;
-                    return Poll::Ready(Err(TransportError::Connection(reason.to_string())));
-                }
-                if !link.recover {
-                    return Poll::Ready(Err(TransportError::Connection(reason.to_string())));
-                }
-                if s.connections[link.id].closed.is_some()
-                    && let Err(e) = MemoryTransport::recover(&mut link, s)
-                {
-                    return Poll::Ready(Err(e));
-                }
-            }
-            let sub = &link.subscriptions[self.index];
-            let c = &mut s.connections[sub.connection].consumers[sub.consumer];
-            match c.inbox.pop_front() {
-                Some(d) => Poll::Ready(Ok(Some(d))),
-                // Cancelled by the broker (its queue was deleted, say).
-                None if !c.active => Poll::Ready(Ok(None)),
-                None => {
-                    c.waker = Some(cx.waker().clone());
-                    Poll::Pending
-                }
-            }
-        })
-    }
-}
-
-#[async_trait]
-impl Subscription for MemorySubscription {
-    type Tag = DeliveryTag;
-
-    async fn recv(&self) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
-        futures::future::poll_fn(|cx| self.poll_recv(cx)).await
-    }
-
-    async fn cancel(&self) -> Result<(), TransportError> {
-        let mut link = lock_link(&self.link);
-        let sub = &mut link.subscriptions[self.index];
-        sub.cancelled = true;
-        let (conn, ci) = (sub.connection, sub.consumer);
-        self.broker.shared.with(|s| {
-            if let Some(reason) = &s.connections[conn].closed {
-                return Err(TransportError::Connection(reason.to_string()));
-            }
-            s.cancel(conn, ci);
-            Ok(())
-        })
-    }
-
-    /// Settlements are applied when made: nothing waits to be sent.
-    async fn flush(&self) -> Result<(), TransportError> {
-        Ok(())
     }
 }
 
@@ -403,18 +249,18 @@ impl Transport for MemoryTransport {
             cancelled: false,
             close_reported: false,
         });
-        Ok(MemorySubscription {
-            broker: self.broker.clone(),
-            link: self.link.clone(),
-            index: link.subscriptions.len() - 1,
-        })
+        Ok(MemorySubscription::new(
+            self.broker.clone(),
+            self.link.clone(),
+            link.subscriptions.len() - 1,
+        ))
     }
 
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
         let id = self.ensure_open()?;
         self.broker
             .shared
-            .with(|s| s.get(id, queue))
+            .with(|s| s.get(id, queue, receive))
             .map_err(TransportError::from)
     }
 
@@ -430,19 +276,9 @@ impl Transport for MemoryTransport {
     }
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
-        let origin = Origin {
-            queue: original.queue(),
-            exchange: original.exchange(),
-            routing_key: original.routing_key(),
-        };
-        let headers = clone_headers(original.headers(), origin, &publish.headers);
-        let identity = self
-            .broker
-            .shared
-            .lock()
-            .live
-            .get(&message_address(original))
-            .cloned();
+        let headers = publish.clone_headers(original);
+        let conn = self.id();
+        let identity = identity_of(&self.broker.shared.lock(), conn, original);
         self.publish_inner(Publishing {
             identity,
             exchange: publish.route.exchange.clone(),

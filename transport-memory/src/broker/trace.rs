@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use retry_core::{Terminal, Timestamp, format_delay};
 
-use crate::message::MessageKey;
+use crate::broker::message::MessageKey;
 
 /// A message as the trace names it: its key and its `message-id` (or key) label.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,7 +140,8 @@ pub enum EventKind {
         message: MessageRef,
         /// The queue it left.
         queue: Arc<str>,
-        /// Why.
+        /// What made the queue dead-letter it: rejected, expired, over its length limit or
+        /// its delivery limit.
         reason: DeathReason,
         /// The dead-letter exchange.
         exchange: Arc<str>,
@@ -155,7 +156,7 @@ pub enum EventKind {
         message: MessageRef,
         /// The queue it left.
         queue: Arc<str>,
-        /// Why.
+        /// What removed it and why it went nowhere, e.g. "expired, no dead-letter exchange".
         why: &'static str,
     },
     /// A client connected.
@@ -167,7 +168,7 @@ pub enum EventKind {
     ConnectionClosed {
         /// The connection.
         connection: u64,
-        /// Why.
+        /// What closed it, as the broker words it: the client, a fault, the consumer timeout.
         reason: Arc<str>,
     },
     /// A consumer started.
@@ -181,7 +182,7 @@ pub enum EventKind {
     },
     /// A fault was injected.
     Fault {
-        /// What.
+        /// The fault and what it hit, e.g. which publish was lost or refused.
         description: Arc<str>,
     },
     /// A handler run began.
@@ -206,7 +207,7 @@ pub enum EventKind {
     Terminal {
         /// The message.
         message: MessageRef,
-        /// How.
+        /// The engine's terminal for the delivery: handled, retried, isolated, parked...
         terminal: Terminal,
     },
     /// A simulated consumer process started.
@@ -220,7 +221,7 @@ pub enum EventKind {
     ConsumerCrashed {
         /// Its number.
         consumer: u32,
-        /// Why.
+        /// What killed it: a scripted crash, a random crash, or its handler.
         reason: Arc<str>,
     },
     /// A simulated consumer's run ended.
@@ -235,9 +236,9 @@ pub enum EventKind {
 /// An event at a virtual time.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Event {
-    /// When.
+    /// The virtual time it happened at.
     pub at: Timestamp,
-    /// What.
+    /// What happened.
     pub kind: EventKind,
 }
 

@@ -1,14 +1,16 @@
-//! Messages going into the broker, and snapshots of messages inside it.
+//! Messages going into the broker, held inside it, and handed out of it to clients.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use retry_core::{HeaderValue, Headers, Properties, Timestamp};
 
-/// The broker's identity for a message and all its copies: dead-lettering keeps it, and so do
-/// the clones the retry engine publishes of a delivery through a [`MemoryTransport`]. It is
-/// how a simulation follows one message through retries.
+/// The broker's identity for a message and all its copies: a number given at publish and
+/// carried by every copy the broker stores. Dead-lettering keeps it, and so do the clones the
+/// retry engine publishes of a delivery through a [`MemoryTransport`]. It is how a
+/// simulation follows one message through retries.
 ///
 /// [`MemoryTransport`]: crate::MemoryTransport
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -140,4 +142,85 @@ pub struct QueuedMessage {
     pub redelivered: bool,
     /// Quorum queues: how often it has been returned to the queue.
     pub delivery_count: u32,
+}
+
+/// What a publish carries into the broker.
+pub(crate) struct Publishing {
+    /// The identity of the message this is a clone of; `None` gives it a new one.
+    pub(crate) identity: Option<(MessageKey, Arc<str>)>,
+    pub(crate) exchange: Arc<str>,
+    pub(crate) routing_key: Arc<str>,
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: Properties,
+    pub(crate) headers: Headers,
+    pub(crate) expiration: Option<Duration>,
+    pub(crate) mandatory: bool,
+}
+
+impl From<Outgoing> for Publishing {
+    fn from(m: Outgoing) -> Self {
+        Publishing {
+            identity: None,
+            exchange: Arc::from(m.exchange),
+            routing_key: Arc::from(m.routing_key),
+            body: m.body,
+            properties: m.properties,
+            headers: m.headers,
+            expiration: m.expiration,
+            mandatory: m.mandatory,
+        }
+    }
+}
+
+/// A message as the broker holds it in a queue.
+#[derive(Clone, Debug)]
+pub(crate) struct Stored {
+    pub(crate) key: MessageKey,
+    pub(crate) label: Arc<str>,
+    /// Position in the queue; a requeued message goes back to its place.
+    pub(crate) seq: u64,
+    pub(crate) exchange: Arc<str>,
+    pub(crate) routing_key: Arc<str>,
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: Properties,
+    pub(crate) headers: Headers,
+    /// The per-message TTL (`expiration` property).
+    pub(crate) expiration: Option<Duration>,
+    pub(crate) expires_at: Option<Timestamp>,
+    pub(crate) redelivered: bool,
+    /// Quorum queues' count of returns to the queue.
+    pub(crate) delivery_count: u32,
+}
+
+/// A message handed to a client, pushed to one of its consumers or taken with a get: what
+/// the client sees of it. The content moves out of the broker with it.
+#[derive(Debug)]
+pub(crate) struct Handout {
+    /// The connection it was delivered on.
+    pub(crate) connection: usize,
+    /// Its delivery tag there.
+    pub(crate) tag: u64,
+    /// The queue it left.
+    pub(crate) queue: Arc<str>,
+    pub(crate) exchange: Arc<str>,
+    pub(crate) routing_key: Arc<str>,
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: Properties,
+    /// Its headers, with `x-delivery-count` when a quorum queue counts this delivery.
+    pub(crate) headers: Headers,
+    pub(crate) redelivered: bool,
+}
+
+/// What a client keeps of a message handed to it, for as long as the delivery is
+/// unacknowledged. Handing a message out moves its content to the client instead of copying
+/// it: most deliveries are acknowledged and never needed again, and when one does come back
+/// to its queue (a requeue, a rejection, a closed connection) the broker reads its content
+/// back from here. `Any`, so the client can recognise what it holds.
+pub(crate) trait Held: Any + Send {
+    /// The body.
+    fn body(&self) -> &[u8];
+    /// The properties.
+    fn properties(&self) -> &Properties;
+    /// The headers, as handed out.
+    fn headers(&self) -> &Headers;
 }

@@ -1,6 +1,6 @@
-//! A fast hasher for the model's own maps: keys are message addresses and the names of
-//! queues and exchanges the user declared, never hostile input, so the default hasher's
-//! protection against flooding only costs time on every delivery.
+//! A fast hasher for the crate's own maps: keys are the names of queues and exchanges the
+//! user declared and the ids of simulated messages, never hostile input, so the default
+//! hasher's protection against flooding only costs time on every lookup.
 
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -47,7 +47,7 @@ impl Hasher for FastHasher {
 
     fn finish(&self) -> u64 {
         // The table indexes by the low bits: fold the well-mixed high bits into them
-        // (addresses, multiplied, have zero low bits).
+        // (aligned integers, multiplied, have zero low bits).
         self.0 ^ (self.0 >> 29)
     }
 }
@@ -61,7 +61,7 @@ mod tests {
     use std::hash::BuildHasher;
 
     #[test]
-    fn spreads_aligned_addresses_and_short_names() {
+    fn spreads_aligned_integers_and_short_names() {
         let build = BuildHasherDefault::<FastHasher>::default();
         let mut low: Vec<u64> = (0..64u64)
             .map(|i| build.hash_one(0x7f00_0000_0000 + i * 64) & 63)

@@ -1,0 +1,209 @@
+//! Building a [`Simulation`]: its settings, each with a default.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use retry_core::{Handler, QueueType, RetryPolicy, Timestamp, TopologyPlan};
+
+use crate::broker::fault::{FaultRates, Rng};
+use crate::broker::{Broker, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_START};
+use crate::simulation::error::SimulationError;
+use crate::simulation::ledger::Ledger;
+use crate::simulation::script::Script;
+use crate::simulation::simulator::{Settings, Simulation};
+
+/// How far a run goes in virtual time unless told otherwise: a year.
+pub const DEFAULT_HORIZON: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Builds a [`Simulation`]. Every setting has a default; see each method.
+#[must_use = "a builder does nothing until `build()` is called"]
+pub struct SimulationBuilder {
+    settings: Settings,
+    seed: u64,
+    crash_rate: f64,
+    connection_drop_rate: f64,
+    faults: Option<FaultRates>,
+    trace: bool,
+    start: Timestamp,
+    default_script: Script,
+}
+
+impl fmt::Debug for SimulationBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimulationBuilder")
+            .field("queue", &self.settings.queue)
+            .field("prefetch", &self.settings.prefetch)
+            .field("consumers", &self.settings.consumers)
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SimulationBuilder {
+    /// Quorum or classic queues (default classic).
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.settings.queue_type = queue_type;
+        self
+    }
+
+    /// Quorum queues: the broker's `x-delivery-limit` on the work queue (default none).
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.settings.delivery_limit = Some(limit);
+        self
+    }
+
+    /// Each consumer's prefetch, and so its concurrent handlers (default 10).
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.settings.prefetch = prefetch;
+        self
+    }
+
+    /// The driver's handler timeout (default 30 s).
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.handler_timeout = timeout;
+        self
+    }
+
+    /// The driver's shutdown grace (default 30 s).
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.settings.shutdown_grace = grace;
+        self
+    }
+
+    /// The broker's consumer timeout (default 30 min, as RabbitMQ; `None` turns it off).
+    pub fn consumer_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.settings.consumer_timeout = timeout;
+        self
+    }
+
+    /// How many consumer processes run at once (default 1).
+    pub fn consumers(mut self, n: u32) -> Self {
+        self.settings.consumers = n.max(1);
+        self
+    }
+
+    /// How long after a crash its replacement process starts (default 1 s).
+    pub fn restart_delay(mut self, delay: Duration) -> Self {
+        self.settings.restart_delay = delay;
+        self
+    }
+
+    /// The virtual-time limit of [`Simulation::run_until_quiet`] (default
+    /// [`DEFAULT_HORIZON`]).
+    pub fn horizon(mut self, horizon: Duration) -> Self {
+        self.settings.horizon = horizon;
+        self
+    }
+
+    /// The seed of every random choice: random crashes, connection drops and broker faults
+    /// (default 0). The same seed and script give the same trace.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// The probability that a handler run crashes its consumer, on top of its script.
+    pub fn crash_rate(mut self, p: f64) -> Self {
+        self.crash_rate = p;
+        self
+    }
+
+    /// The probability that a handler run starts with its consumer's connection dropped
+    /// (the run goes on; the transport recovers).
+    pub fn connection_drop_rate(mut self, p: f64) -> Self {
+        self.connection_drop_rate = p;
+        self
+    }
+
+    /// Random broker faults at these rates, seeded from the simulation's seed.
+    pub fn faults(mut self, rates: FaultRates) -> Self {
+        self.faults = Some(rates);
+        self
+    }
+
+    /// Whether to record the event trace (default on).
+    pub fn trace(mut self, on: bool) -> Self {
+        self.trace = on;
+        self
+    }
+
+    /// The virtual time the simulation starts at (default [`DEFAULT_START`]).
+    pub fn start_at(mut self, start: Timestamp) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// The script of messages published without one (default: always succeed).
+    pub fn default_script(mut self, script: Script) -> Self {
+        self.default_script = script;
+        self
+    }
+
+    /// Runs this handler instead of scripts: your own code, on simulated crashes and faults.
+    /// Scripts still decide crashes ([`Step::Crash`]) and random crashes still apply; every
+    /// other step is replaced by a call to the handler.
+    ///
+    /// [`Step::Crash`]: crate::Step::Crash
+    pub fn handler(mut self, handler: impl Handler) -> Self {
+        self.settings.handler = Some(Arc::new(handler));
+        self
+    }
+
+    /// Makes the broker, declares the plan, and starts the consumer processes.
+    pub fn build(self) -> Result<Simulation, SimulationError> {
+        let s = &self.settings;
+        let mut plan = TopologyPlan::builder(&s.queue, &s.policy).with_queue_type(s.queue_type);
+        if let Some(limit) = s.delivery_limit {
+            plan = plan.with_delivery_limit(limit);
+        }
+        let plan = plan.build()?;
+        let broker = Broker::builder()
+            .start_at(self.start)
+            .consumer_timeout(s.consumer_timeout)
+            .trace(self.trace)
+            .build();
+        broker.provision(&plan)?;
+        if let Some(rates) = self.faults {
+            // Its own stream, so broker faults and handler-run faults do not disturb each
+            // other when one of them changes.
+            broker.random_faults(self.seed ^ 0x5eed_fa17, rates);
+        }
+        let ledger = Ledger::new(
+            self.default_script,
+            Rng::new(self.seed),
+            self.crash_rate,
+            self.connection_drop_rate,
+        );
+        Simulation::start(broker, plan, self.settings, ledger, self.start)
+    }
+}
+
+impl Simulation {
+    /// A builder for a simulation of `queue` under `policy`.
+    pub fn builder(queue: impl Into<String>, policy: RetryPolicy) -> SimulationBuilder {
+        SimulationBuilder {
+            settings: Settings {
+                queue: queue.into(),
+                policy,
+                queue_type: QueueType::Classic,
+                delivery_limit: None,
+                prefetch: 10,
+                handler_timeout: Duration::from_secs(30),
+                shutdown_grace: Duration::from_secs(30),
+                consumer_timeout: Some(DEFAULT_CONSUMER_TIMEOUT),
+                consumers: 1,
+                restart_delay: Duration::from_secs(1),
+                horizon: DEFAULT_HORIZON,
+                handler: None,
+            },
+            seed: 0,
+            crash_rate: 0.0,
+            connection_drop_rate: 0.0,
+            faults: None,
+            trace: true,
+            start: DEFAULT_START,
+            default_script: Script::succeed(),
+        }
+    }
+}
