@@ -164,12 +164,12 @@ impl Publish {
     /// });
     /// let publish = Publish {
     ///     route: Route { exchange: "".into(), routing_key: "comments.suspect".into() },
-///     expiration: None,
-///     headers: EngineHeaders {
-///         attempts: 0, crashes: 1, first_failure: None, last_failure: None,
-///         last_error: None, reason: None, delay: None,
-///     },
-/// };
+    ///     expiration: None,
+    ///     headers: EngineHeaders {
+    ///         attempts: 0, crashes: 1, first_failure: None, last_failure: None,
+    ///         last_error: None, reason: None, delay: None,
+    ///     },
+    /// };
     /// let clone = publish.clone_headers(&original);
     /// assert!(clone.get("tenant").is_some());
     /// assert_eq!(clone.get(headers::ORIGIN_QUEUE).and_then(|v| v.as_str()), Some("comments"));

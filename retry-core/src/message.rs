@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::facts::{BrokerSignals, DeliveryFacts};
-use crate::jitter::message_identity;
 use crate::headers::Headers;
+use crate::jitter::message_identity;
 use crate::time::Timestamp;
 
 /// The AMQP basic properties a clone carries over from its original. `expiration` is not

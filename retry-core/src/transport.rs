@@ -55,9 +55,17 @@ impl PublishResult {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransportError {
-    /// The connection or channel is gone; it may come back.
-    #[error("connection lost: {0}")]
-    Connection(String),
+    /// The connection or channel is gone; it may come back. Made with
+    /// [`connection_lost`](Self::connection_lost) or
+    /// [`connection_failed`](Self::connection_failed).
+    #[error("connection lost: {context}")]
+    Connection {
+        /// What was being done, on what, when it was lost.
+        context: String,
+        /// The broker client's own error, kept whole as the source.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     /// The broker already has an object declared differently.
     #[error(
         "{object} already exists with a different {argument}: broker has {existing}, plan wants {wanted}"
@@ -95,6 +103,45 @@ pub enum TransportError {
     /// survives.
     #[error(transparent)]
     Other(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl TransportError {
+    /// The connection or channel is gone, for a reason the transport words itself.
+    ///
+    /// ```
+    /// use retry_core::TransportError;
+    ///
+    /// let e = TransportError::connection_lost("the broker closed the channel");
+    /// assert_eq!(e.to_string(), "connection lost: the broker closed the channel");
+    /// ```
+    pub fn connection_lost(context: impl Into<String>) -> Self {
+        TransportError::Connection {
+            context: context.into(),
+            source: None,
+        }
+    }
+
+    /// The connection or channel is gone, as the client library's `source` error says; it is
+    /// kept as the error's source, not copied into its message, so a chain names it once.
+    ///
+    /// ```
+    /// use std::error::Error as _;
+    /// use retry_core::TransportError;
+    ///
+    /// let io = std::io::Error::other("connection reset by peer");
+    /// let e = TransportError::connection_failed("publishing to comments.retry.30s", io);
+    /// assert_eq!(e.to_string(), "connection lost: publishing to comments.retry.30s");
+    /// assert_eq!(e.source().unwrap().to_string(), "connection reset by peer");
+    /// ```
+    pub fn connection_failed(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        TransportError::Connection {
+            context: context.into(),
+            source: Some(source.into()),
+        }
+    }
 }
 
 /// A broker binding the driver runs on. Implementations keep the engine's rules: a publish

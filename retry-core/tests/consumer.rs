@@ -383,7 +383,7 @@ async fn a_returned_publish_is_retried_then_requeues_and_never_acks() {
 #[tokio::test(start_paused = true)]
 async fn a_failed_publish_is_retried_then_requeues_and_never_acks() {
     requeued_when_the_publish_answers(
-        || PublishResult::Failed(TransportError::Connection("channel closed".into())),
+        || PublishResult::Failed(TransportError::connection_lost("channel closed")),
         Confirm::Failed,
     )
     .await;
@@ -1179,7 +1179,7 @@ async fn a_suspect_whose_connection_dropped_while_it_ran_is_not_blamed_when_it_r
                 .lock()
                 .unwrap()
                 .push_back(suspect(2, "unlucky", REDELIVERED));
-            Err(TransportError::Connection("connection reset".into()))
+            Err(TransportError::connection_lost("connection reset"))
         });
     b.mock
         .expect_settle()
@@ -1400,7 +1400,7 @@ fn scripted_subscription(answers: Vec<Result<Option<Delivery<u64>>, TransportErr
 
 #[tokio::test(start_paused = true)]
 async fn a_lost_connection_while_receiving_is_retried() {
-    let lost = || Err(TransportError::Connection("connection reset".into()));
+    let lost = || Err(TransportError::connection_lost("connection reset"));
     let sub = scripted_subscription(vec![lost(), lost(), Ok(Some(delivery(1, "a"))), Ok(None)]);
     let mut b = Broker::new(mock_with(sub));
     b.mock
@@ -1451,7 +1451,7 @@ async fn a_failed_settlement_is_counted_and_the_run_goes_on() {
         .expect_settle()
         .with(eq(1), eq(Settlement::Ack))
         .times(1)
-        .returning(|_, _| Err(TransportError::Connection("channel closed".into())));
+        .returning(|_, _| Err(TransportError::connection_lost("channel closed")));
     b.mock
         .expect_settle()
         .with(eq(2), eq(Settlement::Ack))

@@ -295,17 +295,27 @@ async fn send(acks: Vec<PendingAck>) -> Result<(), TransportError> {
             }
             Err(e) => {
                 unsent += 1;
-                warn!(tag, multiple, error = %e, "ack failed; the broker will redeliver");
-                last_error = Some(e.to_string());
+                warn!(
+                    tag,
+                    multiple,
+                    error = &e as &dyn std::error::Error,
+                    "ack failed; the broker will redeliver"
+                );
+                last_error = Some(e);
             }
         }
     }
     match unsent {
         0 => Ok(()),
-        n => Err(TransportError::Connection(format!(
-            "{n} acknowledgement(s) not sent, their channel is gone ({}); the broker redelivers those deliveries",
-            last_error.as_deref().unwrap_or("closed")
-        ))),
+        n => {
+            let context = format!(
+                "{n} acknowledgement(s) not sent, their channel is gone; the broker redelivers those deliveries"
+            );
+            Err(match last_error {
+                Some(e) => TransportError::connection_failed(context, e),
+                None => TransportError::connection_lost(context),
+            })
+        }
     }
 }
 

@@ -11,9 +11,10 @@ pub(crate) fn amqp_code(err: &lapin::Error) -> Option<u16> {
     }
 }
 
-/// A lapin error as a connection error. lapin's messages carry no credentials.
+/// A lapin error as a connection error, kept as its source. lapin's messages carry no
+/// credentials.
 pub(crate) fn connection_error(err: lapin::Error) -> TransportError {
-    TransportError::Connection(err.to_string())
+    TransportError::connection_failed("the AMQP 0-9-1 channel or connection failed", err)
 }
 
 /// A name as an AMQP short string, refusing (not panicking on) names over 255 bytes.

@@ -162,6 +162,16 @@ impl Visit for Line {
     fn record_str(&mut self, field: &Field, value: &str) {
         let _ = write!(self.0, " {}={value}", field.name());
     }
+
+    /// An error with its whole chain of causes, as a subscriber that prints sources does.
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        let _ = write!(self.0, " {}={value}", field.name());
+        let mut cause = value.source();
+        while let Some(e) = cause {
+            let _ = write!(self.0, ": {e}");
+            cause = e.source();
+        }
+    }
 }
 
 impl Subscriber for LogRecorder {

@@ -137,10 +137,10 @@ impl AmqpTransport {
         let connection = Connection::connect(config.url(), properties)
             .await
             .map_err(|e| {
-                TransportError::Connection(format!(
-                    "cannot connect to {}: {e}",
-                    config.redacted_url()
-                ))
+                TransportError::connection_failed(
+                    format!("cannot connect to {}", config.redacted_url()),
+                    e,
+                )
             })?;
         let publish_channel = confirm_channel(&connection).await?;
         let recoveries = Arc::new(AtomicU64::new(0));
@@ -489,7 +489,7 @@ impl Transport for AmqpTransport {
         if !sent {
             // The delivery belongs to a channel that has since been recovered or closed: the
             // broker has it back and will redeliver it. Never settle it on the new channel.
-            return Err(TransportError::Connection(format!(
+            return Err(TransportError::connection_lost(format!(
                 "delivery {} was on a channel that is gone; the broker has it back",
                 tag.delivery_tag
             )));

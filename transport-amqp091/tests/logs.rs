@@ -24,7 +24,7 @@ async fn passwords_never_reach_the_logs() {
         .await
         .expect("a TLS handshake against a plain port fails quickly")
         .unwrap_err();
-    tracing::error!(error = %err, "connect failed");
+    tracing::error!(error = &err as &dyn std::error::Error, "connect failed");
     // Nothing listens on port 1.
     let refused = AmqpConfig::new("amqp://guest:refused-secret-4711@127.0.0.1:1/%2f")
         .with_auto_recover(false);
@@ -32,7 +32,7 @@ async fn passwords_never_reach_the_logs() {
         .await
         .expect("a refused connection fails quickly")
         .unwrap_err();
-    tracing::error!(error = %err, "connect failed");
+    tracing::error!(error = &err as &dyn std::error::Error, "connect failed");
 
     let Some(config) = broker("logs").await else {
         return;
@@ -41,7 +41,7 @@ async fn passwords_never_reach_the_logs() {
     let wrong = AmqpConfig::new("amqp://guest:wrong-secret-4711@127.0.0.1:5672/%2f")
         .with_auto_recover(false);
     let err = AmqpTransport::connect(wrong).await.unwrap_err();
-    tracing::error!(error = %err, "connect failed");
+    tracing::error!(error = &err as &dyn std::error::Error, "connect failed");
 
     // A user of its own, whose password is nowhere else, through a forced close and a
     // recovery.

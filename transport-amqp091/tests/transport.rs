@@ -275,6 +275,13 @@ async fn passwords_stay_out_of_errors_and_debug_output() {
     let text = format!("{err} {err:?}");
     assert!(!text.contains("hunter2"), "{text}");
     assert!(text.contains("amqps://guest:****@127.0.0.1"), "{text}");
+    // lapin's error is kept whole as the source, not flattened into the message.
+    let source = std::error::Error::source(&err).expect("the client's error is the source");
+    assert!(
+        source.downcast_ref::<lapin::Error>().is_some(),
+        "{source:?}"
+    );
+    assert!(!err.to_string().contains(&source.to_string()), "{err}");
 
     let Some(_) = broker("password").await else {
         return;
@@ -320,7 +327,7 @@ async fn consuming_resumes_after_a_forced_close_and_stale_tags_are_not_acked() {
     // Settling the stale tag fails (the broker has it back); the new one is acked.
     let stale = t.settle(&first.tag, Settlement::Ack).await;
     assert!(
-        matches!(stale, Err(TransportError::Connection(_))),
+        matches!(stale, Err(TransportError::Connection { .. })),
         "{stale:?}"
     );
     t.settle(&again.tag, Settlement::Ack).await.unwrap();

@@ -46,12 +46,12 @@ async fn open_inner(
     config: &Amqp10Config,
     role: &str,
 ) -> Result<ConnectionHandle<()>, TransportError> {
-    let failed = |what: &str, e: &dyn std::fmt::Display| {
-        TransportError::Connection(format!("{what} {}: {e}", endpoint.redacted))
+    let failed = |what: &str, e: Box<dyn std::error::Error + Send + Sync>| {
+        TransportError::connection_failed(format!("{what} {}", endpoint.redacted), e)
     };
     let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
         .await
-        .map_err(|e| failed("connecting to", &e))?;
+        .map_err(|e| failed("connecting to", e.into()))?;
     // Settlements and confirms are small frames that must not wait for Nagle.
     let _ = tcp.set_nodelay(true);
 
@@ -80,19 +80,19 @@ async fn open_inner(
     let opened = if endpoint.tls {
         let tls = match config.tls_config() {
             Some(tls) => Arc::clone(tls),
-            None => default_tls().map_err(|e| failed("TLS setup for", &e))?,
+            None => default_tls().map_err(|e| failed("TLS setup for", e.into()))?,
         };
         let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
-            .map_err(|e| failed("TLS server name for", &e))?;
+            .map_err(|e| failed("TLS server name for", e.into()))?;
         let stream = tokio_rustls::TlsConnector::from(tls)
             .connect(name, tcp)
             .await
-            .map_err(|e| failed("TLS handshake with", &e))?;
+            .map_err(|e| failed("TLS handshake with", e.into()))?;
         builder.open_with_stream(stream).await
     } else {
         builder.open_with_stream(tcp).await
     };
-    opened.map_err(|e| failed("opening AMQP 1.0 on", &e))
+    opened.map_err(|e| failed("opening AMQP 1.0 on", e.into()))
 }
 
 /// The `webpki-roots` authorities with rustls' `ring` provider, chosen explicitly so that no
@@ -137,7 +137,10 @@ pub(crate) async fn probe_session(
 ) -> Result<SessionHandle<()>, TransportError> {
     match timeout(after, Session::begin(connection)).await {
         Ok(Ok(session)) => Ok(session),
-        Ok(Err(e)) => Err(TransportError::Connection(e.to_string())),
+        Ok(Err(e)) => Err(TransportError::connection_failed(
+            "beginning a session to verify an address",
+            e,
+        )),
         Err(_) => Err(TransportError::Timeout {
             operation: "beginning a session to verify an address",
             after,
@@ -239,12 +242,18 @@ pub(crate) fn classify_receiver(e: ReceiverAttachError) -> ProbeError {
     match &e {
         ReceiverAttachError::SessionStopped(reason) => match not_found(reason) {
             Some(why) => ProbeError::Missing(why),
-            None => ProbeError::Failed(TransportError::Connection(e.to_string())),
+            None => ProbeError::Failed(TransportError::connection_failed(
+                "attaching a receiver to verify an address",
+                e,
+            )),
         },
         ReceiverAttachError::IncomingSourceIsNone => {
             ProbeError::Missing("the broker refused the link".into())
         }
-        _ => ProbeError::Failed(TransportError::Connection(e.to_string())),
+        _ => ProbeError::Failed(TransportError::connection_failed(
+            "attaching a receiver to verify an address",
+            e,
+        )),
     }
 }
 
@@ -252,11 +261,17 @@ fn classify_sender(e: SenderAttachError) -> ProbeError {
     match &e {
         SenderAttachError::SessionStopped(reason) => match not_found(reason) {
             Some(why) => ProbeError::Missing(why),
-            None => ProbeError::Failed(TransportError::Connection(e.to_string())),
+            None => ProbeError::Failed(TransportError::connection_failed(
+                "attaching a sender to verify an address",
+                e,
+            )),
         },
         SenderAttachError::IncomingTargetIsNone => {
             ProbeError::Missing("the broker refused the link".into())
         }
-        _ => ProbeError::Failed(TransportError::Connection(e.to_string())),
+        _ => ProbeError::Failed(TransportError::connection_failed(
+            "attaching a sender to verify an address",
+            e,
+        )),
     }
 }

@@ -173,12 +173,12 @@ impl FetchTask {
         };
         match timeout(wait, receiver.recv::<Body<Value>>()).await {
             Ok(Ok(delivery)) => self.hand_out(delivery),
-            Ok(Err(e)) => Err(self.lost(&e)),
+            Ok(Err(e)) => Err(self.lost(e)),
             Err(_) => {
                 // A transfer that arrived just as the wait ended is still within the credit.
                 match receiver.recv::<Body<Value>>().now_or_never() {
                     Some(Ok(delivery)) => self.hand_out(delivery),
-                    Some(Err(e)) => Err(self.lost(&e)),
+                    Some(Err(e)) => Err(self.lost(e)),
                     None => {
                         self.take_back().await;
                         Ok(None)
@@ -200,9 +200,10 @@ impl FetchTask {
             };
             let failure = match timeout(after, receiver.set_credit(1)).await {
                 Ok(Ok(())) => return Ok(()),
-                Ok(Err(e)) => {
-                    TransportError::Connection(format!("granting credit on {}: {e}", self.queue))
-                }
+                Ok(Err(e)) => TransportError::connection_failed(
+                    format!("granting credit on {}", self.queue),
+                    e,
+                ),
                 Err(_) => TransportError::Timeout {
                     operation: "granting credit",
                     after,
@@ -319,10 +320,10 @@ impl FetchTask {
     }
 
     /// The link broke while fetching: whatever it held goes back to the queue with it.
-    fn lost(&mut self, e: &dyn std::fmt::Display) -> TransportError {
-        warn!(queue = %self.queue, error = %e, "fetch link lost");
+    fn lost(&mut self, e: impl std::error::Error + Send + Sync + 'static) -> TransportError {
+        warn!(queue = %self.queue, error = &e as &dyn std::error::Error, "fetch link lost");
         self.discard();
-        TransportError::Connection(format!("fetching from {}: {e}", self.queue))
+        TransportError::connection_failed(format!("fetching from {}", self.queue), e)
     }
 
     /// Takes the credit of an unanswered grant back: detach, and wait for the broker's

@@ -84,7 +84,9 @@ impl Publisher {
                 operation: "beginning a session",
                 after: self.config.operation_timeout(),
             })?
-            .map_err(|e| TransportError::Connection(e.to_string()))?;
+            .map_err(|e| {
+                TransportError::connection_failed("beginning the publishing session", e)
+            })?;
             let generation = self.generations.fetch_add(1, Ordering::Relaxed);
             // Every address is verified again on the new connection before a send to it.
             self.current.store(generation, Ordering::Release);
@@ -168,7 +170,7 @@ impl Publisher {
             .target(address)
             .attach(&mut current.session)
             .await
-            .map_err(|e| TransportError::Connection(format!("attaching to {address}: {e}")))?;
+            .map_err(|e| TransportError::connection_failed(format!("attaching to {address}"), e))?;
         let sender = Arc::new(Mutex::new(sender));
         current
             .senders
@@ -196,9 +198,9 @@ impl Publisher {
             let (sender, g) = self.sender(address).await.map_err(ProbeError::Failed)?;
             generation = Some(g);
             if g != verified_on && self.verified(address, how, false).await? != g {
-                return Err(ProbeError::Failed(TransportError::Connection(format!(
-                    "the publishing connection was replaced while verifying {address}"
-                ))));
+                return Err(ProbeError::Failed(TransportError::connection_lost(
+                    format!("the publishing connection was replaced while verifying {address}"),
+                )));
             }
             // The link is held only to hand the transfer over; the outcome is awaited
             // without it, so concurrent publishes to one address pipeline.
@@ -207,14 +209,16 @@ impl Publisher {
                 sender.send_batchable(message).await
             }
             .map_err(|e| {
-                ProbeError::Failed(TransportError::Connection(format!(
-                    "sending to {address}: {e}"
-                )))
+                ProbeError::Failed(TransportError::connection_failed(
+                    format!("sending to {address}"),
+                    e,
+                ))
             })?;
             pending.await.map_err(|e| {
-                ProbeError::Failed(TransportError::Connection(format!(
-                    "sending to {address}: {e}"
-                )))
+                ProbeError::Failed(TransportError::connection_failed(
+                    format!("sending to {address}"),
+                    e,
+                ))
             })
         };
         let result = timeout(after, attempt).await;

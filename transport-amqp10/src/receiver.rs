@@ -107,9 +107,9 @@ pub(crate) async fn attach_receiver(
     profile: &BrokerProfile,
 ) -> Result<(SessionHandle<()>, Receiver), TransportError> {
     let address = profile.queue_address(queue);
-    let mut session = Session::begin(connection)
-        .await
-        .map_err(|e| TransportError::Connection(e.to_string()))?;
+    let mut session = Session::begin(connection).await.map_err(|e| {
+        TransportError::connection_failed(format!("beginning a session to consume {queue}"), e)
+    })?;
     let receiver = Receiver::builder()
         .name(link_name(role))
         .source(address.as_str())
@@ -164,7 +164,10 @@ pub(crate) async fn start(
     };
     let credit = u32::from(prefetch);
     if let Err(e) = receiver.set_credit(credit).await {
-        return Err(TransportError::Connection(e.to_string()));
+        return Err(TransportError::connection_failed(
+            format!("granting credit to consume {queue}"),
+            e,
+        ));
     }
     let (commands, command_rx) = mpsc::channel(usize::from(prefetch).max(16));
     // Credit bounds what is undelivered in the channel to `prefetch`, plus one final marker.
@@ -262,9 +265,8 @@ impl LinkTask {
                     }
                     Err(e) => {
                         warn!(queue = %self.queue, error = %e, "consuming link lost");
-                        let _ = out.try_send(Incoming::Lost(TransportError::Connection(format!(
-                            "consuming {}: {e}", self.queue
-                        ))));
+                        let lost = TransportError::connection_failed(format!("consuming {}", self.queue), e);
+                        let _ = out.try_send(Incoming::Lost(lost));
                         break;
                     }
                 },
@@ -307,7 +309,7 @@ impl LinkTask {
                     operation: "granting credit",
                     after: self.settle_timeout,
                 })?
-                .map_err(|e| TransportError::Connection(format!("granting credit: {e}")))?;
+                .map_err(|e| TransportError::connection_failed("granting credit", e))?;
             self.credit = target;
         }
         Ok(())
@@ -362,7 +364,7 @@ pub(crate) async fn dispose(
         }
         Settlement::Requeue => receiver.release(info).await,
     };
-    disposed.map_err(|e| TransportError::Connection(format!("settling: {e}")))
+    disposed.map_err(|e| TransportError::connection_failed("settling a delivery", e))
 }
 
 pub(crate) fn already_settled(info: &DeliveryInfo) -> TransportError {
@@ -371,7 +373,7 @@ pub(crate) fn already_settled(info: &DeliveryInfo) -> TransportError {
 
 /// A tag of an earlier attachment: its link is gone, and with it the delivery.
 pub(crate) fn stale(info: &DeliveryInfo) -> TransportError {
-    TransportError::Connection(format!(
+    TransportError::connection_lost(format!(
         "the link that received delivery {} is gone; the broker has put it back",
         info.delivery_id()
     ))
@@ -385,7 +387,7 @@ pub(crate) async fn settle(
 ) -> Result<(), TransportError> {
     let (done, answer) = oneshot::channel();
     let gone = || {
-        TransportError::Connection(format!(
+        TransportError::connection_lost(format!(
             "the link that received delivery {} is gone; the broker has put it back",
             tag.delivery_id()
         ))

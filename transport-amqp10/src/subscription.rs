@@ -172,7 +172,7 @@ impl Subscription for Amqp10Subscription {
             None if self.stopped() => Ok(None),
             None => {
                 *incoming = None;
-                Err(TransportError::Connection(format!(
+                Err(TransportError::connection_lost(format!(
                     "the link consuming {} stopped",
                     self.queue
                 )))
@@ -200,7 +200,7 @@ impl Subscription for Amqp10Subscription {
     async fn flush(&self) -> Result<(), TransportError> {
         let after = self.shared.config.operation_timeout();
         let gone = || {
-            TransportError::Connection(format!(
+            TransportError::connection_lost(format!(
                 "the link consuming {} is gone; the broker puts back what it did not see settled",
                 self.queue
             ))

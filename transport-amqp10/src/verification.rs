@@ -266,9 +266,7 @@ mod tests {
         slot.record(
             0,
             t0,
-            &Err(ProbeError::Failed(TransportError::Connection(
-                "gone".into(),
-            ))),
+            &Err(ProbeError::Failed(TransportError::connection_lost("gone"))),
         );
         assert_eq!(slot.answer_since(seen, 0), Answer::Unknown, "probe again");
     }

@@ -22,7 +22,7 @@ async fn connect_error(url: String) -> String {
     let err = Amqp10Transport::connect(config)
         .await
         .expect_err("the connection fails");
-    tracing::error!(error = %err, debug = ?err, "connect failed");
+    tracing::error!(error = &err as &dyn std::error::Error, debug = ?err, "connect failed");
     err.to_string()
 }
 

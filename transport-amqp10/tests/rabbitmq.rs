@@ -641,13 +641,13 @@ async fn a_lost_consuming_link_is_reported_and_attached_again() {
         .await
         .expect("reported in time");
     assert!(
-        matches!(lost, Err(TransportError::Connection(_))),
+        matches!(lost, Err(TransportError::Connection { .. })),
         "{:?}",
         lost.map(|d| d.is_some())
     );
     let flushed = sub.flush().await;
     assert!(
-        matches!(flushed, Err(TransportError::Connection(_))),
+        matches!(flushed, Err(TransportError::Connection { .. })),
         "a flush reports the lost link: {flushed:?}"
     );
 
@@ -855,7 +855,7 @@ async fn a_fetched_delivery_left_unsettled_at_close_comes_back_redelivered() {
     crashed.close().await;
     let late = crashed.settle(&d.tag, Settlement::Ack).await;
     assert!(
-        matches!(late, Err(TransportError::Connection(_))),
+        matches!(late, Err(TransportError::Connection { .. })),
         "the link is gone: {late:?}"
     );
     assert!(matches!(

@@ -885,7 +885,7 @@ fn a_recovering_transport_reports_the_close_then_reconnects() {
     broker.close_connection(first, "network blip");
 
     let err = conn.recv().now_or_never().unwrap().unwrap_err();
-    assert!(matches!(err, TransportError::Connection(_)));
+    assert!(matches!(err, TransportError::Connection { .. }));
     let d = conn
         .recv()
         .now_or_never()

@@ -574,7 +574,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 intake.receiving = false;
                 intake.watch = None;
             }
-            Err(e @ (TransportError::Connection(_) | TransportError::Timeout { .. })) => {
+            Err(e @ (TransportError::Connection { .. } | TransportError::Timeout { .. })) => {
                 self.report.receive_errors += 1;
                 warn!(
                     queue = %self.config.queue,
@@ -598,7 +598,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
     /// and tries again after the poll interval; anything else stops the consumer.
     fn isolation_error(&mut self, intake: &mut Intake<'a, T>, e: TransportError) {
         match e {
-            TransportError::Connection(_) | TransportError::Timeout { .. } => {
+            TransportError::Connection { .. } | TransportError::Timeout { .. } => {
                 self.report.receive_errors += 1;
                 warn!(
                     queue = %self.isolation,

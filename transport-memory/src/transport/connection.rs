@@ -164,7 +164,7 @@ impl MemoryTransport {
                         outcome: PublishOutcome::Failed(why),
                     });
                 }
-                return PublishResult::Failed(TransportError::Connection(reason));
+                return PublishResult::Failed(TransportError::connection_lost(reason));
             }
             match s.publish(Publisher::Connection(id as u64), p) {
                 Ok(Confirm::Ack) => PublishResult::Confirmed,
@@ -191,7 +191,7 @@ impl MemoryTransport {
         self.broker.shared.with(|s| {
             if let Some(reason) = s.connections().closed(link.id) {
                 if !link.recover {
-                    return Err(TransportError::Connection(reason.to_string()));
+                    return Err(TransportError::connection_lost(reason.to_string()));
                 }
                 link.recover(s)?;
             }

@@ -26,7 +26,7 @@ impl From<BrokerError> for TransportError {
                 existing,
                 wanted,
             },
-            BrokerError::ConnectionClosed(reason) => TransportError::Connection(reason),
+            BrokerError::ConnectionClosed(reason) => TransportError::connection_lost(reason),
             other => TransportError::Other(Box::new(other)),
         }
     }

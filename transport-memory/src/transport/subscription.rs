@@ -54,7 +54,7 @@ impl MemorySubscription {
         let sub = &link.subscriptions[self.index];
         let mut state = self.broker.shared.lock();
         if let Some(reason) = state.connections().closed(sub.connection) {
-            return Err(TransportError::Connection(reason.to_string()));
+            return Err(TransportError::connection_lost(reason.to_string()));
         }
         match state.recv(sub.connection, sub.consumer, None, receive) {
             Recv::Delivery(d) => Ok(Some(d)),
@@ -77,10 +77,10 @@ impl MemorySubscription {
                 let reason = reason.to_string();
                 if !sub.close_reported {
                     sub.close_reported = true;
-                    return Poll::Ready(Err(TransportError::Connection(reason)));
+                    return Poll::Ready(Err(TransportError::connection_lost(reason)));
                 }
                 if !link.recover {
-                    return Poll::Ready(Err(TransportError::Connection(reason)));
+                    return Poll::Ready(Err(TransportError::connection_lost(reason)));
                 }
                 if s.connections().closed(link.id).is_some()
                     && let Err(e) = link.recover(s)
@@ -114,7 +114,7 @@ impl Subscription for MemorySubscription {
         let (conn, ci) = (sub.connection, sub.consumer);
         self.broker.shared.with(|s| {
             if let Some(reason) = s.connections().closed(conn) {
-                return Err(TransportError::Connection(reason.to_string()));
+                return Err(TransportError::connection_lost(reason.to_string()));
             }
             s.cancel(conn, ci);
             Ok(())
