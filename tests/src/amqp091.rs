@@ -11,7 +11,8 @@ use crate::harness::{
     Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
     assert_declares,
 };
-use crate::rabbitmq::{Admin, BrokerEnv, unique_name};
+use crate::rabbitmq::{Admin, BrokerEnv, run_scenario, unique_name};
+use crate::suite::{Scenario, Verdict};
 
 /// How far below a delay an observed wait may fall on RabbitMQ: its TTL timers fire on
 /// millisecond boundaries.
@@ -46,6 +47,20 @@ impl Amqp091Harness {
     /// The admin connection.
     pub fn admin(&self) -> &Admin {
         &self.admin
+    }
+
+    /// Runs `scenario` on a harness of its own on the local RabbitMQ, whose connections
+    /// must declare `expected` (see [`connect`](Self::connect)), and deletes what it
+    /// declared: the runner [`conformance_tests!`](crate::conformance_tests) takes for this
+    /// transport. `None` without a broker, unless `REQUIRE_BROKER` is set; see
+    /// [`run_scenario`].
+    pub fn run(scenario: Scenario<Self>, expected: Capabilities) -> Option<Verdict> {
+        run_scenario(
+            "the conformance suite on transport-amqp091",
+            false,
+            scenario,
+            move |env| Self::connect(env, expected),
+        )
     }
 }
 

@@ -12,7 +12,8 @@ use crate::harness::{
     Harness, HarnessCapabilities, Need, ParkedMessage, Stopwatch, TestMessage, Timing,
     TopologyFaults, assert_declares,
 };
-use crate::rabbitmq::{Admin, BrokerEnv, unique_name};
+use crate::rabbitmq::{Admin, BrokerEnv, run_scenario, unique_name};
+use crate::suite::{Scenario, Verdict};
 
 /// RabbitMQ 3.x over AMQP 1.0 as a harness. The plugin cannot declare queues with
 /// arguments, so topology is declared over AMQP 0-9-1 by an [`Admin`] connection, as a
@@ -50,6 +51,20 @@ impl Amqp10Harness {
         Amqp10Config::new(&self.env.amqp10_url)
             .with_publish_timeout(Duration::from_secs(2))
             .with_operation_timeout(Duration::from_secs(10))
+    }
+
+    /// Runs `scenario` on a harness of its own on the local RabbitMQ, whose connections
+    /// must declare `expected` (see [`connect`](Self::connect)), and deletes what it
+    /// declared: the runner [`conformance_tests!`](crate::conformance_tests) takes for this
+    /// transport. `None` without a broker, unless `REQUIRE_BROKER` is set; see
+    /// [`run_scenario`].
+    pub fn run(scenario: Scenario<Self>, expected: Capabilities) -> Option<Verdict> {
+        run_scenario(
+            "the conformance suite on transport-amqp10",
+            true,
+            scenario,
+            move |env| Self::connect(env, expected),
+        )
     }
 }
 

@@ -47,7 +47,7 @@ use crate::drive::{Ended, drive, wait_until};
 use crate::harness::{Harness, TestMessage, TopologyFaults};
 use crate::journal::{Journal, Step};
 use crate::recording::{DeliveryLog, Observed, Recorded};
-use crate::scenarios::{Setup, assert_nothing_left, delay_queue, ms, setup_with_faults};
+use crate::support::{Setup, assert_nothing_left, delay_queue, ms, setup_with_faults};
 
 /// The first delay level, and the crash delay.
 pub const FIRST: Duration = Duration::from_millis(600);

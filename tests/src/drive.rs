@@ -145,12 +145,3 @@ pub fn assert_waited(timing: Timing, what: &str, waited: Duration, delay: Durati
         ),
     }
 }
-
-/// A duration for the report, rounded to a tenth of a millisecond: `204.7ms`, `10.003s`.
-pub fn human(d: Duration) -> String {
-    if d < Duration::from_secs(1) {
-        format!("{:.1}ms", d.as_secs_f64() * 1e3)
-    } else {
-        format!("{:.3}s", d.as_secs_f64())
-    }
-}

@@ -171,16 +171,22 @@ impl fmt::Debug for Stopwatch {
 /// One transport under test, as the scenarios see it: fresh connections, topology under
 /// unique names, test messages in, parked messages out, faults, and a clock.
 ///
-/// Each scenario gets a harness of its own and calls [`cleanup`](Self::cleanup) through the
-/// suite runner when it ends, passed or failed, so scenarios can run side by side on one
-/// broker. Methods panic with a message naming what failed: they are test code, and a panic
-/// fails the scenario that called them.
+/// Each scenario gets a harness of its own, built by the runner its test was given (see
+/// [`conformance_tests!`](crate::conformance_tests)), which calls
+/// [`cleanup`](Self::cleanup) when the scenario ends, passed or failed (see
+/// [`run_and_clean_up`](crate::suite::run_and_clean_up)), so scenarios can run side by
+/// side, one test thread each, on one broker. Methods panic with a message naming what
+/// failed: they are test code, and a panic fails the scenario that called them.
+///
+/// To run the suite on a new transport, implement this trait for a harness of it and
+/// give it to [`conformance_tests!`](crate::conformance_tests); the crate docs walk
+/// through it, and `tests/tests/fourth_transport.rs` is a complete example.
 #[async_trait]
 pub trait Harness: Send + Sync + 'static {
     /// The transport under test.
     type Transport: Transport;
 
-    /// The name the report uses, such as `transport-amqp091`.
+    /// The transport's name in messages, such as `transport-amqp091`.
     fn name(&self) -> &'static str;
 
     /// What the harness and its transport can do.

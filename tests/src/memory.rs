@@ -1,12 +1,8 @@
-//! The harness for transport-memory, and the executor that runs a scenario on its virtual
-//! clock.
+//! The harness for transport-memory: a scenario runs on the broker's virtual clock
+//! ([`Broker::block_on`]).
 
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -17,7 +13,7 @@ use crate::harness::{
     Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
     assert_declares,
 };
-use crate::suite::{Scenario, SuiteReport, panic_message, run_sequentially};
+use crate::suite::{Scenario, Verdict};
 
 /// The in-memory broker as a harness: a fresh broker per harness, so scenarios share
 /// nothing, and time that moves only when everything is waiting.
@@ -52,65 +48,20 @@ impl MemoryHarness {
         &self.broker
     }
 
-    /// Runs `future` to completion on this harness's virtual clock; see [`block_on`].
+    /// Runs `future` to completion on this harness's virtual clock; see
+    /// [`Broker::block_on`].
     pub fn block_on<F: Future>(&self, future: F) -> F::Output {
-        block_on(&self.broker, future)
+        self.broker.block_on(future)
     }
 
-    /// Runs `scenarios` one after another, each on a harness of its own that expects
-    /// `expected` (see [`new`](Self::new)).
-    pub fn run_suite(scenarios: &[Scenario<MemoryHarness>], expected: Capabilities) -> SuiteReport {
-        run_sequentially("transport-memory", scenarios, |s| {
-            std::panic::catch_unwind(AssertUnwindSafe(|| {
-                let h = MemoryHarness::new(expected);
-                h.block_on((s.run)(&h))
-            }))
-            .map_err(|payload| panic_message(payload.as_ref()))
-        })
+    /// Runs `scenario` on a harness of its own that expects `expected` (see
+    /// [`new`](Self::new)), on its virtual clock: the runner
+    /// [`conformance_tests!`](crate::conformance_tests) takes for transport-memory. There
+    /// is nothing to clean up: the broker goes with the harness.
+    pub fn run(scenario: Scenario<MemoryHarness>, expected: Capabilities) -> Verdict {
+        let h = MemoryHarness::new(expected);
+        h.block_on(scenario.run(&h))
     }
-}
-
-/// How many times the clock may move for one future: far more than any scenario needs,
-/// so only a runaway loop reaches it.
-const MAX_STEPS: u64 = 20_000_000;
-/// How many polls in a row without the clock moving: a future that keeps waking itself
-/// without waiting on anything is a bug.
-const MAX_SPINS: u64 = 1_000_000;
-
-struct Flag(AtomicBool);
-
-impl Wake for Flag {
-    fn wake(self: Arc<Self>) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
-/// Runs `future` to completion on `broker`'s virtual clock: polls it until it stops
-/// waking itself, then moves the clock to the next deadline (a sleep ending, a message
-/// expiring) and polls again. Panics if the future waits while nothing is due (it could
-/// never finish) or if it never settles.
-pub fn block_on<F: Future>(broker: &Broker, future: F) -> F::Output {
-    let flag = Arc::new(Flag(AtomicBool::new(true)));
-    let waker = Waker::from(Arc::clone(&flag));
-    let mut cx = Context::from_waker(&waker);
-    let mut future = pin!(future);
-    for _ in 0..MAX_STEPS {
-        let mut spins = 0;
-        while flag.0.swap(false, Ordering::AcqRel) {
-            if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-                return out;
-            }
-            spins += 1;
-            assert!(spins < MAX_SPINS, "the future keeps waking itself");
-        }
-        if broker.step().is_none() {
-            panic!(
-                "stalled at {:?}: the future waits, and nothing is due on the virtual clock",
-                broker.now()
-            );
-        }
-    }
-    panic!("the virtual clock moved {MAX_STEPS} times and the future is not done");
 }
 
 #[async_trait]

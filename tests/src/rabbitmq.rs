@@ -2,6 +2,7 @@
 //! side connection that declares topology, publishes test messages, inspects queues and
 //! deletes what a scenario made.
 
+use std::future::Future;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -10,15 +11,16 @@ use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
 use retry_core::{TopologyPlan, Transport};
+use tokio::sync::OnceCell;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table, table_from_headers};
 
-use crate::harness::{ParkedMessage, TestMessage, TopologyFaults};
-use crate::suite::print_uncaptured;
-use transport_amqp091::testing::no_broker;
+use crate::harness::{Harness, ParkedMessage, TestMessage, TopologyFaults};
+use crate::suite::{Scenario, Verdict, print_uncaptured, run_and_clean_up};
+use transport_amqp091::testing::{no_broker, refusing};
 
 /// Where the broker is: `AMQP_URL` and `AMQP10_URL`, loopback by default.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,6 +73,43 @@ impl BrokerEnv {
         no_broker(what, &why);
         None
     }
+
+    /// [`detect`](Self::detect), once per test binary for each protocol: the first test of
+    /// a binary probes the broker (and says loudly that it is missing, or panics under
+    /// `REQUIRE_BROKER`), the others reuse its answer.
+    pub async fn detect_once(what: &str, amqp10: bool) -> Option<Self> {
+        static AMQP091: OnceCell<Option<BrokerEnv>> = OnceCell::const_new();
+        static AMQP10: OnceCell<Option<BrokerEnv>> = OnceCell::const_new();
+        let cell = if amqp10 { &AMQP10 } else { &AMQP091 };
+        cell.get_or_init(|| Self::detect(what, amqp10))
+            .await
+            .clone()
+    }
+}
+
+/// How long one scenario may take on the local RabbitMQ.
+pub const SCENARIO_LIMIT: Duration = Duration::from_secs(150);
+
+/// Runs `scenario` on the local RabbitMQ on a [`runtime`] of its own: finds the broker
+/// ([`BrokerEnv::detect_once`], over AMQP 1.0 too when `amqp10`; `what` names the tests in
+/// the notice), connects a harness with `connect`, runs the scenario within
+/// [`SCENARIO_LIMIT`] and deletes what it declared, passed or failed
+/// ([`run_and_clean_up`]). `None` when there is no broker and `REQUIRE_BROKER` is not set.
+pub fn run_scenario<H, Fut>(
+    what: &str,
+    amqp10: bool,
+    scenario: Scenario<H>,
+    connect: impl FnOnce(BrokerEnv) -> Fut,
+) -> Option<Verdict>
+where
+    H: Harness,
+    Fut: Future<Output = H>,
+{
+    runtime().block_on(async {
+        let env = BrokerEnv::detect_once(what, amqp10).await?;
+        let h = connect(env).await;
+        Some(run_and_clean_up(&h, scenario, SCENARIO_LIMIT).await)
+    })
 }
 
 /// A name no other test, scenario or run uses: `cf-<scenario>-<pid>-<time>-<n>`, short
@@ -155,12 +194,7 @@ impl Admin {
                 .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
                 .await
                 .expect("delete the queue to refuse publishes");
-            let mut args = table_from_headers(&queue.arguments.to_headers());
-            args.insert(ShortString::from("x-max-length"), AMQPValue::LongLongInt(0));
-            args.insert(
-                ShortString::from("x-overflow"),
-                AMQPValue::LongString("reject-publish".into()),
-            );
+            let args = refusing(table_from_headers(&queue.arguments.to_headers()));
             self.channel
                 .queue_declare(
                     queue.name.as_str().into(),

@@ -6,6 +6,15 @@
 //! happened), what reached the parking queue, and that nothing was left behind in any queue
 //! of the plan. Delays are checked exactly on a virtual clock and as lower bounds on a real
 //! broker ([`Timing`]).
+//!
+//! Every public function of this module is a scenario, and every scenario is named once, in
+//! [`for_each_scenario!`](crate::for_each_scenario) below. The crate does not compile while
+//! a public function here is missing from that list (the source of this file is read at
+//! compile time and compared with it), and a listed name that is not a scenario does not
+//! resolve. [`conformance_tests!`](crate::conformance_tests) and
+//! [`suite::all`](crate::suite::all) take the scenarios from the list, so a scenario added
+//! here runs on every transport with nothing else to edit. Building blocks for scenarios
+//! live in [`support`](crate::support), not here.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,187 +22,87 @@ use std::time::Duration;
 
 use retry_core::headers::{ATTEMPTS, CRASHES, DELAY};
 use retry_core::{
-    ConsumerBuilder, CrashAction, DeadLetterReason, HeaderValue, Headers, QueueType, RetryPolicy,
-    Terminal, TopologyBuilder, TopologyPlan, Transport,
+    CrashAction, DeadLetterReason, HeaderValue, Headers, RetryPolicy, Terminal, TopologyPlan,
+    Transport,
 };
 
-use crate::drive::{Ended, assert_waited, drive, human, wait_until};
+use crate::drive::{Ended, assert_waited, drive, wait_until};
 use crate::harness::{Harness, Need, ParkedMessage, TestMessage, Timing, TopologyFaults};
 use crate::journal::{Journal, ScriptedHandler, Step, permanent_cause, transient_cause};
 use crate::storm::{StormConfig, storm};
+use crate::suite::Verdict;
+use crate::support::{
+    Setup, WITHIN, assert_nothing_left, delay_queue, ms, setup, setup_with_faults, unmet,
+};
 
-/// How a scenario ended, when it did not fail.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Every check held; the notes say what was observed (waits, counts).
-    Passed {
-        /// What was observed, for the report.
-        notes: Vec<String>,
-    },
-    /// The harness lacks something the scenario needs.
-    Skipped {
-        /// Why, for the report.
-        reason: String,
-    },
+/// Calls the macro `callback` with every scenario of [`scenarios`](crate::scenarios): the
+/// one list of them.
+///
+/// `for_each_scenario!(path::to::callback => ARGS)` expands to
+/// `path::to::callback! { (ARGS) [success, transient_then_success, ...] }`: the arguments
+/// in parentheses, then the scenario names in brackets. Each name is a function of
+/// [`scenarios`](crate::scenarios) with the signature
+/// `pub async fn NAME<H: Harness>(h: &H) -> Verdict`.
+///
+/// [`conformance_tests!`](crate::conformance_tests) and [`suite::all`](crate::suite::all)
+/// are built on it; a harness author rarely needs it directly. A new scenario goes into
+/// `tests/src/scenarios.rs` as a public function and into this list: the crate does not
+/// compile with one and not the other.
+///
+/// ```
+/// macro_rules! count {
+///     (() [$($name:ident),* $(,)?]) => { [$(stringify!($name)),*].len() };
+/// }
+/// let n = conformance::for_each_scenario!(count => );
+/// assert_eq!(n, conformance::suite::NAMES.len());
+/// ```
+#[macro_export]
+macro_rules! for_each_scenario {
+    ($($callback:tt)::+ => $($args:tt)*) => {
+        $($callback)::+! { ($($args)*) [
+            success,
+            transient_then_success,
+            attempts_exhausted_parked,
+            permanent_parked,
+            retry_after,
+            immediate_then_delayed,
+            redelivered_isolated,
+            crash_limit_parked,
+            crash_limit_run_handler,
+            poison_with_bystanders,
+            refused_publish_not_lost,
+            no_head_of_line_blocking,
+            transport_declares_topology,
+            seeded_storm,
+        ] }
+    };
 }
 
-impl Verdict {
-    /// A pass with notes.
-    pub fn passed(notes: impl IntoIterator<Item = String>) -> Self {
-        Verdict::Passed {
-            notes: notes.into_iter().collect(),
-        }
-    }
-}
-
-/// The skip verdict for the first of `needs` the harness lacks, if any.
-pub fn unmet<H: Harness>(h: &H, needs: &[Need]) -> Option<Verdict> {
-    needs.iter().find_map(|need| {
-        h.unsupported(*need).map(|why| Verdict::Skipped {
-            reason: format!("needs {need}: {why}"),
-        })
-    })
-}
-
-/// Milliseconds.
-pub fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-/// How long a scenario waits for what should happen within a second or two. Generous,
-/// because on a real broker the whole suite runs at once on a small machine; it bounds a
-/// broken scenario, it does not measure one.
-const WITHIN: Duration = Duration::from_secs(30);
-
-/// A scenario's topology: its unique work queue, policy and plan.
-#[derive(Clone, Debug)]
-pub struct Setup {
-    /// The work queue.
-    pub queue: String,
-    /// The policy.
-    pub policy: RetryPolicy,
-    /// The plan the harness declared.
-    pub plan: TopologyPlan,
-    /// Whether the plan uses quorum queues.
-    pub quorum: bool,
-}
-
-/// Names a work queue for `scenario`, makes the plan for `policy` and has the harness
-/// declare it.
-pub async fn setup<H: Harness>(h: &H, scenario: &str, policy: RetryPolicy, quorum: bool) -> Setup {
-    setup_with_faults(h, scenario, policy, quorum, |_| TopologyFaults::default()).await
-}
-
-/// [`setup`], with the faults `faults` picks for the plan applied when it is declared.
-pub async fn setup_with_faults<H: Harness>(
-    h: &H,
-    scenario: &str,
-    policy: RetryPolicy,
-    quorum: bool,
-    faults: impl FnOnce(&TopologyPlan) -> TopologyFaults,
-) -> Setup {
-    let queue = h.unique_queue(scenario);
-    let plan = customize(quorum)(TopologyPlan::builder(&queue, &policy))
-        .build()
-        .expect("the scenario's plan is valid");
-    h.provision(&plan, &faults(&plan)).await;
-    Setup {
-        queue,
-        policy,
-        plan,
-        quorum,
-    }
-}
-
-fn customize(quorum: bool) -> impl for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> {
-    move |b| {
-        if quorum {
-            b.with_queue_type(QueueType::Quorum)
-        } else {
-            b
-        }
-    }
-}
-
-impl Setup {
-    /// A consumer builder for this topology on `transport`, recording terminals in
-    /// `journal`. The handler timeout is long, so a hanging handler is still running when
-    /// its consumer is killed.
-    pub fn consumer<T: Transport>(
-        &self,
-        transport: T,
-        journal: &Journal,
-        handler: ScriptedHandler,
-        prefetch: u16,
-    ) -> ConsumerBuilder<T, ScriptedHandler> {
-        retry_core::Consumer::builder(transport, self.policy.clone(), handler)
-            .queue(self.queue.clone())
-            .prefetch(prefetch)
-            .handler_timeout(Duration::from_secs(60))
-            .shutdown_grace(Duration::from_secs(5))
-            // Crash-delayed suspects come back within a second; on a real broker, notice
-            // them soon.
-            .suspect_poll(ms(100))
-            .topology(customize(self.quorum))
-            .on_terminal(journal.observer())
-    }
-
-    /// The delay queue a clone with `delay` goes to.
-    pub fn delay_queue(&self, delay: Duration) -> String {
-        delay_queue(&self.plan, delay)
-    }
-}
-
-/// The delay queue of `plan` a clone with `delay` goes to: each delay queue is bound with
-/// its own name as the routing key.
-pub fn delay_queue(plan: &TopologyPlan, delay: Duration) -> String {
-    let (route, _) = plan.route_for(delay).expect("the plan has delay levels");
-    route.routing_key.to_string()
-}
-
-/// An integer header, if present and an integer.
-pub fn int_header(headers: &Headers, name: &str) -> Option<i64> {
-    match headers.get(name)? {
-        HeaderValue::Int(n) => Some(*n),
-        HeaderValue::UInt(n) => i64::try_from(*n).ok(),
-        _ => None,
-    }
-}
-
-fn text(value: &HeaderValue) -> Option<String> {
-    match value {
-        HeaderValue::Str(s) => Some(s.clone()),
-        HeaderValue::Bytes(b) => String::from_utf8(b.clone()).ok(),
-        _ => None,
-    }
-}
+// Every public function of this file is in the list above: checked while compiling, so a
+// scenario cannot be left out of the tests.
+const _: () = crate::suite::assert_all_listed(include_str!("scenarios.rs"), crate::suite::NAMES);
 
 /// The `(queue, reason)` of each `x-death` entry.
-pub fn deaths(headers: &Headers) -> Vec<(String, String)> {
-    let Some(HeaderValue::Array(entries)) = headers.get("x-death") else {
-        return Vec::new();
-    };
-    entries
+fn deaths(headers: &Headers) -> Vec<(&str, &str)> {
+    headers
+        .get("x-death")
+        .and_then(HeaderValue::as_array)
+        .unwrap_or_default()
         .iter()
-        .filter_map(|e| match e {
-            HeaderValue::Table(t) => Some((
-                t.get("queue").and_then(text).unwrap_or_default(),
-                t.get("reason").and_then(text).unwrap_or_default(),
-            )),
-            _ => None,
+        .filter_map(HeaderValue::as_table)
+        .map(|t| {
+            let field = |name| {
+                t.get(name)
+                    .and_then(HeaderValue::as_str)
+                    .unwrap_or_default()
+            };
+            (field("queue"), field("reason"))
         })
         .collect()
 }
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).expect("test delays fit")
-}
-
-/// Asserts every queue of the plan is empty: nothing left behind, nothing stuck.
-pub async fn assert_nothing_left<H: Harness>(h: &H, plan: &TopologyPlan) {
-    for q in plan.queues() {
-        assert_eq!(h.ready(&q.name).await, 0, "messages left in {}", q.name);
-    }
 }
 
 /// Publishes `messages` to the work queue.
@@ -224,16 +133,10 @@ async fn run_until<H: Harness>(
 /// The wait of a retry as observed: exact on a virtual clock, a lower bound on the wall.
 fn describe_wait(timing: Timing, waited: Duration, delay: Duration) -> String {
     match timing {
-        Timing::Virtual => format!(
-            "{} delay took exactly {} of virtual time",
-            human(delay),
-            human(waited)
-        ),
+        Timing::Virtual => format!("{delay:.1?} delay took exactly {waited:.1?} of virtual time"),
         Timing::Wall { slack } => format!(
-            "{} delay came back after {} (bound {})",
-            human(delay),
-            human(waited),
-            human(delay.saturating_sub(slack))
+            "{delay:.1?} delay came back after {waited:.1?} (bound {:.1?})",
+            delay.saturating_sub(slack)
         ),
     }
 }
@@ -267,7 +170,7 @@ pub async fn success<H: Harness>(h: &H) -> Verdict {
         );
         let runs = journal.runs_of(&m.id);
         assert_eq!(runs.len(), 1, "{}: {runs:?}", m.id);
-        assert_eq!(int_header(&runs[0].headers, ATTEMPTS), None);
+        assert_eq!(runs[0].headers.get(ATTEMPTS), None);
     }
     assert_eq!((report.received, report.handled), (3, 3), "{report:?}");
     assert!(h.take_parked(&s.plan).await.is_empty());
@@ -330,12 +233,18 @@ pub async fn transient_then_success<H: Harness>(h: &H) -> Verdict {
         let delay = delays[i - 1];
         let run = &runs[i];
         assert_eq!(run.info.attempt, i as u32 + 1);
-        assert_eq!(int_header(&run.headers, ATTEMPTS), Some(i as i64));
-        assert_eq!(int_header(&run.headers, DELAY), Some(millis(delay)));
+        assert_eq!(
+            run.headers.get(ATTEMPTS).and_then(HeaderValue::as_i64),
+            Some(i as i64)
+        );
+        assert_eq!(
+            run.headers.get(DELAY).and_then(HeaderValue::as_i64),
+            Some(millis(delay))
+        );
         if death_records {
             let queue = s.delay_queue(delay);
             assert!(
-                deaths(&run.headers).contains(&(queue.clone(), "expired".to_owned())),
+                deaths(&run.headers).contains(&(queue.as_str(), "expired")),
                 "run {} did not come through {queue}: x-death {:?}",
                 i + 1,
                 deaths(&run.headers)
@@ -422,9 +331,8 @@ pub async fn attempts_exhausted_parked<H: Harness>(h: &H) -> Verdict {
     assert_eq!((report.retried, report.dead_lettered), (2, 1), "{report:?}");
     assert_nothing_left(h, &s.plan).await;
     Verdict::passed([format!(
-        "parked after 3 attempts: reason attempts-exhausted, last error kept, origin {}, failures {} apart",
+        "parked after 3 attempts: reason attempts-exhausted, last error kept, origin {}, failures {span:.1?} apart",
         s.queue,
-        human(span)
     )])
 }
 
@@ -537,7 +445,10 @@ pub async fn retry_after<H: Harness>(h: &H) -> Verdict {
             "{id} asked for {asked:?}"
         );
         let runs = journal.runs_of(id);
-        assert_eq!(int_header(&runs[1].headers, DELAY), Some(millis(delay)));
+        assert_eq!(
+            runs[1].headers.get(DELAY).and_then(HeaderValue::as_i64),
+            Some(millis(delay))
+        );
         let waited = runs[1].at - runs[0].at;
         assert_waited(timing, id, waited, delay);
         notes.push(format!(
@@ -597,10 +508,16 @@ pub async fn immediate_then_delayed<H: Harness>(h: &H) -> Verdict {
     assert_eq!(attempts, [1, 2, 3, 4]);
     for r in &runs[..3] {
         // The first three runs are one delivery: no delayed copy was involved yet.
-        assert_eq!(int_header(&r.headers, DELAY), None, "{r:?}");
+        assert_eq!(r.headers.get(DELAY), None, "{r:?}");
     }
-    assert_eq!(int_header(&runs[3].headers, DELAY), Some(millis(delay)));
-    assert_eq!(int_header(&runs[3].headers, ATTEMPTS), Some(3));
+    assert_eq!(
+        runs[3].headers.get(DELAY).and_then(HeaderValue::as_i64),
+        Some(millis(delay))
+    );
+    assert_eq!(
+        runs[3].headers.get(ATTEMPTS).and_then(HeaderValue::as_i64),
+        Some(3)
+    );
     let timing = h.capabilities().timing;
     let mut notes = Vec::new();
     for (i, expected) in [(1, wait), (2, wait), (3, delay)] {
@@ -706,12 +623,15 @@ pub async fn redelivered_isolated<H: Harness>(h: &H) -> Verdict {
     assert_eq!(runs.len(), 2, "{runs:?}");
     let alone = &runs[1];
     assert_eq!(
-        int_header(&alone.headers, CRASHES),
+        alone.headers.get(CRASHES).and_then(HeaderValue::as_i64),
         Some(0),
         "no crash counted"
     );
-    assert_eq!(int_header(&alone.headers, ATTEMPTS), Some(0));
-    assert_eq!(int_header(&alone.headers, DELAY), None);
+    assert_eq!(
+        alone.headers.get(ATTEMPTS).and_then(HeaderValue::as_i64),
+        Some(0)
+    );
+    assert_eq!(alone.headers.get(DELAY), None);
     let isolated_at = journal.terminal_records_of(&m.id)[0].at;
     assert!(isolated_at <= alone.at, "isolated before it ran alone");
     assert_eq!(
@@ -726,8 +646,8 @@ pub async fn redelivered_isolated<H: Harness>(h: &H) -> Verdict {
     );
     assert_nothing_left(h, &s.plan).await;
     Verdict::passed([format!(
-        "redelivered copy isolated without a run or a crash; ran alone {} later and was handled",
-        human(alone.at.saturating_sub(isolated_at))
+        "redelivered copy isolated without a run or a crash; ran alone {:.1?} later and was handled",
+        alone.at.saturating_sub(isolated_at)
     )])
 }
 
@@ -853,7 +773,11 @@ async fn crash_loop<H: Harness>(
     let runs = journal.runs_of(&poison.id);
     assert_eq!(runs.len() as u32, limit + 2, "{runs:?}");
     for (i, r) in runs.iter().enumerate() {
-        let crashes = int_header(&r.headers, CRASHES).unwrap_or(0);
+        let crashes = r
+            .headers
+            .get(CRASHES)
+            .and_then(HeaderValue::as_i64)
+            .unwrap_or(0);
         assert_eq!(crashes, i.saturating_sub(1) as i64, "run {}: {r:?}", i + 1);
     }
     let mut bystander_runs = 0;
@@ -873,7 +797,11 @@ async fn crash_loop<H: Harness>(
         );
         for r in journal.runs_of(&b.id) {
             assert!(
-                int_header(&r.headers, CRASHES).unwrap_or(0) == 0,
+                r.headers
+                    .get(CRASHES)
+                    .and_then(HeaderValue::as_i64)
+                    .unwrap_or(0)
+                    == 0,
                 "{} ran with a crash recorded: {r:?}",
                 b.id
             );
@@ -960,7 +888,7 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
     let runs = journal.runs_of(&m.id);
     assert_eq!(runs.len(), 2);
     assert_eq!(
-        int_header(&runs[1].headers, CRASHES),
+        runs[1].headers.get(CRASHES).and_then(HeaderValue::as_i64),
         Some(0),
         "no crash counted"
     );
@@ -1042,9 +970,7 @@ pub async fn no_head_of_line_blocking<H: Harness>(h: &H) -> Verdict {
     assert_eq!((report.retried, report.handled), (2, 2), "{report:?}");
     assert_nothing_left(h, &s.plan).await;
     Verdict::passed([format!(
-        "1 s retry back after {}, before the 10 s one (back after {})",
-        human(fast_wait),
-        human(slow_wait)
+        "1 s retry back after {fast_wait:.1?}, before the 10 s one (back after {slow_wait:.1?})"
     )])
 }
 

@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use retry_core::{
     AttemptState, DeadLetterReason, Decision, Jitter, Outcome, RetryPolicy, Terminal, Timestamp,
-    decide, message_identity,
+    decide, message_identity, splitmix64,
 };
 
 use crate::drive::{drive, wait_until};
 use crate::harness::{Harness, TestMessage};
 use crate::journal::{Journal, Step, permanent_cause, transient_cause};
-use crate::scenarios::{assert_nothing_left, ms, setup};
+use crate::support::{assert_nothing_left, ms, setup};
 
 /// The shape of a storm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,13 +60,8 @@ impl StormReport {
             "every message without a duplicate"
         };
         format!(
-            "published {} = handled {} + parked {}; {} deliveries, {} duplicated messages, {decided} decided as the engine decides; took {}",
-            self.published,
-            self.handled,
-            self.parked,
-            self.deliveries,
-            self.duplicates,
-            crate::drive::human(self.took)
+            "published {} = handled {} + parked {}; {} deliveries, {} duplicated messages, {decided} decided as the engine decides; took {:.1?}",
+            self.published, self.handled, self.parked, self.deliveries, self.duplicates, self.took
         )
     }
 }
@@ -82,17 +77,10 @@ pub fn storm_policy() -> RetryPolicy {
         .expect("the storm policy is valid")
 }
 
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// What the handler does for message `index` on `attempt`, from `seed` alone: a function
 /// of the attempt rather than of the run, so a redelivered duplicate decides the same.
 pub fn storm_step(seed: u64, index: usize, attempt: u32) -> Step {
-    let draw = mix(seed ^ mix(index as u64) ^ mix(u64::from(attempt) << 40));
+    let draw = splitmix64(seed ^ splitmix64(index as u64) ^ splitmix64(u64::from(attempt) << 40));
     match draw % 100 {
         0..55 => Step::Succeed,
         55..85 => Step::Fail,

@@ -1,35 +1,25 @@
-//! The conformance suite on transport-amqp091 against the local RabbitMQ, and the
+//! The conformance suite on transport-amqp091 against the local RabbitMQ (one test per
+//! scenario, `scenario::NAME`, each on a runtime and a harness of its own), and the
 //! differential check: for the same scripted workload with faults, the memory model produces
 //! the deliveries RabbitMQ produces.
 
 mod expected;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use conformance::differential::{self, DifferentialRun};
 use conformance::rabbitmq::{BrokerEnv, runtime};
-use conformance::suite::{self, print_uncaptured};
+use conformance::suite::print_uncaptured;
 use conformance::{Amqp091Harness, Harness, MemoryHarness};
 
-#[test]
-fn conformance_suite_on_transport_amqp091() {
-    runtime().block_on(async {
-        let Some(env) =
-            BrokerEnv::detect("the conformance suite on transport-amqp091", false).await
-        else {
-            return;
-        };
-        let report = suite::run_concurrently(
-            "transport-amqp091 (RabbitMQ)",
-            &suite::all(),
-            move || Amqp091Harness::connect(env.clone(), expected::AMQP091),
-            Duration::from_secs(150),
-        )
-        .await;
-        report.print();
-        report.assert_passed();
-        report.assert_skipped_exactly(expected::AMQP091_SKIPS);
-    });
+conformance::conformance_tests! {
+    /// Every scenario on transport-amqp091; each skips with a loud notice without a broker,
+    /// and fails instead when `REQUIRE_BROKER` is set.
+    mod scenario {
+        harness: Amqp091Harness,
+        run: |s| Amqp091Harness::run(s, expected::AMQP091),
+        skips: expected::AMQP091_SKIPS,
+    }
 }
 
 /// The workload's cases: (name, quorum queues).

@@ -9,14 +9,12 @@ use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use conformance::TestMessage;
-use conformance::drive::human;
 use conformance::process::{self, Event, Line, ProcessArgs};
 use conformance::rabbitmq::{Admin, BrokerEnv, runtime, unique_name};
-use conformance::scenarios::int_header;
 use conformance::suite::print_uncaptured;
 use futures::FutureExt;
 use retry_core::headers::CRASHES;
-use retry_core::{DeadLetterReason, ParkedRecord, TopologyPlan};
+use retry_core::{DeadLetterReason, HeaderValue, ParkedRecord, TopologyPlan};
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
 
@@ -241,7 +239,10 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
         let record = ParkedRecord::decode(&p.headers);
         assert_eq!(record.reason, Some(DeadLetterReason::CrashLoop));
         assert_eq!((record.crashes, record.attempts), (limit + 1, 0));
-        assert_eq!(int_header(&p.headers, CRASHES), Some(i64::from(limit + 1)));
+        assert_eq!(
+            p.headers.get(CRASHES).and_then(HeaderValue::as_u64),
+            Some(u64::from(limit + 1))
+        );
     }
     let mut poison_runs = 0;
     for p in &args.poison {
@@ -304,13 +305,12 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
         assert_eq!(admin.ready(&q.name).await, 0, "messages left in {}", q.name);
     }
     print_uncaptured(&format!(
-        "\n== crash loop with real processes at prefetch {PREFETCH}: {} published = {} handled + {} parked (all poison, crash-loop, {} crashes each, limit {limit}); {aborts} aborts attributed to {poison_count} poison messages, 0 innocents parked, 0 lost; {} healthy messages ran {innocent_runs} times ({:.3} per message), {suspects} isolations, {duplicates} duplicates; {starts} processes, {}\n",
+        "\n== crash loop with real processes at prefetch {PREFETCH}: {} published = {} handled + {} parked (all poison, crash-loop, {} crashes each, limit {limit}); {aborts} aborts attributed to {poison_count} poison messages, 0 innocents parked, 0 lost; {} healthy messages ran {innocent_runs} times ({:.3} per message), {suspects} isolations, {duplicates} duplicates; {starts} processes, {took:.1?}\n",
         messages.len(),
         handled.len(),
         parked_ids.len(),
         limit + 1,
         innocent.len(),
         innocent_runs as f64 / innocent.len() as f64,
-        human(took)
     ));
 }

@@ -1,20 +1,17 @@
-//! The conformance suite on transport-memory, on its virtual clock.
+//! The conformance suite on transport-memory, on its virtual clock: one test per scenario
+//! (`scenario::NAME`), and the storm with injected duplicates.
 
 mod expected;
 
 use conformance::{MemoryHarness, suite};
 
-#[test]
-fn conformance_suite_on_transport_memory() {
-    let report = MemoryHarness::run_suite(&suite::all(), expected::MEMORY);
-    report.print();
-    report.assert_passed();
-    report.assert_skipped_exactly(expected::MEMORY_SKIPS);
-    let (run, _, _, _) = report.counts();
-    assert_eq!(
-        run + expected::MEMORY_SKIPS.len(),
-        suite::all::<MemoryHarness>().len()
-    );
+conformance::conformance_tests! {
+    /// Every scenario on transport-memory, each on a broker of its own.
+    mod scenario {
+        harness: MemoryHarness,
+        run: |s| MemoryHarness::run(s, expected::MEMORY),
+        skips: expected::MEMORY_SKIPS,
+    }
 }
 
 /// The storm with injected duplicate deliveries: the accounting stays exact, and the

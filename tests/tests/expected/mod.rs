@@ -1,8 +1,9 @@
 //! What each transport under test must declare, and which scenarios it may skip, written
 //! down here by hand: never read back from the transport under test. A harness checks every
-//! connection it opens against these capabilities, and each suite run asserts its exact
-//! skipped set, so a transport that loses a capability fails loudly instead of skipping
-//! the scenarios that need it.
+//! connection it opens against these capabilities, each scenario's test asserts that it
+//! skipped if and only if its transport's list here names it, and one test per transport
+//! checks that every name here is a scenario. A transport that loses a capability fails
+//! loudly instead of skipping the scenarios that need it.
 
 // Each test target uses the part for the transports it runs.
 #![allow(dead_code)]

@@ -1,0 +1,126 @@
+//! Building blocks for scenarios: the skip check, a topology of the scenario's own, and the
+//! check that nothing was left behind. The scenarios in [`scenarios`](crate::scenarios)
+//! and the other workloads of this crate ([`storm`](crate::storm),
+//! [`differential`](crate::differential)) are written with them.
+
+use std::time::Duration;
+
+use retry_core::{
+    ConsumerBuilder, QueueType, RetryPolicy, TopologyBuilder, TopologyPlan, Transport,
+};
+
+use crate::harness::{Harness, Need, TopologyFaults};
+use crate::journal::{Journal, ScriptedHandler};
+use crate::suite::Verdict;
+
+/// The skip verdict for the first of `needs` the harness lacks, if any.
+pub fn unmet<H: Harness>(h: &H, needs: &[Need]) -> Option<Verdict> {
+    needs.iter().find_map(|need| {
+        h.unsupported(*need).map(|why| Verdict::Skipped {
+            reason: format!("needs {need}: {why}"),
+        })
+    })
+}
+
+/// Milliseconds.
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// How long a scenario waits for what should happen within a second or two. Generous,
+/// because on a real broker scenarios run side by side (one test thread each) on a small
+/// machine; it bounds a broken scenario, it does not measure one.
+pub const WITHIN: Duration = Duration::from_secs(30);
+
+/// A scenario's topology: its unique work queue, policy and plan.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// The work queue.
+    pub queue: String,
+    /// The policy.
+    pub policy: RetryPolicy,
+    /// The plan the harness declared.
+    pub plan: TopologyPlan,
+    /// Whether the plan uses quorum queues.
+    pub quorum: bool,
+}
+
+/// Names a work queue for `scenario`, makes the plan for `policy` and has the harness
+/// declare it.
+pub async fn setup<H: Harness>(h: &H, scenario: &str, policy: RetryPolicy, quorum: bool) -> Setup {
+    setup_with_faults(h, scenario, policy, quorum, |_| TopologyFaults::default()).await
+}
+
+/// [`setup`], with the faults `faults` picks for the plan applied when it is declared.
+pub async fn setup_with_faults<H: Harness>(
+    h: &H,
+    scenario: &str,
+    policy: RetryPolicy,
+    quorum: bool,
+    faults: impl FnOnce(&TopologyPlan) -> TopologyFaults,
+) -> Setup {
+    let queue = h.unique_queue(scenario);
+    let plan = customize(quorum)(TopologyPlan::builder(&queue, &policy))
+        .build()
+        .expect("the scenario's plan is valid");
+    h.provision(&plan, &faults(&plan)).await;
+    Setup {
+        queue,
+        policy,
+        plan,
+        quorum,
+    }
+}
+
+fn customize(quorum: bool) -> impl for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> {
+    move |b| {
+        if quorum {
+            b.with_queue_type(QueueType::Quorum)
+        } else {
+            b
+        }
+    }
+}
+
+impl Setup {
+    /// A consumer builder for this topology on `transport`, recording terminals in
+    /// `journal`. The handler timeout is long, so a hanging handler is still running when
+    /// its consumer is killed.
+    pub fn consumer<T: Transport>(
+        &self,
+        transport: T,
+        journal: &Journal,
+        handler: ScriptedHandler,
+        prefetch: u16,
+    ) -> ConsumerBuilder<T, ScriptedHandler> {
+        retry_core::Consumer::builder(transport, self.policy.clone(), handler)
+            .queue(self.queue.clone())
+            .prefetch(prefetch)
+            .handler_timeout(Duration::from_secs(60))
+            .shutdown_grace(Duration::from_secs(5))
+            // Crash-delayed suspects come back within a second; on a real broker, notice
+            // them soon.
+            .suspect_poll(ms(100))
+            .topology(customize(self.quorum))
+            .on_terminal(journal.observer())
+    }
+
+    /// The delay queue a clone with `delay` goes to.
+    pub fn delay_queue(&self, delay: Duration) -> String {
+        delay_queue(&self.plan, delay)
+    }
+}
+
+/// The delay queue of `plan` a clone with `delay` goes to: each delay queue is bound with
+/// its own name as the routing key.
+pub fn delay_queue(plan: &TopologyPlan, delay: Duration) -> String {
+    let (route, _) = plan.route_for(delay).expect("the plan has delay levels");
+    route.routing_key.to_string()
+}
+
+/// Asserts every queue of the plan is empty: nothing left behind, nothing stuck.
+pub async fn assert_nothing_left<H: Harness>(h: &H, plan: &TopologyPlan) {
+    for q in plan.queues() {
+        assert_eq!(h.ready(&q.name).await, 0, "messages left in {}", q.name);
+    }
+}

@@ -1,0 +1,212 @@
+//! How to run the conformance suite on a transport of your own, as a complete example that
+//! runs: `cargo test -p conformance --test fourth_transport`.
+//!
+//! Three steps:
+//!
+//! 1. a [`Transport`] (here [`Fourth`], a newtype over transport-memory's connection that
+//!    forwards every call, and cannot declare topology: its `provision` only verifies);
+//! 2. a [`Harness`] for it (here [`FourthHarness`]), which gives scenarios connections,
+//!    declares their topology, publishes test messages, reads the parking queue, injects
+//!    faults and tells the time, plus a runner that runs one scenario on a harness of its
+//!    own;
+//! 3. [`conformance::conformance_tests!`] with the harness, the runner and the scenarios
+//!    the transport is expected to skip: one `#[test]` per scenario.
+//!
+//! A transport over a real broker has the same shape: its runner builds a tokio runtime,
+//! connects, and runs the scenario with `conformance::suite::run_and_clean_up`, as
+//! `conformance::rabbitmq::run_scenario` does for RabbitMQ.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use conformance::harness::assert_declares;
+use conformance::suite::Scenario;
+use conformance::{
+    Harness, HarnessCapabilities, MemoryHarness, ParkedMessage, Stopwatch, TestMessage,
+    TopologyFaults, Verdict,
+};
+use futures::future::BoxFuture;
+use retry_core::{
+    Capabilities, Delivery, Message, Publish, PublishResult, Settlement, Timestamp, TopologyPlan,
+    Transport, TransportError,
+};
+use transport_memory::MemoryTransport;
+
+/// What [`Fourth`] declares, written down here rather than asked of it: the harness checks
+/// every connection against it, so a transport that loses a capability fails its tests
+/// instead of quietly skipping more.
+const EXPECTED: Capabilities = Capabilities {
+    publisher_confirms: true,
+    delivery_count: true,
+    native_delays: false,
+    dead_letter_exchange: true,
+    declares_topology: false,
+};
+
+/// The scenarios [`Fourth`] is expected to skip, for the capabilities it lacks.
+const EXPECTED_SKIPS: &[&str] = &["transport_declares_topology"];
+
+/// The transport under test: one connection to the in-memory broker, every call forwarded,
+/// except that it does not declare topology (it verifies instead).
+struct Fourth(MemoryTransport);
+
+#[async_trait]
+impl Transport for Fourth {
+    type Tag = <MemoryTransport as Transport>::Tag;
+    type Subscription = <MemoryTransport as Transport>::Subscription;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            declares_topology: false,
+            ..self.0.capabilities()
+        }
+    }
+
+    async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        self.verify(plan).await
+    }
+
+    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        self.0.verify(plan).await
+    }
+
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Self::Subscription, TransportError> {
+        self.0.consume(queue, prefetch).await
+    }
+
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Self::Tag>>, TransportError> {
+        self.0.fetch(queue).await
+    }
+
+    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
+        self.0.ready(queue, poll).await
+    }
+
+    async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
+        self.0.publish(original, publish).await
+    }
+
+    async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError> {
+        self.0.settle(tag, settlement).await
+    }
+
+    // The broker's virtual clock: without these two the engine would read the wall clock.
+    fn now(&self) -> Timestamp {
+        self.0.now()
+    }
+
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+        self.0.sleep(duration)
+    }
+}
+
+/// [`Fourth`] as the scenarios see it. Everything around the transport under test
+/// (declaring topology, publishing test messages, reading queues) goes through a
+/// transport-memory harness on the same broker.
+struct FourthHarness {
+    memory: MemoryHarness,
+}
+
+impl FourthHarness {
+    /// The runner for `conformance_tests!`: a harness (and a broker) per scenario, run on
+    /// the broker's virtual clock. Nothing to clean up.
+    fn run(scenario: Scenario<Self>) -> Verdict {
+        let h = FourthHarness {
+            memory: MemoryHarness::new(transport_memory_capabilities()),
+        };
+        h.memory.block_on(scenario.run(&h))
+    }
+}
+
+/// What transport-memory itself declares, for the inner harness.
+fn transport_memory_capabilities() -> Capabilities {
+    Capabilities {
+        declares_topology: true,
+        ..EXPECTED
+    }
+}
+
+#[async_trait]
+impl Harness for FourthHarness {
+    type Transport = Fourth;
+
+    fn name(&self) -> &'static str {
+        "fourth-transport"
+    }
+
+    fn capabilities(&self) -> HarnessCapabilities {
+        HarnessCapabilities {
+            transport: EXPECTED,
+            ..self.memory.capabilities()
+        }
+    }
+
+    fn stopwatch(&self) -> Stopwatch {
+        self.memory.stopwatch()
+    }
+
+    fn unique_queue(&self, scenario: &str) -> String {
+        self.memory.unique_queue(scenario)
+    }
+
+    async fn transport(&self) -> Arc<Fourth> {
+        let t = Fourth(self.memory.broker().connect());
+        assert_declares(self.name(), t.capabilities(), EXPECTED);
+        Arc::new(t)
+    }
+
+    async fn provision(&self, plan: &TopologyPlan, faults: &TopologyFaults) {
+        self.memory.provision(plan, faults).await;
+    }
+
+    fn track(&self, plan: &TopologyPlan) {
+        self.memory.track(plan);
+    }
+
+    async fn prepare(&self, _transport: &Fourth, _plan: &TopologyPlan) {}
+
+    async fn publish(&self, queue: &str, message: &TestMessage) {
+        self.memory.publish(queue, message).await;
+    }
+
+    async fn ready(&self, queue: &str) -> usize {
+        self.memory.ready(queue).await
+    }
+
+    async fn take_parked(&self, plan: &TopologyPlan) -> Vec<ParkedMessage> {
+        self.memory.take_parked(plan).await
+    }
+
+    async fn crash(&self, transport: Arc<Fourth>) {
+        let connection = &transport.0;
+        connection
+            .broker()
+            .close_connection(connection.connection_id(), "consumer process crashed");
+    }
+
+    async fn close(&self, transport: Arc<Fourth>) {
+        drop(transport);
+    }
+
+    async fn sleep(&self, duration: Duration) {
+        self.memory.sleep(duration).await;
+    }
+
+    async fn cleanup(&self) {
+        self.memory.cleanup().await;
+    }
+}
+
+conformance::conformance_tests! {
+    /// Every scenario on [`Fourth`].
+    mod scenario {
+        harness: FourthHarness,
+        run: FourthHarness::run,
+        skips: EXPECTED_SKIPS,
+    }
+}
