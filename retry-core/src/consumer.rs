@@ -50,7 +50,7 @@ struct Config {
 /// The consumer is one future. It spawns nothing: handlers, publishes and settlements run
 /// concurrently inside it, and it reads time only through [`Transport::now`] and
 /// [`Transport::sleep`], so any executor can drive it, and a simulated transport on a virtual
-/// clock drives it deterministically. At most [`prefetch`](ConsumerBuilder::prefetch)
+/// clock drives it deterministically. At most [`prefetch`](ConsumerBuilder::with_prefetch)
 /// deliveries are held, and so at most that many handlers run, at once.
 ///
 /// ```
@@ -129,9 +129,8 @@ struct Config {
 /// transport.inbox.lock().unwrap().extend([delivery(1, b"ok"), delivery(2, b"fails")]);
 ///
 /// let policy = RetryPolicy::delays([Duration::from_secs(30), Duration::from_secs(600)]).build()?;
-/// let consumer = Consumer::builder(transport, policy, handle)
-///     .queue("comments")
-///     .prefetch(50)
+/// let consumer = Consumer::builder(transport, "comments", policy, handle)
+///     .with_prefetch(50)
 ///     .build()?;
 ///
 /// // Runs until the transport stops delivering or the shutdown future resolves.
@@ -149,13 +148,18 @@ pub struct Consumer<T: Transport, H: Handler> {
 }
 
 impl<T: Transport, H: Handler> Consumer<T, H> {
-    /// A builder for a consumer that runs `handler` on `transport` under `policy`. The queue
-    /// must be set with [`ConsumerBuilder::queue`]; the other settings have defaults.
-    pub fn builder(transport: T, policy: RetryPolicy, handler: H) -> ConsumerBuilder<T, H> {
-        ConsumerBuilder::new(transport, policy, handler)
+    /// A builder for a consumer of the work queue `queue` that runs `handler` on `transport`
+    /// under `policy`; the other settings have defaults.
+    pub fn builder(
+        transport: T,
+        queue: impl Into<String>,
+        policy: RetryPolicy,
+        handler: H,
+    ) -> ConsumerBuilder<T, H> {
+        ConsumerBuilder::new(transport, queue.into(), policy, handler)
     }
 
-    /// The topology the consumer needs; with [`ConsumerBuilder::provision`] left on, `run`
+    /// The topology the consumer needs; with [`ConsumerBuilder::with_provision`] left on, `run`
     /// declares it before consuming, and with it off `run` verifies it
     /// ([`Transport::verify`]).
     pub fn plan(&self) -> &TopologyPlan {
@@ -214,7 +218,7 @@ impl<T: Transport, H: Handler> Consumer<T, H> {
     /// resolves.
     ///
     /// On shutdown the consumer stops receiving and lets in-flight handlers, publishes and
-    /// settlements continue for the [shutdown grace](ConsumerBuilder::shutdown_grace).
+    /// settlements continue for the [shutdown grace](ConsumerBuilder::with_shutdown_grace).
     /// Deliveries still unfinished then are left unsettled: the broker redelivers them. Nothing
     /// is acknowledged that was not handled. Before `run` returns, the subscription's
     /// batched acknowledgements are sent, so every delivery the report counts as settled is

@@ -27,7 +27,7 @@ pub const ORIGIN_QUEUE: &str = "x-retry-origin-queue";
 pub const ORIGIN_EXCHANGE: &str = "x-retry-origin-exchange";
 /// The routing key the message was first published with (string).
 pub const ORIGIN_ROUTING_KEY: &str = "x-retry-origin-routing-key";
-/// Why the message was parked: see [`DeadLetterReason`](crate::DeadLetterReason) (string).
+/// Why the message was parked: see [`DeadLetterReason`] (string).
 pub const REASON: &str = "x-retry-reason";
 /// The delay this copy was sent through, in milliseconds (integer).
 pub const DELAY: &str = "x-retry-delay";

@@ -131,7 +131,7 @@
 //!    starting work-queue handlers, lets the running ones finish and settle, sends its
 //!    batched acknowledgements, then fetches exactly one suspect and runs it with nothing
 //!    else running; it settles it and fetches the next, until the queue is empty or the
-//!    [solo limit](ConsumerBuilder::solo_limit) is reached, and the work lane resumes.
+//!    [solo limit](ConsumerBuilder::with_solo_limit) is reached, and the work lane resumes.
 //! 3. Only a suspect that comes back **redelivered from the isolation queue** counts a crash:
 //!    it was the only thing running when its consumer died. It goes through the crash delay
 //!    back to the isolation queue ([`Terminal::Diverted`]), and past the crash limit it is

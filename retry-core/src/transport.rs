@@ -176,7 +176,7 @@ pub trait Transport: Send + Sync + 'static {
     /// Checks, without declaring anything, that every address the engine can send to under
     /// `plan` exists, and fails with [`TransportError::MissingAddress`] naming what does
     /// not. The [`Consumer`](crate::Consumer) calls it before consuming when
-    /// [provisioning is off](crate::ConsumerBuilder::provision); with provisioning on it
+    /// [provisioning is off](crate::ConsumerBuilder::with_provision); with provisioning on it
     /// calls [`provision`](Self::provision) instead, which must verify as much.
     ///
     /// The default does nothing and returns `Ok(())`. That is right for a transport whose
@@ -246,9 +246,8 @@ pub trait Transport: Send + Sync + 'static {
     /// async fn handle(_: Message) -> Result<(), HandlerError> { Ok(()) }
     ///
     /// // With provisioning off the consumer still verifies, and refuses to start.
-    /// let err = Consumer::builder(broker, policy, handle)
-    ///     .queue("comments")
-    ///     .provision(false)
+    /// let err = Consumer::builder(broker, "comments", policy, handle)
+    ///     .with_provision(false)
     ///     .build()?
     ///     .run(std::future::pending())
     ///     .await

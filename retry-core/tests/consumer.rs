@@ -238,8 +238,7 @@ async fn run_to_end<T: Transport, H: retry_core::Handler>(
     policy: RetryPolicy,
     handler: H,
 ) -> RunReport {
-    Consumer::builder(transport, policy, handler)
-        .queue(QUEUE)
+    Consumer::builder(transport, QUEUE, policy, handler)
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -354,9 +353,8 @@ async fn requeued_when_the_publish_answers(answer: fn() -> PublishResult, cause:
     let terminals = Arc::new(Mutex::new(Vec::new()));
     let seen = terminals.clone();
 
-    let report = Consumer::builder(b, retrying_publishes(2), failing)
-        .queue(QUEUE)
-        .on_terminal(move |_, t| seen.lock().unwrap().push(*t))
+    let report = Consumer::builder(b, QUEUE, retrying_publishes(2), failing)
+        .with_on_terminal(move |_, t| seen.lock().unwrap().push(*t))
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -509,9 +507,8 @@ async fn a_handler_past_its_timeout_is_cancelled_and_counts_as_transient() {
         }
     };
 
-    let report = Consumer::builder(b, policy(), handler)
-        .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(10))
+    let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_handler_timeout(Duration::from_secs(10))
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -589,11 +586,10 @@ async fn shutdown_finishes_work_within_the_grace_flushes_its_acks_and_leaves_the
         }
     };
 
-    let report = Consumer::builder(Broker::new(mock), policy(), handler)
-        .queue(QUEUE)
-        .prefetch(3)
-        .handler_timeout(Duration::from_secs(9 * 60))
-        .shutdown_grace(Duration::from_secs(30))
+    let report = Consumer::builder(Broker::new(mock), QUEUE, policy(), handler)
+        .with_prefetch(3)
+        .with_handler_timeout(Duration::from_secs(9 * 60))
+        .with_shutdown_grace(Duration::from_secs(30))
         .build()
         .unwrap()
         .run(tokio::time::sleep(Duration::from_secs(1)))
@@ -630,8 +626,7 @@ async fn shutdown_with_nothing_held_stops_at_once() {
     let mut mock = mock_with(sub);
     mock.expect_settle().never();
 
-    let report = Consumer::builder(Broker::new(mock), policy(), succeeding)
-        .queue(QUEUE)
+    let report = Consumer::builder(Broker::new(mock), QUEUE, policy(), succeeding)
         .build()
         .unwrap()
         .run(tokio::time::sleep(Duration::from_secs(2)))
@@ -666,9 +661,8 @@ async fn concurrent_handlers_never_exceed_the_prefetch() {
         }
     };
 
-    let report = Consumer::builder(b, policy(), handler)
-        .queue(QUEUE)
-        .prefetch(PREFETCH)
+    let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_prefetch(PREFETCH)
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -688,9 +682,8 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
         .build()
         .unwrap();
     // 3 × (3 × 3m20s + 2 × 5s + 1s) + 5s = 30m38s.
-    let err = Consumer::builder(MockBroker::new(), policy.clone(), succeeding)
-        .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(200))
+    let err = Consumer::builder(MockBroker::new(), QUEUE, policy.clone(), succeeding)
+        .with_handler_timeout(Duration::from_secs(200))
         .build()
         .unwrap_err();
     assert!(
@@ -724,10 +717,9 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
     }
 
     // Reaching the timeout exactly is refused too.
-    let err = Consumer::builder(MockBroker::new(), self::policy(), succeeding)
-        .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(20))
-        .consumer_timeout(Duration::from_millis(3 * 20_700 + 5_000))
+    let err = Consumer::builder(MockBroker::new(), QUEUE, self::policy(), succeeding)
+        .with_handler_timeout(Duration::from_secs(20))
+        .with_consumer_timeout(Duration::from_millis(3 * 20_700 + 5_000))
         .build()
         .unwrap_err();
     assert!(matches!(
@@ -736,23 +728,20 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
     ));
 
     // A shorter handler timeout, a shorter solo phase, or a longer broker timeout, fits.
-    let consumer = Consumer::builder(MockBroker::new(), policy.clone(), succeeding)
-        .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(190))
+    let consumer = Consumer::builder(MockBroker::new(), QUEUE, policy.clone(), succeeding)
+        .with_handler_timeout(Duration::from_secs(190))
         .build()
         .unwrap();
     assert_eq!(consumer.consumer_timeout(), Duration::from_secs(30 * 60));
-    Consumer::builder(MockBroker::new(), policy.clone(), succeeding)
-        .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(200))
-        .solo_limit(10, Duration::ZERO)
-        .consumer_timeout(Duration::from_secs(30 * 60 + 34))
+    Consumer::builder(MockBroker::new(), QUEUE, policy.clone(), succeeding)
+        .with_handler_timeout(Duration::from_secs(200))
+        .with_solo_limit(10, Duration::ZERO)
+        .with_consumer_timeout(Duration::from_secs(30 * 60 + 34))
         .build()
         .unwrap();
-    Consumer::builder(MockBroker::new(), policy, succeeding)
-        .queue(QUEUE)
-        .handler_timeout(Duration::from_secs(200))
-        .consumer_timeout(Duration::from_secs(60 * 60))
+    Consumer::builder(MockBroker::new(), QUEUE, policy, succeeding)
+        .with_handler_timeout(Duration::from_secs(200))
+        .with_consumer_timeout(Duration::from_secs(60 * 60))
         .build()
         .unwrap();
 }
@@ -766,37 +755,40 @@ type Builder = retry_core::ConsumerBuilder<
 fn refused(configure: impl FnOnce(Builder) -> Builder) -> ConsumerConfigError {
     let handler: fn(Message) -> BoxFuture<'static, Result<(), HandlerError>> =
         |_| Box::pin(async { Ok(()) });
-    configure(Consumer::builder(MockBroker::new(), policy(), handler).queue(QUEUE))
-        .build()
-        .unwrap_err()
+    configure(Consumer::builder(
+        MockBroker::new(),
+        QUEUE,
+        policy(),
+        handler,
+    ))
+    .build()
+    .unwrap_err()
 }
 
 #[test]
 fn other_invalid_settings_are_refused_by_name() {
-    let err = Consumer::builder(MockBroker::new(), policy(), succeeding)
-        .build()
-        .unwrap_err();
-    assert!(matches!(err, ConsumerConfigError::MissingQueue));
-    assert!(err.to_string().contains("queue"));
-
-    let err = refused(|b| b.prefetch(0));
+    let err = refused(|b| b.with_prefetch(0));
     assert!(matches!(err, ConsumerConfigError::ZeroPrefetch));
     assert!(err.to_string().contains("prefetch"));
 
-    let err = refused(|b| b.handler_timeout(Duration::ZERO));
+    let err = refused(|b| b.with_handler_timeout(Duration::ZERO));
     assert!(matches!(err, ConsumerConfigError::ZeroHandlerTimeout));
     assert!(err.to_string().contains("handler_timeout"));
 
-    let err = refused(|b| b.solo_limit(0, Duration::from_secs(5)));
+    let err = refused(|b| b.with_solo_limit(0, Duration::from_secs(5)));
     assert!(matches!(err, ConsumerConfigError::ZeroSoloRuns));
     assert!(err.to_string().contains("solo_limit"));
 
-    let err = refused(|b| b.suspect_poll(Duration::ZERO));
+    let err = refused(|b| b.with_suspect_poll(Duration::ZERO));
     assert!(matches!(err, ConsumerConfigError::ZeroSuspectPoll));
     assert!(err.to_string().contains("suspect_poll"));
 
-    let err = refused(|b| b.queue("amq.reserved"));
+    let handler = |_: Message| async { Ok::<(), HandlerError>(()) };
+    let err = Consumer::builder(MockBroker::new(), "amq.reserved", policy(), handler)
+        .build()
+        .unwrap_err();
     assert!(matches!(err, ConsumerConfigError::Topology(_)));
+    assert!(err.to_string().contains("amq.reserved"), "{err}");
 }
 
 #[test]
@@ -815,8 +807,7 @@ fn a_plan_without_the_policys_crash_delay_queue_is_refused_by_name() {
     blind
         .expect_capabilities()
         .return_const(Capabilities::default());
-    let consumer = Consumer::builder(blind, run_handler, succeeding)
-        .queue(QUEUE)
+    let consumer = Consumer::builder(blind, QUEUE, run_handler, succeeding)
         .build()
         .unwrap();
     assert_eq!(consumer.plan().crash_route(), None);
@@ -824,9 +815,8 @@ fn a_plan_without_the_policys_crash_delay_queue_is_refused_by_name() {
 
 #[test]
 fn the_plan_is_available_after_build_and_can_be_customised() {
-    let consumer = Consumer::builder(MockBroker::new(), policy(), succeeding)
-        .queue(QUEUE)
-        .topology(|b| b.with_queue_type(retry_core::QueueType::Quorum))
+    let consumer = Consumer::builder(MockBroker::new(), QUEUE, policy(), succeeding)
+        .with_topology(|b| b.with_queue_type(retry_core::QueueType::Quorum))
         .build()
         .unwrap();
     assert_eq!(consumer.plan().work_queue(), QUEUE);
@@ -885,9 +875,8 @@ async fn provisioning_can_be_turned_off_and_its_failure_stops_the_run() {
     mock.expect_consume()
         .times(1)
         .return_once(|_, _| Ok(subscription([])));
-    Consumer::builder(Broker::new(mock), policy(), succeeding)
-        .queue(QUEUE)
-        .provision(false)
+    Consumer::builder(Broker::new(mock), QUEUE, policy(), succeeding)
+        .with_provision(false)
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -903,8 +892,7 @@ async fn provisioning_can_be_turned_off_and_its_failure_stops_the_run() {
         })
     });
     mock.expect_consume().never();
-    let err = Consumer::builder(Broker::new(mock), policy(), succeeding)
-        .queue(QUEUE)
+    let err = Consumer::builder(Broker::new(mock), QUEUE, policy(), succeeding)
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1065,10 +1053,9 @@ async fn a_redelivered_message_is_isolated_and_runs_alone_once_the_work_lane_is_
     let ended = Arc::new(Mutex::new(Vec::new()));
     let e = ended.clone();
 
-    let report = Consumer::builder(b, policy(), timed_handler(&log))
-        .queue(QUEUE)
-        .prefetch(3)
-        .on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), *t)))
+    let report = Consumer::builder(b, QUEUE, policy(), timed_handler(&log))
+        .with_prefetch(3)
+        .with_on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), *t)))
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1140,9 +1127,8 @@ async fn a_suspect_redelivered_from_the_isolation_queue_counts_a_crash_without_r
     let ended = Arc::new(Mutex::new(Vec::new()));
     let e = ended.clone();
 
-    let report = Consumer::builder(b, policy(), handler)
-        .queue(QUEUE)
-        .on_terminal(move |msg, t| e.lock().unwrap().push((msg.attempt(), *t)))
+    let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_on_terminal(move |msg, t| e.lock().unwrap().push((msg.attempt(), *t)))
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1230,10 +1216,9 @@ async fn a_solo_phase_stops_at_its_limit_and_the_work_lane_takes_a_turn() {
     b.log = log.clone();
     b.mock.expect_settle().returning(|_, _| Ok(()));
 
-    let report = Consumer::builder(b, policy(), timed_handler(&log))
-        .queue(QUEUE)
-        .solo_limit(2, Duration::from_secs(60))
-        .suspect_poll(Duration::from_secs(1))
+    let report = Consumer::builder(b, QUEUE, policy(), timed_handler(&log))
+        .with_solo_limit(2, Duration::from_secs(60))
+        .with_suspect_poll(Duration::from_secs(1))
         .build()
         .unwrap()
         .run(tokio::time::sleep(Duration::from_secs(60)))
@@ -1308,8 +1293,7 @@ async fn a_missing_isolation_queue_stops_the_consumer_naming_it() {
         }
     }
 
-    let err = Consumer::builder(NoIsolation(mock), policy(), succeeding)
-        .queue(QUEUE)
+    let err = Consumer::builder(NoIsolation(mock), QUEUE, policy(), succeeding)
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1351,9 +1335,8 @@ async fn exhausted_and_permanent_failures_are_parked_and_observed() {
         }
     };
 
-    let report = Consumer::builder(b, policy(), handler)
-        .queue(QUEUE)
-        .on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), msg.attempt(), *t)))
+    let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), msg.attempt(), *t)))
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1434,8 +1417,7 @@ async fn an_unrecoverable_receive_error_finishes_held_work_then_stops() {
         Ok::<(), HandlerError>(())
     };
 
-    let err = Consumer::builder(b, policy(), handler)
-        .queue(QUEUE)
+    let err = Consumer::builder(b, QUEUE, policy(), handler)
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1488,8 +1470,7 @@ fn assert_send<F: Future + Send>(f: F) -> F {
 async fn the_consumer_is_one_send_future() {
     let mut b = broker([delivery(1, "a")]);
     b.mock.expect_settle().times(1).returning(|_, _| Ok(()));
-    let consumer = Consumer::builder(b, policy(), succeeding)
-        .queue(QUEUE)
+    let consumer = Consumer::builder(b, QUEUE, policy(), succeeding)
         .build()
         .unwrap();
     let run = assert_send(consumer.run(std::future::pending()));

@@ -247,7 +247,7 @@ impl<H: Harness> Phase<'_, H> {
                 handler,
                 prefetch,
             )
-            .provision(false)
+            .with_provision(false)
             .build()
             .expect("consumer");
         let (ended, ()) = drive(consumer, |control| async move {

@@ -103,7 +103,7 @@ impl Journal {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A callback for `ConsumerBuilder::on_terminal` that records into this journal.
+    /// A callback for `ConsumerBuilder::with_on_terminal` that records into this journal.
     pub fn observer(&self) -> impl Fn(&Message, &Terminal) + Send + Sync + 'static {
         let journal = self.clone();
         move |msg, terminal| {

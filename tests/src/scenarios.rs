@@ -860,7 +860,7 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
     // The harness changed the refusing queue's arguments: the consumer must not redeclare.
     let consumer = s
         .consumer(Arc::clone(&t), &journal, handler, 1)
-        .provision(false)
+        .with_provision(false)
         .build()
         .expect("consumer");
     let (ended, ()) = drive(consumer, |_| {

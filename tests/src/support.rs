@@ -93,16 +93,15 @@ impl Setup {
         handler: ScriptedHandler,
         prefetch: u16,
     ) -> ConsumerBuilder<T, ScriptedHandler> {
-        retry_core::Consumer::builder(transport, self.policy.clone(), handler)
-            .queue(self.queue.clone())
-            .prefetch(prefetch)
-            .handler_timeout(Duration::from_secs(60))
-            .shutdown_grace(Duration::from_secs(5))
+        retry_core::Consumer::builder(transport, self.queue.clone(), self.policy.clone(), handler)
+            .with_prefetch(prefetch)
+            .with_handler_timeout(Duration::from_secs(60))
+            .with_shutdown_grace(Duration::from_secs(5))
             // Crash-delayed suspects come back within a second; on a real broker, notice
             // them soon.
-            .suspect_poll(ms(100))
-            .topology(customize(self.quorum))
-            .on_terminal(journal.observer())
+            .with_suspect_poll(ms(100))
+            .with_topology(customize(self.quorum))
+            .with_on_terminal(journal.observer())
     }
 
     /// The delay queue a clone with `delay` goes to.

@@ -69,10 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
 
     let finished: Arc<Mutex<usize>> = Arc::default();
-    let consumer = Consumer::builder(Arc::clone(&transport), policy, handler)
-        .queue(queue.clone())
-        .prefetch(10)
-        .on_terminal({
+    let consumer = Consumer::builder(Arc::clone(&transport), queue.clone(), policy, handler)
+        .with_prefetch(10)
+        .with_on_terminal({
             let finished = Arc::clone(&finished);
             move |msg, terminal| {
                 let id = msg.properties().message_id.clone().unwrap_or_default();

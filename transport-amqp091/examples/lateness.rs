@@ -257,11 +257,10 @@ async fn ours(conn: &Connection, tag: &str, n: u64, rate: f64) -> Result<Clock, 
             }
         };
         let (count, notify) = (Arc::clone(&second_runs), Arc::clone(&done));
-        let consumer = Consumer::builder(Arc::clone(&transport), policy, handler)
-            .queue(&work)
-            .prefetch(PREFETCH)
-            .provision(false)
-            .on_terminal(move |_, t| {
+        let consumer = Consumer::builder(Arc::clone(&transport), &work, policy, handler)
+            .with_prefetch(PREFETCH)
+            .with_provision(false)
+            .with_on_terminal(move |_, t| {
                 if matches!(t, retry_core::Terminal::Handled { .. })
                     && count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == n
                 {

@@ -316,11 +316,10 @@ async fn ours(policy: RetryPolicy, queue: &str, n: u64, fail: bool) -> Result<Ti
             Ok(())
         }
     };
-    let consumer = Consumer::builder(Arc::clone(&transport), policy, handler)
-        .queue(queue)
-        .prefetch(PREFETCH)
-        .provision(false)
-        .on_terminal(move |_, _| {
+    let consumer = Consumer::builder(Arc::clone(&transport), queue, policy, handler)
+        .with_prefetch(PREFETCH)
+        .with_provision(false)
+        .with_on_terminal(move |_, _| {
             if s.fetch_add(1, Ordering::Relaxed) + 1 == n {
                 d.notify_one();
             }

@@ -235,7 +235,7 @@ async fn a_delivery_held_by_a_closed_connection_comes_back_a_suspect_and_runs_al
             }
         },
         &q,
-        |b| b.suspect_poll(ms(200)),
+        |b| b.with_suspect_poll(ms(200)),
     );
     publish(&ch, &q, b"held", "c-1").await;
     let started = {
@@ -339,7 +339,7 @@ async fn a_publish_refused_every_time_requeues_once_then_runs_as_a_suspect_uncou
             }
         },
         &q,
-        |b| b.provision(false).suspect_poll(ms(200)),
+        |b| b.with_provision(false).with_suspect_poll(ms(200)),
     );
     publish(&ch, &q, b"keep me", "r-1").await;
     let handled = running
@@ -427,7 +427,7 @@ async fn quorum_redelivery_counts_make_a_suspect_and_the_broker_limit_backs_up()
             async { Ok::<(), HandlerError>(()) }
         },
         &q,
-        |b| b.provision(false).topology(quorum),
+        |b| b.with_provision(false).with_topology(quorum),
     );
     assert!(running.until(ms(10_000), |t| t.len() == 2).await);
     assert_eq!(
@@ -582,7 +582,7 @@ async fn a_graceful_shutdown_mid_handler_sends_every_ack_before_run_returns() {
             }
         },
         &q,
-        |b| b.prefetch(15),
+        |b| b.with_prefetch(15),
     );
     let deadline = Instant::now() + ms(10_000);
     while started.load(Ordering::SeqCst) < 15 && Instant::now() < deadline {

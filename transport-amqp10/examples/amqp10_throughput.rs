@@ -435,11 +435,10 @@ async fn ours(queue: &str, policy: &RetryPolicy, n: u64, fail: bool) -> Result<T
         fail,
         first: Arc::clone(&first),
     };
-    let consumer = Consumer::builder(Arc::clone(&transport), policy.clone(), handler)
-        .queue(queue)
-        .prefetch(PREFETCH)
-        .provision(false)
-        .on_terminal({
+    let consumer = Consumer::builder(Arc::clone(&transport), queue, policy.clone(), handler)
+        .with_prefetch(PREFETCH)
+        .with_provision(false)
+        .with_on_terminal({
             let ended = Arc::clone(&ended);
             let done = Arc::clone(&done);
             move |_, terminal| {

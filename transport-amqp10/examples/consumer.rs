@@ -146,10 +146,9 @@ async fn run(
     let started = Instant::now();
     let finished = Arc::new(AtomicUsize::new(0));
     let all_done = Arc::new(Notify::new());
-    let consumer = Consumer::builder(transport, policy, handle)
-        .queue(queue)
-        .prefetch(10)
-        .on_terminal({
+    let consumer = Consumer::builder(transport, queue, policy, handle)
+        .with_prefetch(10)
+        .with_on_terminal({
             let finished = Arc::clone(&finished);
             let all_done = Arc::clone(&all_done);
             move |msg, terminal| {

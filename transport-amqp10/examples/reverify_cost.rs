@@ -86,12 +86,11 @@ async fn round(
     let transport = Arc::new(Amqp10Transport::connect(config).await?);
     let retried = Arc::new(AtomicU64::new(0));
     let done = Arc::new(Notify::new());
-    let consumer = Consumer::builder(Arc::clone(&transport), policy.clone(), fails)
-        .queue(queue)
-        .prefetch(PREFETCH)
-        .provision(false)
-        .suspect_poll(Duration::from_secs(3_600))
-        .on_terminal({
+    let consumer = Consumer::builder(Arc::clone(&transport), queue, policy.clone(), fails)
+        .with_prefetch(PREFETCH)
+        .with_provision(false)
+        .with_suspect_poll(Duration::from_secs(3_600))
+        .with_on_terminal({
             let retried = Arc::clone(&retried);
             let done = Arc::clone(&done);
             move |_, _| {

@@ -118,9 +118,8 @@
 //! // AMQP 0-9-1; `run` verifies it first. Suspects are fetched from "comments.suspect".
 //! let transport = Amqp10Transport::connect(Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672")).await?;
 //! let policy = RetryPolicy::delays([Duration::from_secs(30), Duration::from_secs(600)]).build()?;
-//! let consumer = Consumer::builder(transport, policy, handle)
-//!     .queue("comments")
-//!     .prefetch(20)
+//! let consumer = Consumer::builder(transport, "comments", policy, handle)
+//!     .with_prefetch(20)
 //!     .build()?;
 //! let report = consumer.run(std::future::pending()).await?;
 //! println!("{report:?}");

@@ -39,11 +39,10 @@ async fn run_until(queue: &str, policy: RetryPolicy, last: usize) -> Run {
             async { Ok::<(), HandlerError>(()) }
         }
     };
-    let consumer = Consumer::builder(transport().await, policy, handler)
-        .queue(queue)
-        .prefetch(5)
-        .suspect_poll(Duration::from_millis(200))
-        .on_terminal({
+    let consumer = Consumer::builder(transport().await, queue, policy, handler)
+        .with_prefetch(5)
+        .with_suspect_poll(Duration::from_millis(200))
+        .with_on_terminal({
             let seen = Arc::clone(&seen);
             let done = Arc::clone(&done);
             move |msg, terminal| {
@@ -91,11 +90,10 @@ async fn the_consumer_runs_every_path_over_amqp10() {
 
     let finished = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(Notify::new());
-    let consumer = Consumer::builder(transport().await, policy, handle)
-        .queue(q.as_str())
-        .prefetch(5)
-        .handler_timeout(Duration::from_secs(5))
-        .on_terminal({
+    let consumer = Consumer::builder(transport().await, q.as_str(), policy, handle)
+        .with_prefetch(5)
+        .with_handler_timeout(Duration::from_secs(5))
+        .with_on_terminal({
             let finished = Arc::clone(&finished);
             let done = Arc::clone(&done);
             move |_, terminal| {
@@ -146,11 +144,15 @@ async fn the_consumer_reports_a_missing_delay_queue_before_consuming() {
 
     let handled = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&handled);
-    let consumer = Consumer::builder(transport().await, policy, move |_msg: Message| {
-        counter.fetch_add(1, Ordering::SeqCst);
-        async { Ok::<(), HandlerError>(()) }
-    })
-    .queue(q.as_str())
+    let consumer = Consumer::builder(
+        transport().await,
+        q.as_str(),
+        policy,
+        move |_msg: Message| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<(), HandlerError>(()) }
+        },
+    )
     .build()
     .expect("consumer");
     let err = tokio::time::timeout(

@@ -101,11 +101,10 @@ async fn run_unprovisioned<H: retry_core::Handler>(
 ) -> Result<RunReport, ConsumerError> {
     let transport = Arc::new(transport().await);
     let done = Arc::new(Notify::new());
-    let consumer = Consumer::builder(Arc::clone(&transport), policy, handler)
-        .queue(queue)
-        .prefetch(10)
-        .provision(false)
-        .on_terminal({
+    let consumer = Consumer::builder(Arc::clone(&transport), queue, policy, handler)
+        .with_prefetch(10)
+        .with_provision(false)
+        .with_on_terminal({
             let record = record(seen);
             let seen = Arc::clone(seen);
             let done = Arc::clone(&done);
@@ -271,13 +270,12 @@ async fn a_delay_queue_deleted_while_the_consumer_runs_is_refused_within_the_rev
 
     let seen = Seen::default();
     let (stop, stopped) = oneshot::channel::<()>();
-    let consumer = Consumer::builder(Arc::clone(&transport), policy, always_fails)
-        .queue(q.as_str())
-        .prefetch(10)
+    let consumer = Consumer::builder(Arc::clone(&transport), q.as_str(), policy, always_fails)
+        .with_prefetch(10)
         // Requeued originals come back redelivered and are isolated; they stay in the
         // isolation queue for the test.
-        .suspect_poll(Duration::from_secs(120))
-        .on_terminal(record(&seen))
+        .with_suspect_poll(Duration::from_secs(120))
+        .with_on_terminal(record(&seen))
         .build()
         .expect("consumer");
     let after: Vec<String> = (0..3).map(|i| format!("after-{i}")).collect();

@@ -48,8 +48,8 @@ fn id(i: usize) -> String {
 /// The full simulation: engine, driver, broker model, virtual clock, scripted handler.
 fn simulation(n: usize) -> (Duration, u64, Duration) {
     let mut sim = Simulation::builder("bench", policy())
-        .prefetch(50)
-        .trace(false)
+        .with_prefetch(50)
+        .with_trace(false)
         .build()
         .expect("a valid simulation");
     for i in 0..n {
@@ -71,7 +71,7 @@ fn simulation(n: usize) -> (Duration, u64, Duration) {
 /// The broker alone: the same number of deliveries, each a publish (headers included),
 /// a delivery and an ack, with no engine, driver or clock.
 fn raw_broker(n: usize) -> (Duration, u64) {
-    let broker = Broker::builder().trace(false).build();
+    let broker = Broker::builder().with_trace(false).build();
     broker
         .declare_queue("bench", QueueOptions::new())
         .expect("declared");
@@ -228,10 +228,9 @@ fn driver_floor(n: usize) -> (Duration, u64) {
             Ok(())
         }
     };
-    let consumer = Consumer::builder(transport, policy(), handler)
-        .queue("bench")
-        .prefetch(50)
-        .provision(false)
+    let consumer = Consumer::builder(transport, "bench", policy(), handler)
+        .with_prefetch(50)
+        .with_provision(false)
         .build()
         .expect("a valid consumer");
     let start = Instant::now();

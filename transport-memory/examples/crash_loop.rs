@@ -22,8 +22,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         format_delay(policy.crash_delay()),
     );
     let mut sim = Simulation::builder("comments", policy)
-        .prefetch(10)
-        .restart_delay(Duration::from_secs(5))
+        .with_prefetch(10)
+        .with_restart_delay(Duration::from_secs(5))
         .build()?;
     // Each run takes a moment, so the healthy ones are running when the poison strikes.
     let second = Duration::from_secs(1);

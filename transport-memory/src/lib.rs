@@ -57,7 +57,7 @@
 //! use std::time::Duration;
 //!
 //! let policy = RetryPolicy::delays([60, 600, 3600].map(Duration::from_secs)).build()?;
-//! let mut sim = Simulation::builder("comments", policy).prefetch(1).build()?;
+//! let mut sim = Simulation::builder("comments", policy).with_prefetch(1).build()?;
 //! sim.publish("poison", Script::always(Step::Crash))?;       // kills its consumer every time
 //! sim.publish("flaky", Script::fail_times(2))?;              // fails twice, then succeeds
 //!
@@ -98,8 +98,7 @@
 //!
 //! let broker = Broker::new();
 //! let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
-//! let consumer = Consumer::builder(broker.connect(), policy, handle)
-//!     .queue("comments")
+//! let consumer = Consumer::builder(broker.connect(), "comments", policy, handle)
 //!     .build()?;
 //! broker.provision(consumer.plan())?;
 //! broker.publish(Outgoing::to_queue("comments", b"hello".to_vec()))?;
@@ -162,7 +161,7 @@
 //! [`Broker::duplicate_deliveries`] affect the next N operations; [`Broker::random_faults`]
 //! draws them from a seeded generator; [`Broker::close_connection`] drops a connection. In a
 //! simulation, [`SimEvent`]s schedule them at virtual times, and
-//! [`SimulationBuilder::crash_rate`] and [`SimulationBuilder::connection_drop_rate`] add
+//! [`SimulationBuilder::with_crash_rate`] and [`SimulationBuilder::with_connection_drop_rate`] add
 //! seeded crashes and disconnections to handler runs.
 
 #![forbid(unsafe_code)]

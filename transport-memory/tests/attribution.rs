@@ -43,11 +43,11 @@ fn simulate(consumers: u32, seed: u64) -> Report {
         .build()
         .unwrap();
     let mut sim = Simulation::builder("orders", policy)
-        .prefetch(PREFETCH)
-        .consumers(consumers)
-        .seed(seed)
-        .trace(false)
-        .horizon(Duration::from_secs(24 * 3600))
+        .with_prefetch(PREFETCH)
+        .with_consumers(consumers)
+        .with_seed(seed)
+        .with_trace(false)
+        .with_horizon(Duration::from_secs(24 * 3600))
         .build()
         .unwrap();
     for i in 0..MESSAGES {

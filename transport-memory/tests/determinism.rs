@@ -9,7 +9,7 @@ use transport_memory::{FaultRates, Report, Script, SimEvent, Simulation, Simulat
 /// before), so a crash loop the engine fails to stop fails the test quickly instead of
 /// spinning to the default one-year horizon.
 fn simulation(queue: &str, policy: RetryPolicy) -> SimulationBuilder {
-    Simulation::builder(queue, policy).horizon(Duration::from_secs(6 * 3600))
+    Simulation::builder(queue, policy).with_horizon(Duration::from_secs(6 * 3600))
 }
 
 fn storm(seed: u64) -> Report {
@@ -19,12 +19,12 @@ fn storm(seed: u64) -> Report {
         .build()
         .unwrap();
     let mut sim = simulation("jobs", policy)
-        .prefetch(6)
-        .consumers(3)
-        .seed(seed)
-        .crash_rate(0.05)
-        .connection_drop_rate(0.05)
-        .faults(
+        .with_prefetch(6)
+        .with_consumers(3)
+        .with_seed(seed)
+        .with_crash_rate(0.05)
+        .with_connection_drop_rate(0.05)
+        .with_faults(
             FaultRates::new()
                 .lose_publishes(0.05)
                 .refuse_publishes(0.05)

@@ -12,7 +12,7 @@ use transport_memory::{
 /// before), so a crash loop the engine fails to stop fails the test quickly instead of
 /// spinning to the default one-year horizon.
 fn simulation(queue: &str, policy: RetryPolicy) -> SimulationBuilder {
-    Simulation::builder(queue, policy).horizon(Duration::from_secs(6 * 3600))
+    Simulation::builder(queue, policy).with_horizon(Duration::from_secs(6 * 3600))
 }
 
 fn mins(n: u64) -> Duration {
@@ -155,8 +155,8 @@ fn duplicate_deliveries_are_counted_apart() {
 #[test]
 fn dropped_connections_redeliver_what_was_held() {
     let mut sim = simulation("q", policy())
-        .prefetch(5)
-        .consumers(2)
+        .with_prefetch(5)
+        .with_consumers(2)
         .build()
         .unwrap();
     publish_mix(&mut sim, 40);
@@ -184,9 +184,9 @@ fn dropped_connections_redeliver_what_was_held() {
 #[test]
 fn crashes_at_random_never_lose_messages() {
     let mut sim = simulation("q", policy())
-        .prefetch(4)
-        .seed(11)
-        .crash_rate(0.15)
+        .with_prefetch(4)
+        .with_seed(11)
+        .with_crash_rate(0.15)
         .build()
         .unwrap();
     publish_mix(&mut sim, 40);
@@ -204,19 +204,19 @@ fn crashes_at_random_never_lose_messages() {
 fn a_storm_of_every_fault_loses_nothing_across_seeds() {
     for seed in 1..=8 {
         let mut sim = simulation("q", policy())
-            .prefetch(8)
-            .consumers(2)
-            .seed(seed)
-            .crash_rate(0.05)
-            .connection_drop_rate(0.05)
-            .faults(
+            .with_prefetch(8)
+            .with_consumers(2)
+            .with_seed(seed)
+            .with_crash_rate(0.05)
+            .with_connection_drop_rate(0.05)
+            .with_faults(
                 FaultRates::new()
                     .lose_publishes(0.05)
                     .refuse_publishes(0.05)
                     .lose_confirms(0.05)
                     .duplicate_deliveries(0.05),
             )
-            .trace(false)
+            .with_trace(false)
             .build()
             .unwrap();
         publish_mix(&mut sim, 60);

@@ -481,7 +481,7 @@ fn unroutable_mandatory_publishes_are_returned_and_others_dropped() {
         .unwrap();
     let conn = broker.connect();
     assert!(matches!(
-        conn.publish_message(Outgoing::new("events", "nobody", b"m".to_vec()).mandatory()),
+        conn.publish_message(Outgoing::new("events", "nobody", b"m".to_vec()).with_mandatory(true)),
         PublishResult::Returned
     ));
     assert!(matches!(
@@ -862,7 +862,7 @@ fn redeclaring_with_other_arguments_is_a_named_conflict() {
 #[test]
 fn a_delivery_held_past_the_consumer_timeout_closes_the_channel() {
     let broker = Broker::builder()
-        .consumer_timeout(Some(Duration::from_secs(60)))
+        .with_consumer_timeout(Some(Duration::from_secs(60)))
         .build();
     fill_work(&broker, [b"m".to_vec()]);
     let conn = consumer(&broker, "work", 1).without_recovery();

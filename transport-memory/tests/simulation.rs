@@ -15,7 +15,7 @@ use transport_memory::{
 /// before), so a crash loop the engine fails to stop fails the test quickly instead of
 /// spinning to the default one-year horizon.
 fn simulation(queue: &str, policy: RetryPolicy) -> SimulationBuilder {
-    Simulation::builder(queue, policy).horizon(Duration::from_secs(6 * 3600))
+    Simulation::builder(queue, policy).with_horizon(Duration::from_secs(6 * 3600))
 }
 
 fn secs(n: u64) -> Duration {
@@ -62,7 +62,10 @@ fn a_poison_message_is_parked_after_exactly_the_crash_limit_of_solo_crashes() {
             .with_crash_limit(limit)
             .build()
             .unwrap();
-        let mut sim = simulation("comments", policy).prefetch(1).build().unwrap();
+        let mut sim = simulation("comments", policy)
+            .with_prefetch(1)
+            .build()
+            .unwrap();
         sim.publish("poison", Script::always(Step::Crash)).unwrap();
         let report = sim.run_until_quiet();
         assert_eq!(report.stop, Stop::Quiet);
@@ -118,8 +121,8 @@ fn run_handler_sends_a_crashed_suspect_straight_back_to_run_alone() {
         .build()
         .unwrap();
     let mut sim = simulation("orders", policy)
-        .prefetch(1)
-        .restart_delay(secs(5))
+        .with_prefetch(1)
+        .with_restart_delay(secs(5))
         .build()
         .unwrap();
     sim.publish("poison", Script::always(Step::Crash)).unwrap();
@@ -143,8 +146,8 @@ fn run_handler_sends_a_crashed_suspect_straight_back_to_run_alone() {
 #[test]
 fn a_poison_message_next_to_a_flaky_one_with_exact_virtual_times() {
     let mut sim = simulation("comments", policy())
-        .prefetch(1)
-        .restart_delay(secs(5))
+        .with_prefetch(1)
+        .with_restart_delay(secs(5))
         .build()
         .unwrap();
     sim.publish("poison", Script::always(Step::Crash)).unwrap();
@@ -285,7 +288,7 @@ fn a_permanent_error_is_parked_at_once() {
 #[test]
 fn a_hanging_handler_is_cancelled_at_the_handler_timeout() {
     let mut sim = simulation("orders", policy())
-        .handler_timeout(secs(20))
+        .with_handler_timeout(secs(20))
         .build()
         .unwrap();
     sim.publish("m", Script::steps([Step::Hang, Step::Succeed]))
@@ -316,7 +319,10 @@ fn retry_after_and_slow_handlers_take_virtual_time() {
 
 #[test]
 fn bystanders_of_a_crash_run_alone_once_and_are_never_blamed() {
-    let mut sim = simulation("orders", policy()).prefetch(10).build().unwrap();
+    let mut sim = simulation("orders", policy())
+        .with_prefetch(10)
+        .build()
+        .unwrap();
     sim.publish("poison", Script::always(Step::Crash)).unwrap();
     for i in 0..3 {
         // Slow enough to be in flight when the poison message kills the process.
@@ -350,9 +356,9 @@ fn a_crash_during_the_drain_never_blames_the_waiting_suspect() {
     // was never taken from the isolation queue (had it been, its 12 s run would have been
     // under way when consumer 1 died, and it would have been blamed).
     let mut sim = simulation("orders", policy())
-        .consumers(2)
-        .prefetch(10)
-        .restart_delay(secs(60))
+        .with_consumers(2)
+        .with_prefetch(10)
+        .with_restart_delay(secs(60))
         .build()
         .unwrap();
     for (id, script) in [
@@ -403,9 +409,9 @@ fn a_quorum_delivery_limit_backs_up_the_engine_when_no_clone_can_be_published() 
         .build()
         .unwrap();
     let mut sim = simulation("orders", policy)
-        .queue_type(QueueType::Quorum)
-        .delivery_limit(2)
-        .prefetch(1)
+        .with_queue_type(QueueType::Quorum)
+        .with_delivery_limit(2)
+        .with_prefetch(1)
         .build()
         .unwrap();
     sim.publish("m", Script::always(Step::fail("down")))
@@ -454,7 +460,7 @@ fn your_own_handler_runs_under_simulated_crashes() {
         Ok(())
     }
     let mut sim = simulation("orders", policy())
-        .handler(handle)
+        .with_handler(handle)
         .build()
         .unwrap();
     sim.publish("a", Script::succeed()).unwrap();
@@ -495,7 +501,7 @@ fn scheduled_events_happen_at_their_virtual_time() {
 #[test]
 fn a_simulation_without_consumers_work_stops_at_the_horizon() {
     let mut sim = simulation("orders", policy())
-        .horizon(mins(30))
+        .with_horizon(mins(30))
         .build()
         .unwrap();
     sim.publish("m", Script::always(Step::fail("x"))).unwrap();

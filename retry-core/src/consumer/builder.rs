@@ -21,20 +21,20 @@ const DEFAULT_SUSPECT_POLL: Duration = Duration::from_secs(5);
 
 type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> + Send>;
 
-/// Builds a [`Consumer`]. Every setting is checked in [`build`](Self::build).
+/// Builds a [`Consumer`] of the work queue given to [`Consumer::builder`]. Every setting is
+/// checked in [`build`](Self::build).
 ///
 /// | setting | default |
 /// |---|---|
-/// | [`queue`](Self::queue) | none: required |
-/// | [`prefetch`](Self::prefetch) | 10 |
-/// | [`handler_timeout`](Self::handler_timeout) | 30 s |
-/// | [`consumer_timeout`](Self::consumer_timeout) | 30 min, RabbitMQ's default |
-/// | [`shutdown_grace`](Self::shutdown_grace) | 30 s |
-/// | [`solo_limit`](Self::solo_limit) | 32 suspects or 5 s per solo phase |
-/// | [`suspect_poll`](Self::suspect_poll) | 5 s |
-/// | [`topology`](Self::topology) | classic queues, one TTL queue per delay |
-/// | [`provision`](Self::provision) | on (off: the plan is only verified) |
-/// | [`on_terminal`](Self::on_terminal) | none |
+/// | [`with_prefetch`](Self::with_prefetch) | 10 |
+/// | [`with_handler_timeout`](Self::with_handler_timeout) | 30 s |
+/// | [`with_consumer_timeout`](Self::with_consumer_timeout) | 30 min, RabbitMQ's default |
+/// | [`with_shutdown_grace`](Self::with_shutdown_grace) | 30 s |
+/// | [`with_solo_limit`](Self::with_solo_limit) | 32 suspects or 5 s per solo phase |
+/// | [`with_suspect_poll`](Self::with_suspect_poll) | 5 s |
+/// | [`with_topology`](Self::with_topology) | classic queues, one TTL queue per delay |
+/// | [`with_provision`](Self::with_provision) | on (off: the plan is only verified) |
+/// | [`with_on_terminal`](Self::with_on_terminal) | none |
 ///
 /// ```
 /// # use async_trait::async_trait;
@@ -69,18 +69,16 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// }
 ///
 /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
-/// let consumer = Consumer::builder(Broker, policy.clone(), handle)
-///     .queue("comments")
-///     .prefetch(50)
-///     .handler_timeout(Duration::from_secs(60))
-///     .topology(|b: TopologyBuilder| b.with_queue_type(QueueType::Quorum))
+/// let consumer = Consumer::builder(Broker, "comments", policy.clone(), handle)
+///     .with_prefetch(50)
+///     .with_handler_timeout(Duration::from_secs(60))
+///     .with_topology(|b: TopologyBuilder| b.with_queue_type(QueueType::Quorum))
 ///     .build()?;
 /// assert_eq!(consumer.plan().parking_queue(), "comments.parking");
 ///
 /// // Settings that cannot work are refused, naming the field.
-/// let err = Consumer::builder(Broker, policy, handle)
-///     .queue("comments")
-///     .prefetch(0)
+/// let err = Consumer::builder(Broker, "comments", policy, handle)
+///     .with_prefetch(0)
 ///     .build()
 ///     .unwrap_err();
 /// assert!(matches!(err, ConsumerConfigError::ZeroPrefetch));
@@ -92,7 +90,7 @@ pub struct ConsumerBuilder<T: Transport, H: Handler> {
     transport: T,
     policy: RetryPolicy,
     handler: H,
-    queue: Option<String>,
+    queue: String,
     prefetch: u16,
     handler_timeout: Duration,
     consumer_timeout: Duration,
@@ -106,12 +104,12 @@ pub struct ConsumerBuilder<T: Transport, H: Handler> {
 }
 
 impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
-    pub(super) fn new(transport: T, policy: RetryPolicy, handler: H) -> Self {
+    pub(super) fn new(transport: T, queue: String, policy: RetryPolicy, handler: H) -> Self {
         ConsumerBuilder {
             transport,
             policy,
             handler,
-            queue: None,
+            queue,
             prefetch: DEFAULT_PREFETCH,
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
             consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
@@ -125,22 +123,16 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         }
     }
 
-    /// The work queue to consume. Required.
-    pub fn queue(mut self, queue: impl Into<String>) -> Self {
-        self.queue = Some(queue.into());
-        self
-    }
-
     /// The most deliveries held at once: the broker's prefetch, and the most handlers running
     /// concurrently. At least 1; default 10.
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
+    pub fn with_prefetch(mut self, prefetch: u16) -> Self {
         self.prefetch = prefetch;
         self
     }
 
     /// How long one handler run may take; a run past it is cancelled and counts as a
     /// transient failure. Above zero; default 30 s.
-    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
         self.handler_timeout = timeout;
         self
     }
@@ -151,14 +143,14 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
     /// runs, immediate-retry waits and publish-retry waits) three times over (the deliveries
     /// being drained, the last suspect of a solo phase, its own runs) plus the solo phase's
     /// time limit.
-    pub fn consumer_timeout(mut self, timeout: Duration) -> Self {
+    pub fn with_consumer_timeout(mut self, timeout: Duration) -> Self {
         self.consumer_timeout = timeout;
         self
     }
 
     /// How long in-flight work may continue after shutdown is requested before it is left to
     /// the broker. Default 30 s.
-    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+    pub fn with_shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
         self
     }
@@ -166,8 +158,8 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
     /// Bounds one solo phase: at most `runs` suspects (at least 1), or `time`, whichever
     /// comes first, before the work lane gets a turn as long as the solo phase took. Work
     /// deliveries prefetched meanwhile wait unstarted, so `time` counts towards the
-    /// [`consumer_timeout`](Self::consumer_timeout) check. Default 32 suspects or 5 s.
-    pub fn solo_limit(mut self, runs: u32, time: Duration) -> Self {
+    /// [`consumer_timeout`](Self::with_consumer_timeout) check. Default 32 suspects or 5 s.
+    pub fn with_solo_limit(mut self, runs: u32, time: Duration) -> Self {
         self.solo_runs = runs;
         self.solo_time = time;
         self
@@ -177,13 +169,13 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
     /// (AMQP 0-9-1 counts its ready messages; AMQP 1.0 on RabbitMQ 3.x cannot count, so the
     /// work lane pauses for a fetch at this interval). The in-memory broker watches exactly.
     /// Above zero; default 5 s.
-    pub fn suspect_poll(mut self, every: Duration) -> Self {
+    pub fn with_suspect_poll(mut self, every: Duration) -> Self {
         self.suspect_poll = every;
         self
     }
 
     /// Customises the topology plan, for instance for quorum queues.
-    pub fn topology<F>(mut self, customize: F) -> Self
+    pub fn with_topology<F>(mut self, customize: F) -> Self
     where
         F: for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> + Send + 'static,
     {
@@ -196,7 +188,7 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
     /// elsewhere. Off, `run` still checks the plan with [`Transport::verify`] and stops with
     /// [`ConsumerError::Verify`](crate::ConsumerError::Verify) if something the engine sends
     /// to is missing (a no-op on transports whose broker reports an unroutable publish).
-    pub fn provision(mut self, provision: bool) -> Self {
+    pub fn with_provision(mut self, provision: bool) -> Self {
         self.provision = provision;
         self
     }
@@ -205,7 +197,7 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
     /// Deliveries left unsettled at shutdown, or whose settlement failed, are not reported:
     /// the broker still has them. The observer runs inside the consumer's loop, so it should
     /// be quick.
-    pub fn on_terminal<F>(mut self, observer: F) -> Self
+    pub fn with_on_terminal<F>(mut self, observer: F) -> Self
     where
         F: Fn(&Message, &Terminal) + Send + Sync + 'static,
     {
@@ -215,7 +207,7 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
 
     /// Checks the settings together and computes the topology plan.
     pub fn build(self) -> Result<Consumer<T, H>, ConsumerConfigError> {
-        let queue = self.queue.ok_or(ConsumerConfigError::MissingQueue)?;
+        let queue = self.queue;
         if self.prefetch == 0 {
             return Err(ConsumerConfigError::ZeroPrefetch);
         }
@@ -331,9 +323,6 @@ fn human(d: &Duration) -> String {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumerConfigError {
-    /// No queue was given.
-    #[error("queue is not set: call .queue(name) with the work queue to consume")]
-    MissingQueue,
     /// `prefetch` was 0, which would never receive anything.
     #[error("prefetch must be at least 1, got 0")]
     ZeroPrefetch,
@@ -347,7 +336,7 @@ pub enum ConsumerConfigError {
     #[error("suspect_poll must be above zero")]
     ZeroSuspectPoll,
     /// The longest a delivery can be held unsettled reaches the broker's
-    /// `consumer_timeout`: see [`ConsumerBuilder::consumer_timeout`].
+    /// `consumer_timeout`: see [`ConsumerBuilder::with_consumer_timeout`].
     #[error(
         "worst-case time a delivery is held reaches consumer_timeout ({}): 3 × in-process time ({}: handler_timeout {} × {runs} runs (immediate_retries {immediate_retries} + 1) + immediate_wait {} × {immediate_retries} + publish retry waits {}) + solo_time {} = {}; lower handler_timeout, immediate_retries, immediate_wait, publish_retries or the solo_limit time, or raise consumer_timeout",
         human(.consumer_timeout),

@@ -58,7 +58,7 @@ pub enum ConsumerError {
         source: TransportError,
     },
     /// Verifying the topology plan failed, with provisioning turned off
-    /// ([`ConsumerBuilder::provision`](crate::ConsumerBuilder::provision)): something the
+    /// ([`ConsumerBuilder::with_provision`](crate::ConsumerBuilder::with_provision)): something the
     /// engine sends to is missing (see [`Transport::verify`]), or the broker could not be
     /// asked. Nothing was consumed.
     #[error("verifying the topology of queue {queue:?} (provisioning is off) failed")]

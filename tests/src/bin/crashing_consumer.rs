@@ -72,22 +72,26 @@ async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let record = args.record.clone();
-    let consumer = Consumer::builder(Arc::clone(&transport), args.policy(), handler)
-        .queue(args.queue.clone())
-        .prefetch(args.prefetch)
-        .handler_timeout(Duration::from_secs(10))
-        .shutdown_grace(Duration::from_secs(5))
-        .suspect_poll(Duration::from_millis(100))
-        .on_terminal(move |msg, terminal| {
-            let event = Event::Terminal {
-                id: message_id(msg),
-                outcome: encode_terminal(terminal),
-            };
-            if let Err(e) = append(&record, &event) {
-                eprintln!("crashing_consumer: cannot write the record: {e}");
-            }
-        })
-        .build()?;
+    let consumer = Consumer::builder(
+        Arc::clone(&transport),
+        args.queue.clone(),
+        args.policy(),
+        handler,
+    )
+    .with_prefetch(args.prefetch)
+    .with_handler_timeout(Duration::from_secs(10))
+    .with_shutdown_grace(Duration::from_secs(5))
+    .with_suspect_poll(Duration::from_millis(100))
+    .with_on_terminal(move |msg, terminal| {
+        let event = Event::Terminal {
+            id: message_id(msg),
+            outcome: encode_terminal(terminal),
+        };
+        if let Err(e) = append(&record, &event) {
+            eprintln!("crashing_consumer: cannot write the record: {e}");
+        }
+    })
+    .build()?;
 
     // Standard input closing is the signal to stop; reading it blocks, so on a thread.
     let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<()>();

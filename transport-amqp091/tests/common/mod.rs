@@ -307,12 +307,11 @@ pub fn start<H: retry_core::Handler>(
 ) -> Running {
     let terminals = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = std::sync::Arc::clone(&terminals);
-    let builder = retry_core::Consumer::builder(transport, policy, handler)
-        .queue(queue)
-        .prefetch(10)
-        .handler_timeout(Duration::from_secs(10))
-        .shutdown_grace(Duration::from_secs(2))
-        .on_terminal(move |msg, t| {
+    let builder = retry_core::Consumer::builder(transport, queue, policy, handler)
+        .with_prefetch(10)
+        .with_handler_timeout(Duration::from_secs(10))
+        .with_shutdown_grace(Duration::from_secs(2))
+        .with_on_terminal(move |msg, t| {
             let id = msg.properties().message_id.clone().unwrap_or_default();
             seen.lock().unwrap().push((id, *t));
         });

@@ -98,10 +98,10 @@ impl Outgoing {
         self
     }
 
-    /// Publishes with the `mandatory` flag: an unroutable message comes back as returned
-    /// instead of vanishing.
-    pub fn mandatory(mut self) -> Self {
-        self.mandatory = true;
+    /// Whether to publish with the `mandatory` flag: an unroutable message then comes back as
+    /// returned instead of vanishing. Off by default.
+    pub fn with_mandatory(mut self, mandatory: bool) -> Self {
+        self.mandatory = mandatory;
         self
     }
 

@@ -121,21 +121,21 @@ impl Default for BrokerBuilder {
 
 impl BrokerBuilder {
     /// The virtual time the broker starts at (default [`DEFAULT_START`]).
-    pub fn start_at(mut self, start: Timestamp) -> Self {
+    pub fn with_start_at(mut self, start: Timestamp) -> Self {
         self.start = start;
         self
     }
 
     /// How long a delivery may stay unacknowledged before the broker closes its connection,
     /// as RabbitMQ's `consumer_timeout` does (default 30 minutes; `None` turns it off).
-    pub fn consumer_timeout(mut self, timeout: Option<Duration>) -> Self {
+    pub fn with_consumer_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.consumer_timeout = timeout;
         self
     }
 
     /// Whether to record the event trace (default on). Off, the broker does less work per
     /// message; the trace is then empty.
-    pub fn trace(mut self, on: bool) -> Self {
+    pub fn with_trace(mut self, on: bool) -> Self {
         self.trace = on;
         self
     }

@@ -42,100 +42,100 @@ impl fmt::Debug for SimulationBuilder {
 
 impl SimulationBuilder {
     /// Quorum or classic queues (default classic).
-    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+    pub fn with_queue_type(mut self, queue_type: QueueType) -> Self {
         self.settings.queue_type = queue_type;
         self
     }
 
     /// Quorum queues: the broker's `x-delivery-limit` on the work queue (default none).
-    pub fn delivery_limit(mut self, limit: u32) -> Self {
+    pub fn with_delivery_limit(mut self, limit: u32) -> Self {
         self.settings.delivery_limit = Some(limit);
         self
     }
 
     /// Each consumer's prefetch, and so its concurrent handlers (default 10).
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
+    pub fn with_prefetch(mut self, prefetch: u16) -> Self {
         self.settings.prefetch = prefetch;
         self
     }
 
     /// The driver's handler timeout (default 30 s).
-    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
         self.settings.handler_timeout = timeout;
         self
     }
 
     /// The driver's shutdown grace (default 30 s).
-    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+    pub fn with_shutdown_grace(mut self, grace: Duration) -> Self {
         self.settings.shutdown_grace = grace;
         self
     }
 
     /// The broker's consumer timeout (default 30 min, as RabbitMQ; `None` turns it off).
-    pub fn consumer_timeout(mut self, timeout: Option<Duration>) -> Self {
+    pub fn with_consumer_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.settings.consumer_timeout = timeout;
         self
     }
 
     /// How many consumer processes run at once (default 1).
-    pub fn consumers(mut self, n: u32) -> Self {
+    pub fn with_consumers(mut self, n: u32) -> Self {
         self.settings.consumers = n.max(1);
         self
     }
 
     /// How long after a crash its replacement process starts (default 1 s).
-    pub fn restart_delay(mut self, delay: Duration) -> Self {
+    pub fn with_restart_delay(mut self, delay: Duration) -> Self {
         self.settings.restart_delay = delay;
         self
     }
 
     /// The virtual-time limit of [`Simulation::run_until_quiet`] (default
     /// [`DEFAULT_HORIZON`]).
-    pub fn horizon(mut self, horizon: Duration) -> Self {
+    pub fn with_horizon(mut self, horizon: Duration) -> Self {
         self.settings.horizon = horizon;
         self
     }
 
     /// The seed of every random choice: random crashes, connection drops and broker faults
     /// (default 0). The same seed and script give the same trace.
-    pub fn seed(mut self, seed: u64) -> Self {
+    pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
         self
     }
 
     /// The probability that a handler run crashes its consumer, on top of its script.
-    pub fn crash_rate(mut self, p: f64) -> Self {
+    pub fn with_crash_rate(mut self, p: f64) -> Self {
         self.crash_rate = p;
         self
     }
 
     /// The probability that a handler run starts with its consumer's connection dropped
     /// (the run goes on; the transport recovers).
-    pub fn connection_drop_rate(mut self, p: f64) -> Self {
+    pub fn with_connection_drop_rate(mut self, p: f64) -> Self {
         self.connection_drop_rate = p;
         self
     }
 
     /// Random broker faults at these rates, seeded from the simulation's seed.
-    pub fn faults(mut self, rates: FaultRates) -> Self {
+    pub fn with_faults(mut self, rates: FaultRates) -> Self {
         self.faults = Some(rates);
         self
     }
 
     /// Whether to record the event trace (default on).
-    pub fn trace(mut self, on: bool) -> Self {
+    pub fn with_trace(mut self, on: bool) -> Self {
         self.trace = on;
         self
     }
 
     /// The virtual time the simulation starts at (default [`DEFAULT_START`]).
-    pub fn start_at(mut self, start: Timestamp) -> Self {
+    pub fn with_start_at(mut self, start: Timestamp) -> Self {
         self.start = start;
         self
     }
 
     /// The script of messages published without one (default: always succeed).
-    pub fn default_script(mut self, script: Script) -> Self {
+    pub fn with_default_script(mut self, script: Script) -> Self {
         self.default_script = script;
         self
     }
@@ -145,7 +145,7 @@ impl SimulationBuilder {
     /// other step is replaced by a call to the handler.
     ///
     /// [`Step::Crash`]: crate::Step::Crash
-    pub fn handler(mut self, handler: impl Handler) -> Self {
+    pub fn with_handler(mut self, handler: impl Handler) -> Self {
         self.settings.handler = Some(Arc::new(handler));
         self
     }
@@ -159,9 +159,9 @@ impl SimulationBuilder {
         }
         let plan = plan.build()?;
         let broker = Broker::builder()
-            .start_at(self.start)
-            .consumer_timeout(s.consumer_timeout)
-            .trace(self.trace)
+            .with_start_at(self.start)
+            .with_consumer_timeout(s.consumer_timeout)
+            .with_trace(self.trace)
             .build();
         broker.provision(&plan)?;
         if let Some(rates) = self.faults {

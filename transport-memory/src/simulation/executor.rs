@@ -135,8 +135,7 @@ impl Broker {
     /// let broker = Broker::new();
     /// let start = broker.now();
     /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
-    /// let consumer = Consumer::builder(broker.connect(), policy, handle)
-    ///     .queue("comments")
+    /// let consumer = Consumer::builder(broker.connect(), "comments", policy, handle)
     ///     .build()?;
     /// broker.provision(consumer.plan())?;
     /// broker.publish(Outgoing::to_queue("comments", b"hello".to_vec()))?;

@@ -326,20 +326,19 @@ impl Simulation {
         let s = &self.settings;
         let (queue_type, limit) = (s.queue_type, s.delivery_limit);
         let (ledger, broker) = (self.ledger.clone(), self.broker.clone());
-        let consumer = Consumer::builder(transport, s.policy.clone(), handler)
-            .queue(s.queue.clone())
-            .prefetch(s.prefetch)
-            .handler_timeout(s.handler_timeout)
-            .shutdown_grace(s.shutdown_grace)
-            .consumer_timeout(s.consumer_timeout.unwrap_or(Duration::MAX))
-            .topology(move |b| {
+        let consumer = Consumer::builder(transport, s.queue.clone(), s.policy.clone(), handler)
+            .with_prefetch(s.prefetch)
+            .with_handler_timeout(s.handler_timeout)
+            .with_shutdown_grace(s.shutdown_grace)
+            .with_consumer_timeout(s.consumer_timeout.unwrap_or(Duration::MAX))
+            .with_topology(move |b| {
                 let b = b.with_queue_type(queue_type);
                 match limit {
                     Some(n) => b.with_delivery_limit(n),
                     None => b,
                 }
             })
-            .on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
+            .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
             .build()?;
         let shutdown = Arc::new(Signal::default());
         let outcome: Outcome = Arc::default();
