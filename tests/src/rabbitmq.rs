@@ -8,19 +8,18 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
 use retry_core::{TopologyPlan, Transport};
 use tokio::sync::OnceCell;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table, table_from_headers};
+use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table};
 
 use crate::harness::{Harness, ParkedMessage, TestMessage, TopologyFaults};
 use crate::suite::{Scenario, Verdict, print_uncaptured, run_and_clean_up};
-use transport_amqp091::testing::{no_broker, refusing};
+use transport_amqp091::testing::{no_broker, redeclare, refusing};
 
 /// Where the broker is: `AMQP_URL` and `AMQP10_URL`, loopback by default.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -190,34 +189,9 @@ impl Admin {
             .iter()
             .filter(|q| faults.refuse_publishes_to.contains(&q.name))
         {
-            self.channel
-                .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
+            redeclare(&self.channel, plan, &queue.name, refusing)
                 .await
-                .expect("delete the queue to refuse publishes");
-            let args = refusing(table_from_headers(&queue.arguments.to_headers()));
-            self.channel
-                .queue_declare(
-                    queue.name.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: queue.durable,
-                        ..QueueDeclareOptions::default()
-                    },
-                    args,
-                )
-                .await
-                .expect("redeclare the refusing queue");
-            for b in plan.bindings().iter().filter(|b| b.queue == queue.name) {
-                self.channel
-                    .queue_bind(
-                        b.queue.as_str().into(),
-                        b.exchange.as_str().into(),
-                        b.routing_key.as_str().into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .expect("rebind the refusing queue");
-            }
+                .expect("redeclare the queue to refuse publishes");
         }
     }
 

@@ -1,7 +1,7 @@
 //! Support for tests that need a running broker: one reading of `REQUIRE_BROKER`, a skip
 //! notice the test harness cannot swallow, [`rabbitmqctl`] for faults and inspection,
-//! [`refusing`] queue arguments to make a publish fail, and a [`LogRecorder`] to check what
-//! was logged.
+//! [`refusing`] queue arguments and [`redeclare`] to make a queue of a plan refuse publishes,
+//! and a [`LogRecorder`] to check what was logged.
 //! Every broker test in this workspace uses it, and a user's own broker tests can too.
 //!
 //! Without a broker, a test is skipped loudly; with `REQUIRE_BROKER` set to anything but
@@ -50,6 +50,58 @@ pub fn refusing(mut args: lapin::types::FieldTable) -> lapin::types::FieldTable 
         AMQPValue::LongString("reject-publish".into()),
     );
     args
+}
+
+/// Replaces the queue `queue` of the provisioned `plan`: deletes it, declares it again with
+/// its plan arguments passed through `args` (for instance [`refusing`]), and binds it again
+/// as the plan does, since deleting a queue drops its bindings. Messages in it are lost.
+///
+/// Panics if the plan has no queue of that name.
+///
+/// ```no_run
+/// # async fn f(channel: lapin::Channel, plan: retry_core::TopologyPlan) -> Result<(), lapin::Error> {
+/// use transport_amqp091::testing::{redeclare, refusing};
+///
+/// // The first delay queue now refuses every clone sent to it.
+/// let delay_queue = plan.delay_routes()[0].1.routing_key.to_string();
+/// redeclare(&channel, &plan, &delay_queue, refusing).await?;
+/// # Ok(()) }
+/// ```
+pub async fn redeclare(
+    channel: &lapin::Channel,
+    plan: &retry_core::TopologyPlan,
+    queue: &str,
+    args: impl FnOnce(lapin::types::FieldTable) -> lapin::types::FieldTable,
+) -> Result<(), lapin::Error> {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+    let spec = plan
+        .queues()
+        .iter()
+        .find(|q| q.name == queue)
+        .unwrap_or_else(|| panic!("the plan has no queue {queue:?}"));
+    channel
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await?;
+    let options = QueueDeclareOptions {
+        durable: spec.durable,
+        ..QueueDeclareOptions::default()
+    };
+    let arguments = args(crate::table_from_headers(&spec.arguments.to_headers()));
+    channel
+        .queue_declare(queue.into(), options, arguments)
+        .await?;
+    for binding in plan.bindings().iter().filter(|b| b.queue == queue) {
+        channel
+            .queue_bind(
+                queue.into(),
+                binding.exchange.as_str().into(),
+                binding.routing_key.as_str().into(),
+                QueueBindOptions::default(),
+                lapin::types::FieldTable::default(),
+            )
+            .await?;
+    }
+    Ok(())
 }
 
 /// The environment variable that makes broker tests mandatory.

@@ -13,7 +13,7 @@ use retry_core::{
     Terminal, TopologyPlan, Transport, headers,
 };
 use transport_amqp091::AmqpTransport;
-use transport_amqp091::testing::refusing;
+use transport_amqp091::testing::{redeclare, refusing};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -293,33 +293,7 @@ async fn a_publish_refused_every_time_requeues_once_then_runs_as_a_suspect_uncou
     };
     // Replace the delay queue by a full one that refuses publishes.
     let delay_queue = format!("{q}.retry.300ms");
-    ch.queue_delete(delay_queue.as_str().into(), Default::default())
-        .await
-        .unwrap();
-    let spec = plan
-        .queues()
-        .iter()
-        .find(|s| s.name == delay_queue)
-        .unwrap();
-    let args = refusing(transport_amqp091::table_from_headers(
-        &spec.arguments.to_headers(),
-    ));
-    declare_durable(&ch, &delay_queue, args).await;
-    // Deleting the queue dropped its binding from the retry exchange.
-    let binding = plan
-        .bindings()
-        .iter()
-        .find(|b| b.queue == delay_queue)
-        .unwrap();
-    ch.queue_bind(
-        delay_queue.as_str().into(),
-        binding.exchange.as_str().into(),
-        binding.routing_key.as_str().into(),
-        Default::default(),
-        Default::default(),
-    )
-    .await
-    .unwrap();
+    redeclare(&ch, &plan, &delay_queue, refusing).await.unwrap();
     let runs = Runs::default();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (r, s) = (runs.clone(), Arc::clone(&seen));

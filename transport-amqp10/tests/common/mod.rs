@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
@@ -17,7 +17,8 @@ use retry_core::{
     Transport,
 };
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::{AmqpConfig, AmqpTransport, table_from_headers};
+use transport_amqp091::testing::redeclare;
+use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 /// The AMQP 1.0 URL of the broker under test.
 pub fn url10() -> String {
@@ -100,40 +101,22 @@ impl Broker {
             if !skipped && tweaks.is_empty() {
                 continue;
             }
-            self.channel
-                .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
-                .await
-                .expect("queue_delete");
             if skipped {
+                self.channel
+                    .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
+                    .await
+                    .expect("queue_delete");
                 continue;
             }
-            let mut args = table_from_headers(&queue.arguments.to_headers());
-            for (_, arg, value) in tweaks {
-                args.insert(ShortString::from(arg.as_str()), value.clone());
-            }
-            self.channel
-                .queue_declare(
-                    queue.name.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: queue.durable,
-                        ..QueueDeclareOptions::default()
-                    },
-                    args,
-                )
+            let tweak = |mut args: FieldTable| {
+                for (_, arg, value) in &tweaks {
+                    args.insert(ShortString::from(arg.as_str()), value.clone());
+                }
+                args
+            };
+            redeclare(&self.channel, plan, &queue.name, tweak)
                 .await
-                .expect("queue_declare");
-            for binding in plan.bindings().iter().filter(|b| b.queue == queue.name) {
-                self.channel
-                    .queue_bind(
-                        binding.queue.as_str().into(),
-                        binding.exchange.as_str().into(),
-                        binding.routing_key.as_str().into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .expect("queue_bind");
-            }
+                .expect("redeclare the queue");
         }
         cleanup
     }
