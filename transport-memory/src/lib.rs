@@ -75,16 +75,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! ## The run loop, by hand
+//! ## One consumer on the virtual clock
 //!
-//! The simulation's loop is small enough to write out: poll the consumer until it stalls,
-//! then move the clock to the next deadline. Here with a no-op waker, polling again after
-//! every step ([`Broker::block_on`] is this loop, polling only when woken, with bounds
-//! and a clear panic when the future waits on nothing):
+//! A consumer can also be run by hand on the virtual clock: [`Broker::block_on`] polls it
+//! until it stalls, then moves the clock to the next deadline, as the simulation does for
+//! many consumers:
 //!
 //! ```
-//! use std::pin::pin;
-//! use std::task::{Context, Poll, Waker};
 //! use std::time::Duration;
 //! use retry_core::{Consumer, HandlerError, Message, RetryPolicy};
 //! use transport_memory::{Broker, Outgoing};
@@ -104,14 +101,7 @@
 //! broker.publish(Outgoing::to_queue("comments", b"hello".to_vec()))?;
 //!
 //! let stop = broker.sleep(Duration::from_secs(3600)); // shut down after an hour
-//! let mut run = pin!(consumer.run(stop));
-//! let mut cx = Context::from_waker(Waker::noop());
-//! let report = loop {
-//!     if let Poll::Ready(report) = run.as_mut().poll(&mut cx) {
-//!         break report?;
-//!     }
-//!     broker.step().expect("the shutdown timer is always pending");
-//! };
+//! let report = broker.block_on(consumer.run(stop))?;
 //! assert_eq!((report.retried, report.handled), (1, 1));
 //! // The retry came back after exactly 30 s of virtual time.
 //! let trace = broker.trace().render();
