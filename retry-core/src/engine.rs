@@ -134,6 +134,66 @@ pub enum Terminal {
     },
 }
 
+impl Terminal {
+    /// Whether the message's journey is over: handled, parked or dropped, with nothing of it
+    /// left on the broker to come back. A retried, isolated, diverted or requeued message
+    /// will be delivered again.
+    ///
+    /// ```
+    /// use retry_core::{DeadLetterReason, Terminal};
+    /// use std::time::Duration;
+    ///
+    /// assert!(Terminal::DeadLettered { reason: DeadLetterReason::Permanent }.is_final());
+    /// assert!(!Terminal::Retried { attempts: 1, delay: Duration::from_secs(30) }.is_final());
+    /// ```
+    pub fn is_final(&self) -> bool {
+        matches!(
+            self,
+            Terminal::Handled { .. } | Terminal::DeadLettered { .. } | Terminal::Dropped { .. }
+        )
+    }
+}
+
+/// A short phrase for logs and tools.
+///
+/// ```
+/// use retry_core::{Confirm, DeadLetterReason, Terminal};
+/// use std::time::Duration;
+///
+/// assert_eq!(Terminal::Handled { attempt: 2 }.to_string(), "handled on attempt 2");
+/// let retried = Terminal::Retried { attempts: 1, delay: Duration::from_secs(30) };
+/// assert_eq!(retried.to_string(), "retried in 30s");
+/// let parked = Terminal::DeadLettered { reason: DeadLetterReason::CrashLoop };
+/// assert_eq!(parked.to_string(), "parked (crash-loop)");
+/// let requeued = Terminal::Requeued { cause: Confirm::Nack };
+/// assert_eq!(requeued.to_string(), "requeued: the clone was refused");
+/// ```
+impl fmt::Display for Terminal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Terminal::Handled { attempt } => write!(f, "handled on attempt {attempt}"),
+            Terminal::Retried { delay, .. } => write!(f, "retried in {}", format_delay(*delay)),
+            Terminal::Isolated => f.write_str("redelivered: isolated, to run alone"),
+            Terminal::Diverted { crashes, delay } => write!(
+                f,
+                "crashed its consumer running alone (crash {crashes}), back in {}",
+                format_delay(*delay)
+            ),
+            Terminal::DeadLettered { reason } => write!(f, "parked ({reason})"),
+            Terminal::Dropped { reason } => write!(f, "dropped ({reason})"),
+            Terminal::Requeued { cause } => {
+                let why = match cause {
+                    Confirm::Ack => "confirmed",
+                    Confirm::Nack => "refused",
+                    Confirm::Returned => "returned as unroutable",
+                    Confirm::Failed => "not confirmed",
+                };
+                write!(f, "requeued: the clone was {why}")
+            }
+        }
+    }
+}
+
 /// A clone to publish: the original's body and properties, with these headers written over
 /// the original's (see [`clone_headers`](crate::headers::clone_headers)).
 #[derive(Clone, Debug, PartialEq, Eq)]

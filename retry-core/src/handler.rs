@@ -88,6 +88,25 @@ impl HandlerError {
     }
 }
 
+/// A handler's result as the engine's input, for a driver of your own: `Ok` is
+/// [`Outcome::Success`], an error is [`HandlerError::to_outcome`].
+///
+/// ```
+/// use retry_core::{HandlerError, Outcome};
+///
+/// assert_eq!(Outcome::from(Ok(())), Outcome::Success);
+/// let failed: Result<(), _> = Err(HandlerError::transient("db timeout"));
+/// assert_eq!(Outcome::from(failed), Outcome::Transient("db timeout".into()));
+/// ```
+impl From<Result<(), HandlerError>> for Outcome {
+    fn from(result: Result<(), HandlerError>) -> Self {
+        match result {
+            Ok(()) => Outcome::Success,
+            Err(e) => e.to_outcome(),
+        }
+    }
+}
+
 impl fmt::Display for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.cause, f)

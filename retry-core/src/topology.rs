@@ -22,6 +22,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::decision::Lane;
 use crate::headers::{HeaderValue, Headers};
 use crate::policy::RetryPolicy;
 use crate::time::{duration_millis, format_delay};
@@ -344,6 +345,23 @@ impl TopologyPlan {
     /// The isolation queue: where suspects wait to run alone.
     pub fn isolation_queue(&self) -> &str {
         &self.isolation_queue
+    }
+
+    /// The queue a lane takes its deliveries from: the work queue or the isolation queue.
+    ///
+    /// ```
+    /// use retry_core::{Lane, RetryPolicy, TopologyPlan};
+    ///
+    /// let plan = TopologyPlan::new("comments", &RetryPolicy::default())?;
+    /// assert_eq!(plan.lane_queue(Lane::Work), "comments");
+    /// assert_eq!(plan.lane_queue(Lane::Isolation), "comments.suspect");
+    /// # Ok::<(), retry_core::TopologyError>(())
+    /// ```
+    pub fn lane_queue(&self, lane: Lane) -> &str {
+        match lane {
+            Lane::Work => self.work_queue(),
+            Lane::Isolation => self.isolation_queue(),
+        }
     }
 
     /// The route into the isolation queue.

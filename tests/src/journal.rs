@@ -77,15 +77,6 @@ pub struct Journal {
     clock: Stopwatch,
 }
 
-/// Whether a terminal is a message's last: nothing of it is left on the broker to come
-/// back.
-pub fn is_final(terminal: &Terminal) -> bool {
-    matches!(
-        terminal,
-        Terminal::Handled { .. } | Terminal::DeadLettered { .. } | Terminal::Dropped { .. }
-    )
-}
-
 fn message_id(msg: &Message) -> String {
     msg.properties().message_id.clone().unwrap_or_default()
 }
@@ -190,7 +181,7 @@ impl Journal {
         let mut ids: Vec<&str> = inner
             .terminals
             .iter()
-            .filter(|t| is_final(&t.terminal))
+            .filter(|t| t.terminal.is_final())
             .map(|t| t.id.as_str())
             .collect();
         ids.sort_unstable();
@@ -203,7 +194,7 @@ impl Journal {
         self.lock()
             .terminals
             .iter()
-            .any(|t| t.id == id && is_final(&t.terminal))
+            .any(|t| t.id == id && t.terminal.is_final())
     }
 
     fn record_run(&self, msg: &Message, script: &dyn Fn(&RunInfo) -> Step) -> Step {

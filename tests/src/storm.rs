@@ -223,7 +223,7 @@ pub async fn storm<H: Harness>(h: &H, config: &StormConfig) -> StormReport {
     let mut handled = BTreeSet::new();
     let mut dead_lettered: BTreeMap<String, DeadLetterReason> = BTreeMap::new();
     for (id, ts) in &terminals {
-        let finals = ts.iter().filter(|t| crate::journal::is_final(t)).count();
+        let finals = ts.iter().filter(|t| t.is_final()).count();
         if finals > 1 {
             duplicated.insert(id.clone());
         }

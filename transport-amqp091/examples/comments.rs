@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use retry_core::{Consumer, HandlerError, Message, RetryPolicy, Terminal, Transport};
+use retry_core::{Consumer, HandlerError, Message, RetryPolicy, Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 const COMMENTS: [(&str, &str); 5] = [
@@ -75,32 +75,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let finished = Arc::clone(&finished);
             move |msg, terminal| {
                 let id = msg.properties().message_id.clone().unwrap_or_default();
-                let line = match terminal {
-                    Terminal::Handled { attempt } => {
-                        *finished.lock().unwrap() += 1;
-                        format!("handled on attempt {attempt}")
-                    }
-                    Terminal::Retried { delay, .. } => {
-                        format!(
-                            "sent through the {} delay queue",
-                            retry_core::format_delay(*delay)
-                        )
-                    }
-                    Terminal::Isolated => "redelivered: isolated, to run alone".to_owned(),
-                    Terminal::Diverted { crashes, .. } => {
-                        format!("took its consumer down running alone (crash {crashes}), diverted")
-                    }
-                    Terminal::DeadLettered { reason } => {
-                        *finished.lock().unwrap() += 1;
-                        format!("parked: {reason}")
-                    }
-                    Terminal::Dropped { reason } => {
-                        *finished.lock().unwrap() += 1;
-                        format!("dropped: {reason}")
-                    }
-                    Terminal::Requeued { cause } => format!("requeued ({cause:?})"),
-                };
-                println!("{} {id} {line}", stamp());
+                if terminal.is_final() {
+                    *finished.lock().unwrap() += 1;
+                }
+                println!("{} {id} {terminal}", stamp());
             }
         })
         .build()?;

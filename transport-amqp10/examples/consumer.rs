@@ -74,21 +74,7 @@ async fn publish(url: &str, queue: &str, bodies: &[&str]) -> Result<(), BoxError
 }
 
 fn describe(msg: &Message, terminal: &Terminal) -> String {
-    let body = String::from_utf8_lossy(msg.body());
-    match terminal {
-        Terminal::Handled { attempt } => format!("{body:>7}: handled on attempt {attempt}"),
-        Terminal::Retried { attempts, delay } => {
-            format!("{body:>7}: failed {attempts}x, back in {delay:?} through a delay queue")
-        }
-        Terminal::Isolated => {
-            format!("{body:>7}: redelivered, isolated as a suspect to run alone")
-        }
-        Terminal::Diverted { crashes, delay } => {
-            format!("{body:>7}: took its consumer down ({crashes} crashes), back in {delay:?}")
-        }
-        Terminal::DeadLettered { reason } => format!("{body:>7}: parked ({})", reason.as_str()),
-        other => format!("{body:>7}: {other:?}"),
-    }
+    format!("{:>7}: {terminal}", String::from_utf8_lossy(msg.body()))
 }
 
 #[tokio::main]
@@ -157,13 +143,9 @@ async fn run(
                     started.elapsed().as_millis(),
                     describe(msg, terminal)
                 );
-                let last = matches!(
-                    terminal,
-                    Terminal::Handled { .. }
-                        | Terminal::DeadLettered { .. }
-                        | Terminal::Dropped { .. }
-                );
-                if last && finished.fetch_add(1, Ordering::SeqCst) + 1 == MESSAGES.len() + 1 {
+                if terminal.is_final()
+                    && finished.fetch_add(1, Ordering::SeqCst) + 1 == MESSAGES.len() + 1
+                {
                     all_done.notify_one();
                 }
             }

@@ -97,11 +97,7 @@ async fn the_consumer_runs_every_path_over_amqp10() {
             let finished = Arc::clone(&finished);
             let done = Arc::clone(&done);
             move |_, terminal| {
-                let last = matches!(
-                    terminal,
-                    Terminal::Handled { .. } | Terminal::DeadLettered { .. }
-                );
-                if last && finished.fetch_add(1, Ordering::SeqCst) + 1 == 3 {
+                if terminal.is_final() && finished.fetch_add(1, Ordering::SeqCst) + 1 == 3 {
                     done.notify_one();
                 }
             }
