@@ -31,6 +31,7 @@
 mod acks;
 mod config;
 mod convert;
+pub mod embed;
 mod error;
 mod provision;
 mod subscription;
