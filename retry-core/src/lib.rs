@@ -89,6 +89,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! The same loop on a real broker, with plain lapin doing the publishes, confirms and acks,
+//! is `transport-amqp091/examples/embedded.rs` (`cargo run -p transport-amqp091 --example
+//! embedded`); [`Terminal`]'s `Display` and [`Terminal::is_final`],
+//! [`TopologyPlan::lane_queue`] and `Outcome::from(handler_result)` are the helpers it uses.
+//!
 //! ## Header schema
 //!
 //! The engine keeps its state on the message, in headers it owns (AMQP 0-9-1 headers, AMQP
