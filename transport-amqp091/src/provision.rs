@@ -179,10 +179,22 @@ fn conflict_or(err: lapin::Error, object_kind: &str, name: &str) -> TransportErr
         lapin::ErrorKind::ProtocolError(e) => e.get_message().as_str().to_owned(),
         _ => err.to_string(),
     };
-    let parsed = parse_inequivalent(&text);
+    refused(object_kind, name, &text)
+}
+
+/// What RabbitMQ's `PRECONDITION_FAILED` reply `text` to declaring `name` means: a conflict
+/// with an existing object ("inequivalent arg"), or a refusal of the declaration itself.
+fn refused(object_kind: &str, name: &str, text: &str) -> TransportError {
+    let parsed = parse_inequivalent(text);
+    let Some(argument) = parsed.0 else {
+        // Not a conflict with an existing object: the declaration itself was refused, for
+        // instance an argument of the wrong type ("invalid arg").
+        let refused = format!("the broker refused to declare {object_kind} {name:?}: {text}");
+        return TransportError::Other(refused.into());
+    };
     TransportError::TopologyConflict {
         object: format!("{object_kind} {name:?}"),
-        argument: parsed.0.unwrap_or_else(|| "settings".into()),
+        argument,
         existing: parsed.2.unwrap_or_else(|| format!("(broker said: {text})")),
         wanted: parsed.1.unwrap_or_else(|| "the plan's value".into()),
     }
@@ -207,7 +219,8 @@ fn parse_inequivalent(text: &str) -> (Option<String>, Option<String>, Option<Str
 
 #[cfg(test)]
 mod tests {
-    use super::parse_inequivalent;
+    use super::{parse_inequivalent, refused};
+    use retry_core::TransportError;
 
     #[test]
     fn rabbitmq_conflict_replies_are_read() {
@@ -225,5 +238,22 @@ mod tests {
             (Some("type"), Some("'direct'"), Some("'fanout'"))
         );
         assert_eq!(parse_inequivalent("garbage"), (None, None, None));
+    }
+
+    #[test]
+    fn an_invalid_argument_is_not_called_a_conflict() {
+        let text = "PRECONDITION_FAILED - invalid arg 'x-message-ttl' for queue 'q.retry.30s' in vhost '/': \"expected integer, got void\"";
+        let err = refused("queue", "q.retry.30s", text);
+        assert!(matches!(err, TransportError::Other(_)), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!("the broker refused to declare queue \"q.retry.30s\": {text}")
+        );
+        let text = "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current is 'false'";
+        let err = refused("queue", "q", text);
+        assert!(
+            matches!(&err, TransportError::TopologyConflict { argument, .. } if argument == "durable"),
+            "{err:?}"
+        );
     }
 }
