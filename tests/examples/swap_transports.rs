@@ -1,0 +1,247 @@
+//! One handler and one policy on three transports: the in-memory broker, RabbitMQ over
+//! AMQP 0-9-1 and RabbitMQ over AMQP 1.0. The outcomes printed are the same on each.
+//!
+//! ```sh
+//! cargo run -p conformance --example swap_transports -- memory
+//! cargo run -p conformance --example swap_transports -- amqp091
+//! cargo run -p conformance --example swap_transports -- amqp10
+//! ```
+//!
+//! `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`) and `AMQP10_URL` (default
+//! `amqp://guest:guest@127.0.0.1:5672`) point at the broker; AMQP 1.0 needs the
+//! `rabbitmq_amqp1_0` plugin.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::channel::oneshot;
+use lapin::BasicProperties;
+use lapin::options::BasicPublishOptions;
+use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan, Transport};
+use transport_amqp10::{Amqp10Config, Amqp10Transport};
+use transport_amqp091::{AmqpConfig, AmqpTransport};
+use transport_memory::{Broker, Outgoing};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const COMMENTS: [&str; 4] = ["great post", "flaky", "spam", "broken"];
+
+/// The handler: nothing in it knows which transport delivered the message.
+async fn handle(msg: Message) -> Result<(), HandlerError> {
+    match msg.body() {
+        b"spam" => Err(HandlerError::permanent("spam is never accepted")),
+        b"flaky" if msg.attempt() == 1 => Err(HandlerError::transient("db timeout")),
+        b"broken" => Err(HandlerError::transient("cannot render comment")),
+        _ => Ok(()),
+    }
+}
+
+fn policy() -> RetryPolicy {
+    let delays = [200, 400].map(Duration::from_millis);
+    RetryPolicy::delays(delays).build().expect("a valid policy")
+}
+
+/// Consumes `queue` on any transport until every comment has been handled or parked, and
+/// returns what happened to each, in the order of `COMMENTS`.
+async fn consume<T: Transport>(transport: T, queue: &str) -> Result<String, BoxError> {
+    let paths: Arc<Mutex<BTreeMap<String, Vec<String>>>> = Arc::default();
+    let (done, all_done) = oneshot::channel();
+    let done = Mutex::new(Some(done));
+    let consumer = Consumer::builder(transport, queue, policy(), handle)
+        .with_on_terminal({
+            let paths = Arc::clone(&paths);
+            move |msg, terminal| {
+                let mut paths = paths.lock().unwrap();
+                let body = String::from_utf8_lossy(msg.body()).into_owned();
+                paths.entry(body).or_default().push(terminal.to_string());
+                let finished = paths
+                    .values()
+                    .filter(|p| p.iter().any(|t| is_end(t)))
+                    .count();
+                if finished == COMMENTS.len() {
+                    done.lock().unwrap().take().map(|tx| tx.send(()));
+                }
+            }
+        })
+        .build()?;
+    let report = consumer
+        .run(async {
+            let _ = all_done.await;
+        })
+        .await?;
+    let paths = paths.lock().unwrap();
+    let mut out = String::new();
+    for comment in COMMENTS {
+        let path = paths.get(comment).map(|p| p.join(", ")).unwrap_or_default();
+        out += &format!("{comment:<11} {path}\n");
+    }
+    out += &format!(
+        "{} handled, {} retried, {} parked\n",
+        report.handled, report.retried, report.dead_lettered
+    );
+    Ok(out)
+}
+
+fn is_end(terminal: &str) -> bool {
+    terminal.starts_with("handled") || terminal.starts_with("parked")
+}
+
+/// On the in-memory broker, in virtual time.
+fn on_memory() -> Result<String, BoxError> {
+    let broker = Broker::new();
+    let transport = broker.connect();
+    broker.block_on(async {
+        let plan = TopologyPlan::new("comments", &policy())?;
+        transport.provision(&plan).await?;
+        for comment in COMMENTS {
+            broker.publish(Outgoing::to_queue("comments", comment.into()))?;
+        }
+        consume(transport, "comments").await
+    })
+}
+
+/// On RabbitMQ, over AMQP 0-9-1 or (`amqp10`) AMQP 1.0, on a queue named `queue`. RabbitMQ
+/// 3.x cannot declare queues with arguments over AMQP 1.0, so the topology is always
+/// declared over AMQP 0-9-1, and deleted afterwards.
+async fn on_rabbitmq(amqp10: bool, queue: &str) -> Result<String, BoxError> {
+    let url = std::env::var("AMQP_URL");
+    let url = url
+        .as_deref()
+        .unwrap_or("amqp://guest:guest@127.0.0.1:5672/%2f");
+    let setup = AmqpTransport::connect(AmqpConfig::new(url)).await?;
+    let plan = TopologyPlan::new(queue, &policy())?;
+    setup.provision(&plan).await?;
+    let channel = setup.connection().create_channel().await?;
+    channel.confirm_select(Default::default()).await?;
+    for comment in COMMENTS {
+        let (options, properties) = (BasicPublishOptions::default(), BasicProperties::default());
+        let body = comment.as_bytes();
+        channel
+            .basic_publish("".into(), queue.into(), options, body, properties)
+            .await?
+            .await?;
+    }
+    let consumed = async {
+        if amqp10 {
+            let url = std::env::var("AMQP10_URL");
+            let url = url
+                .as_deref()
+                .unwrap_or("amqp://guest:guest@127.0.0.1:5672");
+            consume(
+                Amqp10Transport::connect(Amqp10Config::new(url)).await?,
+                queue,
+            )
+            .await
+        } else {
+            consume(AmqpTransport::connect(AmqpConfig::new(url)).await?, queue).await
+        }
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(60), consumed).await;
+    setup.teardown(&plan).await?;
+    outcome.map_err(|_| "not every comment was handled or parked within a minute")?
+}
+
+/// Runs the comments on `transport` (`memory`, `amqp091` or `amqp10`); `None` for another
+/// name.
+fn run(transport: &str, queue: &str) -> Option<Result<String, BoxError>> {
+    let rabbitmq = |amqp10| {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        runtime.block_on(on_rabbitmq(amqp10, queue))
+    };
+    match transport {
+        "memory" => Some(on_memory()),
+        "amqp091" => Some(rabbitmq(false)),
+        "amqp10" => Some(rabbitmq(true)),
+        _ => None,
+    }
+}
+
+fn main() {
+    let transport = std::env::args().nth(1).unwrap_or_default();
+    match run(&transport, "comments-swap") {
+        Some(Ok(out)) => print!("{out}"),
+        Some(Err(e)) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        None => {
+            eprintln!("usage: swap_transports memory|amqp091|amqp10");
+            std::process::exit(2);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    const EXPECTED: &str = "\
+great post  handled on attempt 1
+flaky       retried in 200ms, handled on attempt 2
+spam        parked (permanent)
+broken      retried in 200ms, retried in 400ms, parked (attempts-exhausted)
+2 handled, 3 retried, 2 parked
+";
+
+    /// Runs the example on `transport` and checks what it printed.
+    fn check(transport: &str) {
+        let queue = format!("swap-{transport}-{}", std::process::id());
+        let out = super::run(transport, &queue).expect("a transport the example knows");
+        let out = out.unwrap_or_else(|e| panic!("on {transport}: {e}"));
+        assert_eq!(out, EXPECTED, "on {transport}");
+    }
+
+    /// Whether the broker answers on `transport`; without it the test is skipped (loudly),
+    /// or fails when `REQUIRE_BROKER` is set.
+    fn broker_answers(transport: &str) -> bool {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let answer = runtime.block_on(async {
+            if transport == "amqp10" {
+                let url = std::env::var("AMQP10_URL");
+                let url = url
+                    .as_deref()
+                    .unwrap_or("amqp://guest:guest@127.0.0.1:5672");
+                let config = transport_amqp10::Amqp10Config::new(url);
+                let transport = transport_amqp10::Amqp10Transport::connect(config).await?;
+                transport.close().await;
+            } else {
+                let url = std::env::var("AMQP_URL");
+                let url = url
+                    .as_deref()
+                    .unwrap_or("amqp://guest:guest@127.0.0.1:5672/%2f");
+                lapin::Connection::connect(url, Default::default()).await?;
+            }
+            Ok::<_, super::BoxError>(())
+        });
+        match answer {
+            Ok(()) => true,
+            Err(e) => {
+                transport_amqp091::testing::no_broker(transport, &e.to_string());
+                false
+            }
+        }
+    }
+
+    #[test]
+    fn memory() {
+        check("memory");
+    }
+
+    #[test]
+    fn amqp091() {
+        if broker_answers("amqp091") {
+            check("amqp091");
+        }
+    }
+
+    #[test]
+    fn amqp10() {
+        if broker_answers("amqp10") {
+            check("amqp10");
+        }
+    }
+}
