@@ -141,8 +141,12 @@ impl SimulationBuilder {
     }
 
     /// Runs this handler instead of scripts: your own code, on simulated crashes and faults.
-    /// Scripts still decide crashes ([`Step::Crash`]) and random crashes still apply; every
-    /// other step is replaced by a call to the handler.
+    /// Scripts still decide crashes ([`Step::Crash`]) and how long each run takes in virtual
+    /// time ([`Script::taking`]), and random crashes still apply; every other step is
+    /// replaced by a call to the handler. `transport-memory/tests/crash_loops.rs` is a
+    /// complete test of a handler of your own, to copy.
+    ///
+    /// [`Script::taking`]: crate::Script::taking
     ///
     /// [`Step::Crash`]: crate::Step::Crash
     pub fn with_handler(mut self, handler: impl Handler) -> Self {

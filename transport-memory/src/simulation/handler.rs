@@ -72,6 +72,9 @@ impl Handler for SimHandler {
             self.broker
                 .close_connection(conn, "connection dropped mid-handler");
         }
+        if !takes.is_zero() {
+            self.broker.sleep(takes).await;
+        }
         if let Some(custom) = &self.custom {
             if step == Step::Crash {
                 return self.crash(key, id, run).await;
@@ -83,9 +86,6 @@ impl Handler for SimHandler {
             };
             self.finished(key, id, run, &step);
             return result;
-        }
-        if !takes.is_zero() {
-            self.broker.sleep(takes).await;
         }
         match &step {
             Step::Crash => return self.crash(key, id, run).await,
