@@ -181,3 +181,8 @@ pub use simulation::simulator::{SimEvent, Simulation};
 pub use transport::connection::MemoryTransport;
 pub use transport::delivery::DeliveryTag;
 pub use transport::subscription::MemorySubscription;
+
+// The README's Rust examples are compiled and run with the doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
