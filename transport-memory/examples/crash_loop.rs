@@ -9,18 +9,28 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use retry_core::{ParkedRecord, RetryPolicy, Terminal, Timestamp, format_delay};
 use transport_memory::{MessageEvent, MessageReport, Report, Script, Simulation, Step};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    print!("{}", run(std::env::args().any(|a| a == "--trace"))?);
+    Ok(())
+}
+
+/// Runs the simulation and writes what the example prints: the timeline, the summary, the
+/// parking queue and the totals, and the broker's trace if `trace` is set.
+fn run(trace: bool) -> Result<String, Box<dyn std::error::Error>> {
+    let mut out = String::new();
     let policy = RetryPolicy::delays([60, 600, 3600].map(Duration::from_secs)).build()?;
-    println!(
+    writeln!(
+        out,
         "queue \"comments\": delays 1m, 10m, 1h; crash limit {}, crash delay {}; prefetch 10; a crashed consumer restarts after 5s",
         policy.crash_limit(),
         format_delay(policy.crash_delay()),
-    );
+    )?;
     let mut sim = Simulation::builder("comments", policy)
         .with_prefetch(10)
         .with_restart_delay(Duration::from_secs(5))
@@ -34,13 +44,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let report = sim.run_until_quiet();
 
-    print_timeline(&report, ["poison", "flaky", "healthy-1"]);
-    println!();
-    print!("{}", report.summary());
-    println!();
+    print_timeline(&mut out, &report, ["poison", "flaky", "healthy-1"]);
+    writeln!(out)?;
+    write!(out, "{}", report.summary())?;
+    writeln!(out)?;
     if let Some(parked) = sim.broker().messages(sim.plan().parking_queue())?.first() {
         let record = ParkedRecord::decode(&parked.headers);
-        println!(
+        writeln!(
+            out,
             "in {}: {} (reason {}, crashes {}, failed attempts {}, from queue {})",
             sim.plan().parking_queue(),
             parked.label,
@@ -48,10 +59,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             record.crashes,
             record.attempts,
             record.origin_queue.unwrap_or("?"),
-        );
+        )?;
     }
     let t = report.totals();
-    println!(
+    writeln!(
+        out,
         "published {} = handled {} + parked {}; {} deliveries, {} handler runs, {} of virtual time",
         t.published,
         t.handled,
@@ -59,15 +71,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         t.deliveries,
         t.runs,
         format_delay(report.elapsed())
-    );
-    if std::env::args().any(|a| a == "--trace") {
-        println!("\nbroker trace:\n{}", report.trace);
+    )?;
+    if trace {
+        writeln!(out, "\nbroker trace:\n{}", report.trace)?;
     }
-    Ok(())
+    Ok(out)
 }
 
 /// One column per message, one row per instant something happened to either.
-fn print_timeline<const N: usize>(report: &Report, ids: [&str; N]) {
+fn print_timeline<const N: usize>(out: &mut String, report: &Report, ids: [&str; N]) {
     const WIDTH: usize = 42;
     let mut rows: BTreeMap<Timestamp, [Vec<String>; N]> = BTreeMap::new();
     for (column, id) in ids.iter().enumerate() {
@@ -84,7 +96,7 @@ fn print_timeline<const N: usize>(report: &Report, ids: [&str; N]) {
     for id in ids {
         header.push_str(&format!("{id:<WIDTH$}"));
     }
-    println!("\n{}", header.trim_end());
+    let _ = writeln!(out, "\n{}", header.trim_end());
     for (at, columns) in rows {
         let lines = columns.iter().map(Vec::len).max().unwrap_or(0);
         for line in 0..lines {
@@ -98,7 +110,7 @@ fn print_timeline<const N: usize>(report: &Report, ids: [&str; N]) {
                 let text = column.get(line).map_or("", String::as_str);
                 row.push_str(&format!("{text:<WIDTH$}"));
             }
-            println!("{}", row.trim_end());
+            let _ = writeln!(out, "{}", row.trim_end());
         }
     }
 }
@@ -141,4 +153,25 @@ fn story(m: &MessageReport) -> Vec<(Timestamp, String)> {
 fn elapsed(d: Duration) -> String {
     let s = d.as_secs();
     format!("+{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The text block that follows `intro` in a README.
+    fn block_after<'a>(readme: &'a str, intro: &str) -> &'a str {
+        let after = &readme[readme.find(intro).expect("the introduction") + intro.len()..];
+        let start = after.find("```text\n").expect("a text block") + "```text\n".len();
+        let len = after[start..].find("```").expect("the block's end");
+        &after[start..start + len]
+    }
+
+    /// The example prints what both READMEs say it prints.
+    #[test]
+    fn prints_what_the_readmes_show() {
+        let out = super::run(false).unwrap();
+        let root = include_str!("../../README.md");
+        let here = include_str!("../README.md");
+        assert_eq!(out, block_after(root, "The crash-loop example prints"));
+        assert_eq!(out, block_after(here, "## Crash loop"));
+    }
 }
