@@ -225,5 +225,8 @@ mod tests {
                 &parked,
             ]
         );
+        // The README shows what `cargo run` prints, on the queue `main` uses.
+        let shown = printed.join("\n").replace(&queue, "embedded-comments");
+        assert!(include_str!("../../README.md").contains(&shown), "{shown}");
     }
 }
