@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use retry_core::{DeadLetterReason, HandlerError, Message, ParkedRecord, RetryPolicy, Terminal};
 use transport_memory::{
-    Fate, FaultRates, MessageReport, Outgoing, Report, Script, Simulation, Step, Stop,
+    Fate, FaultRates, MessageReport, Outgoing, Report, Script, Simulation, SimulationBuilder, Step,
+    Stop,
 };
 
 /// The code under test: an order handler as it would be in your service. A body that is not
@@ -32,8 +33,9 @@ fn policy() -> RetryPolicy {
 }
 
 /// A simulation of two consumer processes, ten deliveries each at a time, running
-/// `handle_order`; a process that dies restarts after 5 s.
-fn orders(seed: u64) -> Simulation {
+/// `handle_order`; a process that dies restarts after 5 s. A run still going after a
+/// virtual day fails the test rather than spinning on.
+fn orders(seed: u64) -> SimulationBuilder {
     Simulation::builder("orders", policy())
         .with_handler(handle_order)
         .with_consumers(2)
@@ -41,8 +43,6 @@ fn orders(seed: u64) -> Simulation {
         .with_restart_delay(5 * SECOND)
         .with_seed(seed)
         .with_horizon(24 * 60 * MINUTE)
-        .build()
-        .unwrap()
 }
 
 /// Publishes an order with this body; the handler decides what happens to it, and each run
@@ -65,7 +65,7 @@ fn parked_after(report: &Report, m: &MessageReport) -> Duration {
 
 #[test]
 fn a_poison_order_is_parked_after_its_crash_limit_and_no_one_else_is_blamed() {
-    let mut sim = orders(1);
+    let mut sim = orders(1).build().unwrap();
     order(&mut sim, "good-1", "3");
     // A second into every run, it kills the process running it, and the orders running
     // beside it go down too.
@@ -164,21 +164,15 @@ fn a_poison_order_is_parked_after_its_crash_limit_and_no_one_else_is_blamed() {
 #[test]
 fn every_storm_ends_the_same_way() {
     for seed in 0..200 {
-        let mut sim = Simulation::builder("orders", policy())
-            .with_handler(handle_order)
-            .with_consumers(2)
-            .with_prefetch(10)
-            .with_seed(seed)
+        let faults = FaultRates::new()
+            .lose_publishes(0.05)
+            .refuse_publishes(0.05)
+            .lose_confirms(0.05)
+            .duplicate_deliveries(0.05);
+        let mut sim = orders(seed)
             .with_connection_drop_rate(0.05)
-            .with_faults(
-                FaultRates::new()
-                    .lose_publishes(0.05)
-                    .refuse_publishes(0.05)
-                    .lose_confirms(0.05)
-                    .duplicate_deliveries(0.05),
-            )
+            .with_faults(faults)
             .with_trace(false)
-            .with_horizon(24 * 60 * MINUTE)
             .build()
             .unwrap();
         sim.publish("poison", Script::always(Step::Crash)).unwrap();
