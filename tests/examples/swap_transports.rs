@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use conformance::rabbitmq::{BrokerEnv, runtime};
 use futures::channel::oneshot;
 use lapin::BasicProperties;
 use lapin::options::BasicPublishOptions;
@@ -102,12 +103,9 @@ fn on_memory() -> Result<String, BoxError> {
 /// On RabbitMQ, over AMQP 0-9-1 or (`amqp10`) AMQP 1.0, on a queue named `queue`. RabbitMQ
 /// 3.x cannot declare queues with arguments over AMQP 1.0, so the topology is always
 /// declared over AMQP 0-9-1, and deleted afterwards.
-async fn on_rabbitmq(amqp10: bool, queue: &str) -> Result<String, BoxError> {
-    let url = std::env::var("AMQP_URL");
-    let url = url
-        .as_deref()
-        .unwrap_or("amqp://guest:guest@127.0.0.1:5672/%2f");
-    let setup = AmqpTransport::connect(AmqpConfig::new(url)).await?;
+async fn on_rabbitmq(broker: &BrokerEnv, amqp10: bool, queue: &str) -> Result<String, BoxError> {
+    let config = AmqpConfig::new(&broker.amqp091_url);
+    let setup = AmqpTransport::connect(config.clone()).await?;
     let plan = TopologyPlan::new(queue, &policy())?;
     setup.provision(&plan).await?;
     let channel = setup.connection().create_channel().await?;
@@ -122,17 +120,10 @@ async fn on_rabbitmq(amqp10: bool, queue: &str) -> Result<String, BoxError> {
     }
     let consumed = async {
         if amqp10 {
-            let url = std::env::var("AMQP10_URL");
-            let url = url
-                .as_deref()
-                .unwrap_or("amqp://guest:guest@127.0.0.1:5672");
-            consume(
-                Amqp10Transport::connect(Amqp10Config::new(url)).await?,
-                queue,
-            )
-            .await
+            let config = Amqp10Config::new(&broker.amqp10_url);
+            consume(Amqp10Transport::connect(config).await?, queue).await
         } else {
-            consume(AmqpTransport::connect(AmqpConfig::new(url)).await?, queue).await
+            consume(AmqpTransport::connect(config).await?, queue).await
         }
     };
     let outcome = tokio::time::timeout(Duration::from_secs(60), consumed).await;
@@ -143,12 +134,7 @@ async fn on_rabbitmq(amqp10: bool, queue: &str) -> Result<String, BoxError> {
 /// Runs the comments on `transport` (`memory`, `amqp091` or `amqp10`); `None` for another
 /// name.
 fn run(transport: &str, queue: &str) -> Option<Result<String, BoxError>> {
-    let rabbitmq = |amqp10| {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()?;
-        runtime.block_on(on_rabbitmq(amqp10, queue))
-    };
+    let rabbitmq = |amqp10| runtime().block_on(on_rabbitmq(&BrokerEnv::from_env(), amqp10, queue));
     match transport {
         "memory" => Some(on_memory()),
         "amqp091" => Some(rabbitmq(false)),
@@ -174,6 +160,8 @@ fn main() {
 
 #[cfg(test)]
 mod tests {
+    use conformance::rabbitmq::{BrokerEnv, runtime};
+
     const EXPECTED: &str = "\
 great post  handled on attempt 1
 flaky       retried in 200ms, handled on attempt 2
@@ -190,38 +178,11 @@ broken      retried in 200ms, retried in 400ms, parked (attempts-exhausted)
         assert_eq!(out, EXPECTED, "on {transport}");
     }
 
-    /// Whether the broker answers on `transport`; without it the test is skipped (loudly),
-    /// or fails when `REQUIRE_BROKER` is set.
+    /// Whether the broker answers over `transport`; without it the test is skipped
+    /// (loudly), or fails when `REQUIRE_BROKER` is set.
     fn broker_answers(transport: &str) -> bool {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let answer = runtime.block_on(async {
-            if transport == "amqp10" {
-                let url = std::env::var("AMQP10_URL");
-                let url = url
-                    .as_deref()
-                    .unwrap_or("amqp://guest:guest@127.0.0.1:5672");
-                let config = transport_amqp10::Amqp10Config::new(url);
-                let transport = transport_amqp10::Amqp10Transport::connect(config).await?;
-                transport.close().await;
-            } else {
-                let url = std::env::var("AMQP_URL");
-                let url = url
-                    .as_deref()
-                    .unwrap_or("amqp://guest:guest@127.0.0.1:5672/%2f");
-                lapin::Connection::connect(url, Default::default()).await?;
-            }
-            Ok::<_, super::BoxError>(())
-        });
-        match answer {
-            Ok(()) => true,
-            Err(e) => {
-                transport_amqp091::testing::no_broker(transport, &e.to_string());
-                false
-            }
-        }
+        let detect = BrokerEnv::detect(transport, transport == "amqp10");
+        runtime().block_on(detect).is_some()
     }
 
     #[test]

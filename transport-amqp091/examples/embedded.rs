@@ -182,11 +182,12 @@ async fn consume(
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
-    let url = std::env::var("AMQP_URL");
-    let url = url
-        .as_deref()
-        .unwrap_or("amqp://guest:guest@127.0.0.1:5672/%2f");
-    run(url, "embedded-comments", |line| println!("{line}")).await
+    run(&url(), "embedded-comments", |line| println!("{line}")).await
+}
+
+/// The broker: `AMQP_URL`, or the local one.
+fn url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 #[cfg(test)]
@@ -194,17 +195,14 @@ mod tests {
     /// Runs the example on the local broker, on a queue of its own, and checks what it printed.
     #[tokio::test]
     async fn handles_retries_and_parks_on_the_broker() {
-        let url = std::env::var("AMQP_URL");
-        let url = url
-            .as_deref()
-            .unwrap_or("amqp://guest:guest@127.0.0.1:5672/%2f");
-        if let Err(e) = lapin::Connection::connect(url, Default::default()).await {
+        let url = super::url();
+        if let Err(e) = lapin::Connection::connect(&url, Default::default()).await {
             transport_amqp091::testing::no_broker("the embedded example", &e.to_string());
             return;
         }
         let queue = format!("embedded-test-{}", std::process::id());
         let mut printed = Vec::new();
-        let run = super::run(url, &queue, |line| printed.push(line));
+        let run = super::run(&url, &queue, |line| printed.push(line));
         // A message that never ends would keep the example waiting: fail instead.
         let limit = std::time::Duration::from_secs(60);
         tokio::time::timeout(limit, run)
