@@ -9,8 +9,10 @@
 //! suspects fetched one at a time from the isolation queue while nothing else runs.
 
 mod builder;
+mod metrics;
 mod report;
 mod run;
+mod storm;
 
 use std::fmt;
 use std::future::Future;
@@ -26,9 +28,12 @@ use crate::transport::Transport;
 pub use builder::{ConsumerBuilder, ConsumerConfigError};
 pub use report::RunReport;
 pub use run::ConsumerError;
+pub use storm::{StormControl, StormEvent};
 
 /// A callback told where each settled delivery ended.
 type Observer = Box<dyn Fn(&Message, &Terminal) + Send + Sync>;
+/// A callback told every change of storm control's state.
+type StormObserver = Box<dyn Fn(&StormEvent) + Send + Sync>;
 
 /// The validated settings of a consumer.
 #[derive(Clone, Debug)]
@@ -42,6 +47,7 @@ struct Config {
     solo_time: Duration,
     suspect_poll: Duration,
     provision: bool,
+    storm: Option<StormControl>,
 }
 
 /// Runs a [`Handler`] on the deliveries of one queue of a [`Transport`], retrying failures as
@@ -145,6 +151,7 @@ pub struct Consumer<T: Transport, H: Handler> {
     engine: Engine<run::Held<T::Tag>>,
     config: Config,
     observer: Option<Observer>,
+    on_storm: Option<StormObserver>,
 }
 
 impl<T: Transport, H: Handler> Consumer<T, H> {
@@ -207,6 +214,11 @@ impl<T: Transport, H: Handler> Consumer<T, H> {
         self.config.suspect_poll
     }
 
+    /// Storm control's settings, if it is on.
+    pub fn storm_control(&self) -> Option<&StormControl> {
+        self.config.storm.as_ref()
+    }
+
     /// The transport.
     pub fn transport(&self) -> &T {
         &self.transport
@@ -240,6 +252,7 @@ impl<T: Transport, H: Handler> fmt::Debug for Consumer<T, H> {
             .field("config", &self.config)
             .field("plan", self.engine.plan())
             .field("observer", &self.observer.is_some())
+            .field("on_storm", &self.on_storm.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -189,7 +189,10 @@ mod topology;
 mod transport;
 
 pub use backoff::Backoff;
-pub use consumer::{Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport};
+pub use consumer::{
+    Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, StormControl,
+    StormEvent,
+};
 pub use decision::{Admission, AttemptState, Decision, Lane, Outcome, admit, decide};
 pub use engine::{
     Action, Confirm, DeliveryId, Engine, EngineError, PlanMismatch, Publish, Settlement, Terminal,

@@ -3,7 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::{Config, Consumer, Observer};
+use super::storm::StormControl;
+use super::{Config, Consumer, Observer, StormObserver};
 use crate::engine::{Engine, PlanMismatch, Terminal};
 use crate::handler::Handler;
 use crate::message::Message;
@@ -35,6 +36,8 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// | [`with_topology`](Self::with_topology) | classic queues, one TTL queue per delay |
 /// | [`with_provision`](Self::with_provision) | on (off: the plan is only verified) |
 /// | [`with_on_terminal`](Self::with_on_terminal) | none |
+/// | [`with_storm_control`](Self::with_storm_control) | off |
+/// | [`with_on_storm`](Self::with_on_storm) | none |
 ///
 /// ```
 /// # use async_trait::async_trait;
@@ -101,6 +104,8 @@ pub struct ConsumerBuilder<T: Transport, H: Handler> {
     topology: Option<Customize>,
     provision: bool,
     observer: Option<Observer>,
+    storm: Option<StormControl>,
+    on_storm: Option<StormObserver>,
 }
 
 impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
@@ -120,6 +125,8 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             topology: None,
             provision: true,
             observer: None,
+            storm: None,
+            on_storm: None,
         }
     }
 
@@ -205,6 +212,67 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         self
     }
 
+    /// Turns storm control on: after the failures `storm` describes, the work lane stops
+    /// taking deliveries, and probes one at a time after a cool-down (see
+    /// [`StormControl`]). Off by default.
+    ///
+    /// While paused, the deliveries the broker already pushed wait unstarted, each for up
+    /// to `prefetch` probe cycles; `build` refuses settings where that can reach the
+    /// [`consumer_timeout`](Self::with_consumer_timeout).
+    ///
+    /// ```
+    /// # use async_trait::async_trait;
+    /// # use retry_core::*;
+    /// # struct Broker;
+    /// # #[async_trait]
+    /// # impl Transport for Broker {
+    /// #     type Tag = u64;
+    /// #     type Subscription = Broker;
+    /// #     fn capabilities(&self) -> Capabilities { Capabilities::default() }
+    /// #     async fn provision(&self, _: &TopologyPlan) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn consume(&self, _: &str, _: u16) -> Result<Broker, TransportError> { Ok(Broker) }
+    /// #     async fn fetch(&self, _: &str) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #     async fn ready(&self, _: &str, _: std::time::Duration) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn publish(&self, _: &Message, _: &Publish) -> PublishResult { PublishResult::Confirmed }
+    /// #     async fn settle(&self, _: &u64, _: Settlement) -> Result<(), TransportError> { Ok(()) }
+    /// # }
+    /// # #[async_trait]
+    /// # impl Subscription for Broker {
+    /// #     type Tag = u64;
+    /// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #     async fn cancel(&self) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn flush(&self) -> Result<(), TransportError> { Ok(()) }
+    /// # }
+    /// use retry_core::{Consumer, HandlerError, Message, RetryPolicy, StormControl, StormEvent};
+    /// use std::time::Duration;
+    ///
+    /// async fn handle(_msg: Message) -> Result<(), HandlerError> {
+    ///     Err(HandlerError::transient("payments API unavailable"))
+    /// }
+    ///
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let consumer = Consumer::builder(Broker, "orders", policy, handle)
+    ///     .with_storm_control(StormControl::consecutive_failures(20))
+    ///     .with_on_storm(|event: &StormEvent| eprintln!("storm control: {event:?}"))
+    ///     .build()?;
+    /// # drop(consumer);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_storm_control(mut self, storm: StormControl) -> Self {
+        self.storm = Some(storm);
+        self
+    }
+
+    /// Calls `observer` on every change of storm control's state: paused, probing,
+    /// resumed. It runs inside the consumer's loop, so it should be quick.
+    pub fn with_on_storm<F>(mut self, observer: F) -> Self
+    where
+        F: Fn(&super::StormEvent) + Send + Sync + 'static,
+    {
+        self.on_storm = Some(Box::new(observer));
+        self
+    }
+
     /// Checks the settings together and computes the topology plan.
     pub fn build(self) -> Result<Consumer<T, H>, ConsumerConfigError> {
         let queue = self.queue;
@@ -226,6 +294,15 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             self.solo_time,
             self.consumer_timeout,
         )?;
+        if let Some(storm) = &self.storm {
+            storm.check()?;
+            check_storm_hold(
+                storm,
+                self.prefetch,
+                in_process(&self.policy, self.handler_timeout),
+                self.consumer_timeout,
+            )?;
+        }
 
         let mut topology = TopologyPlan::builder(&queue, &self.policy);
         if let Some(customize) = self.topology {
@@ -247,8 +324,10 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
                 solo_time: self.solo_time,
                 suspect_poll: self.suspect_poll,
                 provision: self.provision,
+                storm: self.storm,
             },
             observer: self.observer,
+            on_storm: self.on_storm,
         })
     }
 }
@@ -265,6 +344,7 @@ impl<T: Transport, H: Handler> fmt::Debug for ConsumerBuilder<T, H> {
             .field("solo_time", &self.solo_time)
             .field("suspect_poll", &self.suspect_poll)
             .field("provision", &self.provision)
+            .field("storm", &self.storm)
             .finish_non_exhaustive()
     }
 }
@@ -282,28 +362,60 @@ fn check_consumer_timeout(
     solo_time: Duration,
     consumer_timeout: Duration,
 ) -> Result<(), ConsumerConfigError> {
-    let immediate_retries = policy.immediate_retries();
-    let immediate_wait = policy.immediate_wait();
-    let publish_retry_waits = policy.publish_retry_budget();
-    let runs = immediate_retries.saturating_add(1);
-    let in_process = handler_timeout
-        .checked_mul(runs)
-        .and_then(|t| t.checked_add(immediate_wait.checked_mul(immediate_retries)?))
-        .and_then(|t| t.checked_add(publish_retry_waits))
-        .unwrap_or(Duration::MAX);
+    let in_process = in_process(policy, handler_timeout);
     let worst_case = in_process
         .checked_mul(3)
         .and_then(|t| t.checked_add(solo_time))
         .unwrap_or(Duration::MAX);
     if worst_case >= consumer_timeout {
+        let immediate_retries = policy.immediate_retries();
         return Err(ConsumerConfigError::ExceedsConsumerTimeout {
             handler_timeout,
-            runs,
+            runs: immediate_retries.saturating_add(1),
             immediate_retries,
-            immediate_wait,
-            publish_retry_waits,
+            immediate_wait: policy.immediate_wait(),
+            publish_retry_waits: policy.publish_retry_budget(),
             in_process,
             solo_time,
+            worst_case,
+            consumer_timeout,
+        });
+    }
+    Ok(())
+}
+
+/// The longest one delivery is worked on in-process: its handler runs, the immediate-retry
+/// waits between them and its clone's publish-retry waits.
+fn in_process(policy: &RetryPolicy, handler_timeout: Duration) -> Duration {
+    let immediate_retries = policy.immediate_retries();
+    handler_timeout
+        .checked_mul(immediate_retries.saturating_add(1))
+        .and_then(|t| t.checked_add(policy.immediate_wait().checked_mul(immediate_retries)?))
+        .and_then(|t| t.checked_add(policy.publish_retry_budget()))
+        .unwrap_or(Duration::MAX)
+}
+
+/// While storm control holds the work lane back, the deliveries already pushed by the
+/// broker (at most `prefetch`) wait, oldest first, for one probe each: the last waits for
+/// the runs under way when the pause began, then `prefetch` probe cycles of at most the
+/// longest cool-down plus one delivery's in-process time.
+fn check_storm_hold(
+    storm: &StormControl,
+    prefetch: u16,
+    in_process: Duration,
+    consumer_timeout: Duration,
+) -> Result<(), ConsumerConfigError> {
+    let max_cool_down = storm.max_cool_down();
+    let worst_case = max_cool_down
+        .checked_add(in_process)
+        .and_then(|cycle| cycle.checked_mul(u32::from(prefetch)))
+        .and_then(|t| t.checked_add(in_process))
+        .unwrap_or(Duration::MAX);
+    if worst_case >= consumer_timeout {
+        return Err(ConsumerConfigError::StormExceedsConsumerTimeout {
+            prefetch,
+            max_cool_down,
+            in_process,
             worst_case,
             consumer_timeout,
         });
@@ -364,6 +476,39 @@ pub enum ConsumerConfigError {
         /// The time limit of one solo phase.
         solo_time: Duration,
         /// `3 × in_process + solo_time`: the longest a prefetched delivery can be held.
+        worst_case: Duration,
+        /// The broker's consumer timeout.
+        consumer_timeout: Duration,
+    },
+    /// A storm-control setting is out of range.
+    #[error("storm_control: {setting} must be {expected}, got {value}")]
+    InvalidStormControl {
+        /// The setting.
+        setting: &'static str,
+        /// What it must be.
+        expected: &'static str,
+        /// What it was.
+        value: String,
+    },
+    /// While storm control holds the work lane back, a delivery already pushed by the
+    /// broker could wait until the broker's `consumer_timeout`: see
+    /// [`ConsumerBuilder::with_storm_control`].
+    #[error(
+        "storm control could hold a delivery until consumer_timeout ({}): (max_cool_down {} + in-process time {}) × prefetch {prefetch} + {} = {}; lower max_cool_down, prefetch or handler_timeout, or raise consumer_timeout",
+        human(.consumer_timeout),
+        human(.max_cool_down),
+        human(.in_process),
+        human(.in_process),
+        human(.worst_case)
+    )]
+    StormExceedsConsumerTimeout {
+        /// The prefetch: deliveries that can wait unstarted.
+        prefetch: u16,
+        /// The longest cool-down.
+        max_cool_down: Duration,
+        /// The longest one delivery is worked on.
+        in_process: Duration,
+        /// `(max_cool_down + in_process) × prefetch + in_process`.
         worst_case: Duration,
         /// The broker's consumer timeout.
         consumer_timeout: Duration,

@@ -50,6 +50,8 @@ pub struct RunReport {
     pub handler_timeouts: u64,
     /// Receive errors the consumer recovered from by trying again.
     pub receive_errors: u64,
+    /// Times storm control paused the work lane (a failed probe pauses it again).
+    pub storm_pauses: u64,
 }
 
 impl RunReport {

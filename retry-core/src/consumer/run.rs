@@ -30,7 +30,9 @@ use futures::{FutureExt, StreamExt};
 use tracing::field::{Empty, debug as debug_value, display as display_value};
 use tracing::{Instrument, Span, debug, error, info, info_span, warn};
 
-use super::{Config, Consumer, Observer, RunReport};
+use super::metrics::{Metrics, RunOutcome, lane_label};
+use super::storm::{Storm, StormEvent};
+use super::{Config, Consumer, Observer, RunReport, StormObserver};
 use crate::decision::{Lane, Outcome};
 use crate::engine::{Action, DeliveryId, Engine, EngineError, Settlement, Terminal};
 use crate::handler::{Handler, HandlerError};
@@ -167,6 +169,10 @@ pub(super) struct Held<Tag> {
     span: Span,
     lane: Lane,
     identity: u64,
+    /// Taken while storm control was probing.
+    probe: bool,
+    /// When its handler run, or its clone's publish, started.
+    since: Timestamp,
 }
 
 pub(super) async fn run<T: Transport, H: Handler>(
@@ -179,6 +185,7 @@ pub(super) async fn run<T: Transport, H: Handler>(
         engine,
         config,
         observer,
+        on_storm,
     } = consumer;
     let mut shutdown = pin!(shutdown);
 
@@ -210,6 +217,9 @@ pub(super) async fn run<T: Transport, H: Handler>(
         handler: &handler,
         config: &config,
         observer: observer.as_ref(),
+        on_storm: on_storm.as_ref(),
+        metrics: Metrics::register(&config.queue),
+        storm: config.storm.clone().map(Storm::new),
         isolation,
         engine,
         settling: 0,
@@ -235,6 +245,10 @@ struct Driver<'a, T: Transport, H: Handler> {
     handler: &'a H,
     config: &'a Config,
     observer: Option<&'a Observer>,
+    on_storm: Option<&'a StormObserver>,
+    metrics: Metrics,
+    /// Storm control's state, when it is on.
+    storm: Option<Storm>,
     isolation: String,
     engine: Engine<Held<T::Tag>>,
     /// Deliveries the engine is done with whose settlement is under way.
@@ -317,10 +331,18 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             if self.engine.poll_timeout().is_some_and(|due| due <= now) {
                 self.engine.handle_timeout(now);
             }
+            if let Some(event) = self.storm.as_mut().and_then(|s| s.handle_timeout(now)) {
+                self.storm_event(event);
+            }
             while let Some(action) = self.engine.poll_action() {
                 self.start(action)?;
             }
-            timer = match (self.engine.poll_timeout(), timer) {
+            let storm_due = self.storm.as_ref().and_then(Storm::poll_timeout);
+            let due = match (self.engine.poll_timeout(), storm_due) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            timer = match (due, timer) {
                 (None, _) => None,
                 (Some(due), Some((armed, sleep))) if armed == due => Some((due, sleep)),
                 (Some(due), _) => {
@@ -335,6 +357,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 intake.stop_receiving();
             }
             self.advance(&mut intake, now, shutting_down);
+            self.metrics.in_flight(self.held());
             // Fetches, subscribing and flushes are tasks too: none is cut short.
             let stopping = shutting_down || !intake.receiving;
             if stopping && self.held() == 0 && self.tasks.is_empty() {
@@ -459,7 +482,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                         intake.watch =
                             Some(Box::pin(async move { transport.ready(&queue, poll).await }));
                     }
-                    if self.held() >= usize::from(self.config.prefetch) {
+                    if self.held() >= self.work_limit() {
                         return;
                     }
                     if let Some(delivery) = intake.deferred.take() {
@@ -628,6 +651,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             facts,
         } = delivery;
         self.report.received += 1;
+        self.metrics.delivered(lane);
         if lane == Lane::Isolation {
             self.report.suspects += 1;
         }
@@ -637,21 +661,28 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         let span = info_span!(
             "delivery",
             queue = %self.config.queue,
-            lane = ?lane,
+            lane = lane_label(lane),
+            message_id = Empty,
             delivery = Empty,
             attempt = Empty,
+            crashes = facts.crashes,
+            outcome = Empty,
             terminal = Empty,
         );
+        if let Some(id) = &message.properties().message_id {
+            span.record("message_id", id.as_str());
+        }
+        let now = self.transport.now();
         let held = Held {
             tag,
             message,
             span: span.clone(),
             lane,
             identity: facts.identity,
+            probe: lane == Lane::Work && self.storm.as_ref().is_some_and(Storm::probing),
+            since: now,
         };
-        let id = self
-            .engine
-            .handle_delivery(self.transport.now(), lane, facts, held);
+        let id = self.engine.handle_delivery(now, lane, facts, held);
         span.record("delivery", display_value(&id));
         if !facts.malformed.is_empty() {
             warn!(
@@ -675,9 +706,11 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
     /// engine only asks to settle a delivery after its clone's confirm came back.
     fn start(&mut self, action: Action<Held<T::Tag>>) -> Result<(), ConsumerError> {
         let (transport, handler, config) = (self.transport, self.handler, self.config);
+        let now = transport.now();
         match action {
             Action::RunHandler { delivery, attempt } => {
                 let held = self.held_mut(delivery)?;
+                held.since = now;
                 held.message = held.message.with_attempt(attempt);
                 held.span.record("attempt", attempt);
                 if attempt > 1 {
@@ -702,6 +735,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             }
             Action::Publish { delivery, publish } => {
                 let held = self.held_mut(delivery)?;
+                held.since = now;
                 let original = held.message.clone();
                 let span = held.span.clone();
                 debug!(
@@ -751,10 +785,34 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         let now = self.transport.now();
         match event {
             Event::Handled { id, run } => {
-                let outcome = self.outcome(id, run);
+                let (outcome, label) = self.outcome(id, run);
+                let held = self.held_mut(id)?;
+                let (lane, probe, took) = (
+                    held.lane,
+                    held.probe,
+                    now.saturating_duration_since(held.since),
+                );
+                held.span.record("outcome", label.as_str());
+                self.metrics.handler_ran(lane, label, took);
+                let failed = match label {
+                    RunOutcome::Success => Some(false),
+                    RunOutcome::Permanent => None,
+                    _ => Some(true),
+                };
+                if lane == Lane::Work
+                    && let Some(event) = self
+                        .storm
+                        .as_mut()
+                        .and_then(|s| s.run_ended(now, probe, failed))
+                {
+                    self.storm_event(event);
+                }
                 self.engine.handle_outcome(now, id, outcome)?;
             }
             Event::Published { id, result } => {
+                let held = self.held_mut(id)?;
+                let (lane, took) = (held.lane, now.saturating_duration_since(held.since));
+                self.metrics.confirmed(lane, took);
                 if let PublishResult::Failed(e) = &result {
                     warn!(parent: &self.span(id), error = e as &dyn Error, "publishing the clone failed");
                 }
@@ -847,6 +905,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     }));
                 }
                 self.report.count(&terminal);
+                self.metrics.settled(held.lane, &terminal);
                 if let Some(observer) = self.observer {
                     observer(&held.message, &terminal);
                 }
@@ -868,9 +927,10 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         }
     }
 
-    fn outcome(&mut self, id: DeliveryId, run: HandlerRun) -> Outcome {
+    /// The engine's outcome of a handler run, and its metrics label.
+    fn outcome(&mut self, id: DeliveryId, run: HandlerRun) -> (Outcome, RunOutcome) {
         let span = self.span(id);
-        match run {
+        let outcome = match run {
             HandlerRun::Finished(Ok(())) => Outcome::Success,
             HandlerRun::Finished(Err(e)) => {
                 debug!(parent: &span, error = &e as &dyn Error, kind = ?e.kind(), "handler failed");
@@ -879,7 +939,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             HandlerRun::Panicked(cause) => {
                 self.report.handler_panics += 1;
                 warn!(parent: &span, cause = %cause, "handler panicked");
-                Outcome::Transient(cause)
+                return (Outcome::Transient(cause), RunOutcome::Panic);
             }
             HandlerRun::TimedOut => {
                 self.report.handler_timeouts += 1;
@@ -888,8 +948,45 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     format_delay(self.config.handler_timeout)
                 );
                 warn!(parent: &span, "{cause}; it was cancelled");
-                Outcome::Transient(cause)
+                return (Outcome::Transient(cause), RunOutcome::Timeout);
             }
+        };
+        let label = match outcome {
+            Outcome::Success => RunOutcome::Success,
+            Outcome::Transient(_) => RunOutcome::Transient,
+            Outcome::Permanent(_) => RunOutcome::Permanent,
+            Outcome::RetryAfter(..) => RunOutcome::RetryAfter,
+        };
+        (outcome, label)
+    }
+
+    /// How many deliveries may be held while the work lane takes deliveries: `prefetch`,
+    /// unless storm control holds it back.
+    fn work_limit(&self) -> usize {
+        let prefetch = self.config.prefetch;
+        self.storm
+            .as_ref()
+            .map_or(usize::from(prefetch), |s| s.limit(prefetch))
+    }
+
+    fn storm_event(&mut self, event: StormEvent) {
+        let queue = &self.config.queue;
+        match event {
+            StormEvent::Paused { cool_down } => {
+                self.report.storm_pauses += 1;
+                self.metrics.storm_paused(true);
+                warn!(%queue, cool_down = %format_delay(cool_down), held = self.held(), "storm control: handlers keep failing; no new work until a probe succeeds");
+            }
+            StormEvent::Probing => {
+                info!(%queue, "storm control: probing with one delivery at a time");
+            }
+            StormEvent::Resumed { paused_for } => {
+                self.metrics.storm_paused(false);
+                info!(%queue, paused_for = %format_delay(paused_for), "storm control: probes succeeded; full concurrency again");
+            }
+        }
+        if let Some(observer) = self.on_storm {
+            observer(&event);
         }
     }
 

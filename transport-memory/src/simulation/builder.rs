@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use retry_core::{Handler, QueueType, RetryPolicy, Timestamp, TopologyPlan};
+use retry_core::{Handler, QueueType, RetryPolicy, StormControl, Timestamp, TopologyPlan};
 
 use crate::broker::fault::{FaultRates, Rng};
 use crate::broker::{Broker, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_START};
@@ -154,6 +154,13 @@ impl SimulationBuilder {
         self
     }
 
+    /// Runs every consumer with storm control
+    /// ([`ConsumerBuilder::with_storm_control`](retry_core::ConsumerBuilder::with_storm_control)).
+    pub fn with_storm_control(mut self, storm: StormControl) -> Self {
+        self.settings.storm = Some(storm);
+        self
+    }
+
     /// Makes the broker, declares the plan, and starts the consumer processes.
     pub fn build(self) -> Result<Simulation, SimulationError> {
         let s = &self.settings;
@@ -200,6 +207,7 @@ impl Simulation {
                 restart_delay: Duration::from_secs(1),
                 horizon: DEFAULT_HORIZON,
                 handler: None,
+                storm: None,
             },
             seed: 0,
             crash_rate: 0.0,

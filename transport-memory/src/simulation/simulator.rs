@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
-use retry_core::{Consumer, Handler, QueueType, RetryPolicy, RunReport, Timestamp, TopologyPlan};
+use retry_core::{
+    Consumer, Handler, QueueType, RetryPolicy, RunReport, StormControl, Timestamp, TopologyPlan,
+};
 
 use crate::broker::Broker;
 use crate::broker::message::{Outgoing, Publishing, QueuedMessage};
@@ -62,6 +64,7 @@ pub(crate) struct Settings {
     pub(crate) restart_delay: Duration,
     pub(crate) horizon: Duration,
     pub(crate) handler: Option<Arc<dyn Handler>>,
+    pub(crate) storm: Option<StormControl>,
 }
 
 /// A simulation of consumers running the real retry driver ([`Consumer`]) on the in-memory
@@ -326,7 +329,7 @@ impl Simulation {
         let s = &self.settings;
         let (queue_type, limit) = (s.queue_type, s.delivery_limit);
         let (ledger, broker) = (self.ledger.clone(), self.broker.clone());
-        let consumer = Consumer::builder(transport, s.queue.clone(), s.policy.clone(), handler)
+        let mut consumer = Consumer::builder(transport, s.queue.clone(), s.policy.clone(), handler)
             .with_prefetch(s.prefetch)
             .with_handler_timeout(s.handler_timeout)
             .with_shutdown_grace(s.shutdown_grace)
@@ -338,8 +341,11 @@ impl Simulation {
                     None => b,
                 }
             })
-            .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
-            .build()?;
+            .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal));
+        if let Some(storm) = &s.storm {
+            consumer = consumer.with_storm_control(storm.clone());
+        }
+        let consumer = consumer.build()?;
         let shutdown = Arc::new(Signal::default());
         let outcome: Outcome = Arc::default();
         let (signal, out, broker) = (shutdown.clone(), outcome.clone(), self.broker.clone());
