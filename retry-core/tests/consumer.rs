@@ -16,8 +16,8 @@ use retry_core::headers;
 use retry_core::{
     BrokerSignals, Capabilities, Confirm, Consumer, ConsumerConfigError, ConsumerError,
     DeadLetterReason, Delivery, DeliveryFacts, HandlerError, HeaderValue, Headers, Message,
-    MessageParts, Publish, PublishResult, RetryPolicy, RunReport, Settlement, Subscription,
-    Terminal, Timestamp, TopologyPlan, Transport, TransportError, message_identity,
+    MessageParts, Publish, PublishResult, RetryPolicy, RunReport, Settlement, StormControl,
+    Subscription, Terminal, Timestamp, TopologyPlan, Transport, TransportError, message_identity,
 };
 
 mock! {
@@ -789,6 +789,58 @@ fn other_invalid_settings_are_refused_by_name() {
         .unwrap_err();
     assert!(matches!(err, ConsumerConfigError::Topology(_)));
     assert!(err.to_string().contains("amq.reserved"), "{err}");
+}
+
+#[test]
+fn storm_control_settings_are_refused_by_name() {
+    let err = refused(|b| b.with_storm_control(StormControl::consecutive_failures(0)));
+    assert!(matches!(
+        err,
+        ConsumerConfigError::InvalidStormControl {
+            setting: "consecutive_failures",
+            ..
+        }
+    ));
+    assert_eq!(
+        err.to_string(),
+        "storm_control: consecutive_failures must be at least 1, got 0"
+    );
+    let err = refused(|b| b.with_storm_control(StormControl::failure_ratio(0.0, 10)));
+    assert!(err.to_string().contains("failure_ratio"), "{err}");
+}
+
+#[test]
+fn storm_control_that_could_hold_a_prefetched_delivery_past_the_consumer_timeout_is_refused() {
+    // In-process time 30.7 s (30 s handler timeout, 0.7 s of publish-retry waits): with
+    // prefetch 20 and a 60 s cool-down, (60 s + 30.7 s) × 20 + 30.7 s = 30m 44.7s.
+    let storm = StormControl::consecutive_failures(10);
+    let err = refused(|b| b.with_prefetch(20).with_storm_control(storm.clone()));
+    assert!(
+        matches!(
+            err,
+            ConsumerConfigError::StormExceedsConsumerTimeout {
+                prefetch: 20,
+                worst_case,
+                ..
+            } if worst_case == Duration::from_millis(30 * 60_000 + 44_700)
+        ),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    for part in ["max_cool_down 1m", "prefetch 20", "= 30m 44s 700ms"] {
+        assert!(text.contains(part), "{part:?} missing from: {text}");
+    }
+    // A shorter longest cool-down fits.
+    let handler = |_: Message| async { Ok::<(), HandlerError>(()) };
+    let consumer = Consumer::builder(MockBroker::new(), QUEUE, policy(), handler)
+        .with_prefetch(20)
+        .with_storm_control(storm.with_cool_down(Duration::from_secs(5), Duration::from_secs(50)))
+        .build()
+        .unwrap();
+    assert_eq!(
+        consumer.storm_control().map(StormControl::max_cool_down),
+        Some(Duration::from_secs(50))
+    );
 }
 
 #[test]
