@@ -12,6 +12,10 @@
 //! BENCH_ONLY=simulation cargo bench -p transport-memory --bench simulate  # for a profiler
 //! ```
 //!
+//! A third comparison prices the metrics: the driver floor on the success path (every
+//! handler succeeds at once) with no `metrics` recorder installed, then with
+//! `metrics-exporter-prometheus`'s recorder.
+//!
 //! Each figure is the best of three runs: the machine is shared, and the best run is the
 //! one least disturbed.
 
@@ -201,7 +205,13 @@ fn delivery(tag: u64, parts: MessageParts) -> Delivery<u64> {
     }
 }
 
-fn driver_floor(n: usize) -> (Duration, u64) {
+/// The consumer driver on [`NullTransport`]: each message fails `failures` times, then
+/// succeeds; with `recorder` installed for the run, if given.
+fn driver_floor(
+    n: usize,
+    failures: usize,
+    recorder: Option<&dyn metrics::Recorder>,
+) -> (Duration, u64) {
     let inbox = (0..n)
         .map(|i| {
             let parts = MessageParts {
@@ -220,9 +230,9 @@ fn driver_floor(n: usize) -> (Duration, u64) {
     let transport = NullTransport {
         inbox: Arc::new(Mutex::new(inbox)),
     };
-    let handler = |msg: Message| async move {
+    let handler = move |msg: Message| async move {
         let failed = retry_core::ParkedRecord::decode(msg.headers()).attempts as usize;
-        if failed < FAILURES {
+        if failed < failures {
             Err(HandlerError::transient("transient failure"))
         } else {
             Ok(())
@@ -234,11 +244,13 @@ fn driver_floor(n: usize) -> (Duration, u64) {
         .build()
         .expect("a valid consumer");
     let start = Instant::now();
-    let report = consumer
-        .run(futures::future::pending())
-        .now_or_never()
-        .expect("nothing waits on a clock")
-        .expect("ran");
+    let run = || consumer.run(futures::future::pending()).now_or_never();
+    let report = match recorder {
+        Some(recorder) => metrics::with_local_recorder(recorder, run),
+        None => run(),
+    }
+    .expect("nothing waits on a clock")
+    .expect("ran");
     let wall = start.elapsed();
     assert_eq!(report.handled, n as u64);
     (wall, report.received)
@@ -272,7 +284,7 @@ fn main() {
                 (w, d)
             }),
             "raw" => best(|| raw_broker(n)),
-            "floor" => best(|| driver_floor(n)),
+            "floor" => best(|| driver_floor(n, FAILURES, None)),
             other => panic!("BENCH_ONLY={other:?}: expected simulation, raw or floor"),
         };
         println!(
@@ -287,7 +299,11 @@ fn main() {
         (w, (d, v))
     });
     let (raw_wall, raw_deliveries) = best(|| raw_broker(n));
-    let (floor_wall, floor_deliveries) = best(|| driver_floor(n));
+    let (floor_wall, floor_deliveries) = best(|| driver_floor(n, FAILURES, None));
+    // The success path, 20 times the messages so that it runs as long.
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let (bare_wall, bare) = best(|| driver_floor(20 * n, 0, None));
+    let (recorded_wall, recorded) = best(|| driver_floor(20 * n, 0, Some(&prometheus)));
 
     let sim_rate = per_second(deliveries, sim_wall);
     let raw_rate = per_second(raw_deliveries, raw_wall);
@@ -314,5 +330,23 @@ fn main() {
         "ratios: simulation / raw broker = {:.3}, simulation / driver floor = {:.3}",
         sim_rate / raw_rate,
         sim_rate / floor_rate
+    );
+    let (bare_rate, recorded_rate) = (
+        per_second(bare, bare_wall),
+        per_second(recorded, recorded_wall),
+    );
+    println!(
+        "success path, no recorder         {bare:>7} deliveries in {:>9.1} ms = {bare_rate:>10.0} deliveries/s ({:.0} ns each)",
+        bare_wall.as_secs_f64() * 1e3,
+        bare_wall.as_secs_f64() * 1e9 / bare as f64
+    );
+    println!(
+        "success path, Prometheus recorder {recorded:>7} deliveries in {:>9.1} ms = {recorded_rate:>10.0} deliveries/s ({:.0} ns each)",
+        recorded_wall.as_secs_f64() * 1e3,
+        recorded_wall.as_secs_f64() * 1e9 / recorded as f64
+    );
+    println!(
+        "ratio: with recorder / without = {:.3}",
+        recorded_rate / bare_rate
     );
 }
