@@ -164,6 +164,48 @@
 //! `x-delivery-limit` stays a backstop: the broker parks a message returned that often,
 //! whatever the engine decided.
 //!
+//! ## Metrics
+//!
+//! [`Consumer`] emits through the [`metrics`](https://docs.rs/metrics) facade, so you pick
+//! the exporter (`metrics-exporter-prometheus`, OpenTelemetry, StatsD…): install its
+//! recorder before the consumer runs. The handles are registered once when a run starts,
+//! with every label value the run can use, so each series exists from the start at 0. With
+//! no recorder installed, each emission is a branch on a no-op handle.
+//! `transport-amqp091/examples/metrics.rs` serves them to Prometheus.
+//!
+//! | metric | type | labels | what it counts |
+//! |---|---|---|---|
+//! | `retry_deliveries_total` | counter | `queue`, `lane` | deliveries taken, from the work queue (`lane="work"`) or the isolation queue (`lane="isolation"`) |
+//! | `retry_terminals_total` | counter | `queue`, `lane`, `terminal`, `reason` | deliveries settled, by [`Terminal`]: `handled`, `retried`, `isolated`, `diverted`, `parked`, `dropped`, `requeued`; `reason` is the [`DeadLetterReason`] of `parked` and `dropped`, and the broker's last answer (`nack`, `returned`, `failed`) of `requeued` |
+//! | `retry_handler_seconds` | histogram | `queue`, `lane`, `outcome` | handler run time; `outcome` is `success`, `transient`, `permanent`, `retry-after`, `panic` or `timeout` |
+//! | `retry_publish_confirm_seconds` | histogram | `queue`, `lane` | from publishing a clone (retry, isolation, diversion, parking) to its confirm |
+//! | `retry_in_flight` | gauge | `queue` | deliveries held: running, waiting in-process, publishing or settling |
+//! | `retry_handled_attempt` | histogram | `queue`, `lane` | the attempt on which handled messages succeeded (1: first time) |
+//! | `retry_storm_paused` | gauge | `queue` | 1 while [storm control](ConsumerBuilder::with_storm_control) holds the work lane back (paused or probing), else 0 |
+//!
+//! Over a run, `retry_deliveries_total` summed over lanes equals [`RunReport::received`],
+//! and each `terminal` of `retry_terminals_total` equals its [`RunReport`] field. Times are
+//! read from [`Transport::now`], to the millisecond (virtual time in a simulation).
+//!
+//! ## Tracing
+//!
+//! Each delivery runs in a `delivery` span (`tracing`, level INFO); its handler runs,
+//! publishes and settlement are inside it. Its fields:
+//!
+//! | field | value |
+//! |---|---|
+//! | `queue` | the work queue |
+//! | `lane` | `work` or `isolation` |
+//! | `message_id` | the message's `message-id` property, when it has one: all the attempts of one message, across deliveries and processes, share it |
+//! | `delivery` | the engine's id of this delivery, unique in the process |
+//! | `attempt` | the run number of the latest handler run |
+//! | `crashes` | crashes counted so far, from its headers |
+//! | `outcome` | how the latest handler run ended, as the `outcome` label above |
+//! | `terminal` | how the delivery ended ([`Terminal`]) |
+//!
+//! Storm control logs a pause at WARN and probing and resuming at INFO, and tells
+//! [`ConsumerBuilder::with_on_storm`]; [`RunReport::storm_pauses`] counts the pauses.
+//!
 //! ## Features
 //!
 //! * `serde`: [`RetryPolicy`] deserializes from TOML or JSON, with human durations; see the
