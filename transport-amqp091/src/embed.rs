@@ -121,7 +121,9 @@ pub fn confirm(confirmation: Result<lapin::Confirmation, lapin::Error>) -> Confi
 /// Declares every exchange, queue and binding of `plan` on `conn`, idempotently, as
 /// [`AmqpTransport::provision`](crate::AmqpTransport) does: an object that exists with
 /// other settings is a [`TransportError::TopologyConflict`] naming it and the argument.
-/// Uses a channel of its own, closed when done.
+/// Uses a channel of its own, closed when done. Each object is declared without asking
+/// first whether it exists, so the report lists them as
+/// [`declared`](ProvisionReport::declared).
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -131,14 +133,14 @@ pub fn confirm(confirmation: Result<lapin::Confirmation, lapin::Error>) -> Confi
 /// let conn = lapin::Connection::connect("amqp://127.0.0.1:5672/%2f", Default::default()).await?;
 /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
 /// let report = transport_amqp091::embed::provision(&conn, &TopologyPlan::new("comments", &policy)?).await?;
-/// println!("created {:?}", report.created);
+/// println!("declared {:?}", report.declared);
 /// # Ok(()) }
 /// ```
 pub async fn provision(
     conn: &Connection,
     plan: &TopologyPlan,
 ) -> Result<ProvisionReport, TransportError> {
-    crate::provision::provision(conn, plan).await
+    crate::provision::provision(conn, plan, false).await
 }
 
 /// Deletes every queue and exchange of `plan` on `conn`, with their messages. For tests and

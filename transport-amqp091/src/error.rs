@@ -1,5 +1,6 @@
 //! lapin errors as `TransportError`s.
 
+use lapin::protocol::AMQPErrorKind;
 use lapin::types::ShortString;
 use retry_core::TransportError;
 
@@ -8,6 +9,15 @@ pub(crate) fn amqp_code(err: &lapin::Error) -> Option<u16> {
     match err.kind() {
         lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
         _ => None,
+    }
+}
+
+/// Whether `err` is the broker closing one channel, not the connection: a channel is closed
+/// with a soft error (`NOT_FOUND`, `PRECONDITION_FAILED`, ...), a connection with a hard one.
+pub(crate) fn closes_only_a_channel(err: &lapin::Error) -> bool {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) => matches!(e.kind(), AMQPErrorKind::Soft(_)),
+        _ => false,
     }
 }
 
@@ -29,4 +39,32 @@ pub(crate) fn short(name: &str) -> Result<ShortString, TransportError> {
             .into(),
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::closes_only_a_channel;
+    use lapin::ErrorKind;
+    use lapin::protocol::{AMQPError, AMQPHardError, AMQPSoftError};
+
+    #[test]
+    fn soft_errors_close_a_channel_and_hard_ones_the_connection() {
+        let soft = AMQPError::new(
+            AMQPSoftError::NOTFOUND.into(),
+            "NOT_FOUND - no queue".into(),
+        );
+        let hard = AMQPError::new(
+            AMQPHardError::CONNECTIONFORCED.into(),
+            "CONNECTION_FORCED - closed".into(),
+        );
+        assert!(closes_only_a_channel(
+            &ErrorKind::ProtocolError(soft).into()
+        ));
+        assert!(!closes_only_a_channel(
+            &ErrorKind::ProtocolError(hard).into()
+        ));
+        assert!(!closes_only_a_channel(
+            &ErrorKind::MissingHeartbeatError.into()
+        ));
+    }
 }

@@ -1,18 +1,25 @@
 //! Declaring a `TopologyPlan`, idempotently, with conflicts reported by name.
 //!
-//! Each object is first inspected with a passive declare (does it exist?), then declared
-//! with the plan's settings on a scratch channel. RabbitMQ refuses an inequivalent
+//! Each object is declared with the plan's settings. RabbitMQ refuses an inequivalent
 //! redeclaration with `PRECONDITION_FAILED` and closes the channel; that reply names the
 //! argument and both values, and becomes a [`TransportError::TopologyConflict`].
+//!
+//! AMQP 0-9-1 cannot ask whether an object exists without the broker closing the channel
+//! when it does not (`NOT_FOUND`), and lapin logs every channel the broker closes at ERROR.
+//! So the consumer's start declares at once, and a first start on a fresh broker logs one
+//! INFO line, nothing louder. Inspecting first, to tell created objects from verified ones,
+//! is for tools ([`AmqpTransport::provision_inspected`](crate::AmqpTransport::provision_inspected)):
+//! it passive-declares each object on a channel used for nothing else, where `NOT_FOUND`
+//! means "to be created", and logs each creation at INFO.
 
 use lapin::options::{
     ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
     QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ExchangeKind as LapinKind};
 use retry_core::{ExchangeKind, TopologyPlan, TransportError};
-use tracing::info;
+use tracing::{debug, info};
 
 use crate::convert::table_from_headers;
 use crate::error::{amqp_code, connection_error, short};
@@ -20,30 +27,95 @@ use crate::error::{amqp_code, connection_error, short};
 const PRECONDITION_FAILED: u16 = 406;
 const NOT_FOUND: u16 = 404;
 
-/// What provisioning did, object by object.
+/// What provisioning did, object by object (`"queue comments.parking"`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ProvisionReport {
-    /// Objects that did not exist and were declared.
+    /// Objects that did not exist and were declared (inspected provisioning only).
     pub created: Vec<String>,
-    /// Objects that existed with the planned settings.
+    /// Objects that existed with the planned settings (inspected provisioning only).
     pub verified: Vec<String>,
+    /// Objects declared without asking first (the consumer's start): each exists now with
+    /// the planned settings, created or already there.
+    pub declared: Vec<String>,
 }
 
-struct Scratch<'a> {
+/// Passive declares, on a channel of their own: the `NOT_FOUND` closure of a missing object
+/// never touches the channel the plan is declared on.
+struct Inspector<'a> {
     conn: &'a Connection,
-    channel: Channel,
+    /// Open until a `NOT_FOUND` closes it; the next inspection opens another.
+    channel: Option<Channel>,
 }
 
-impl<'a> Scratch<'a> {
-    async fn open(conn: &'a Connection) -> Result<Self, TransportError> {
-        let channel = conn.create_channel().await.map_err(connection_error)?;
-        Ok(Scratch { conn, channel })
+impl<'a> Inspector<'a> {
+    fn new(conn: &'a Connection) -> Self {
+        Inspector {
+            conn,
+            channel: None,
+        }
     }
 
-    /// A failed declare closes the channel; the next step needs a fresh one.
-    async fn renew(&mut self) -> Result<(), TransportError> {
-        self.channel = self.conn.create_channel().await.map_err(connection_error)?;
-        Ok(())
+    async fn take_channel(&mut self) -> Result<Channel, TransportError> {
+        match self.channel.take() {
+            Some(channel) => Ok(channel),
+            None => self.conn.create_channel().await.map_err(connection_error),
+        }
+    }
+
+    /// Whether exchange `name` exists.
+    async fn exchange_exists(
+        &mut self,
+        name: ShortString,
+        kind: LapinKind,
+    ) -> Result<bool, TransportError> {
+        let channel = self.take_channel().await?;
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let answer = channel
+            .exchange_declare(name, kind, passive, FieldTable::default())
+            .await;
+        self.exists(channel, answer)
+    }
+
+    /// Whether queue `name` exists.
+    async fn queue_exists(&mut self, name: ShortString) -> Result<bool, TransportError> {
+        let channel = self.take_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let answer = channel
+            .queue_declare(name, passive, FieldTable::default())
+            .await
+            .map(drop);
+        self.exists(channel, answer)
+    }
+
+    /// Reads the broker's `answer` to a passive declare on `channel`, keeping the channel
+    /// while it is open.
+    fn exists(
+        &mut self,
+        channel: Channel,
+        answer: Result<(), lapin::Error>,
+    ) -> Result<bool, TransportError> {
+        match answer {
+            Ok(()) => {
+                self.channel = Some(channel);
+                Ok(true)
+            }
+            // The broker has closed the channel: it is left to drop.
+            Err(err) if amqp_code(&err) == Some(NOT_FOUND) => Ok(false),
+            Err(err) => Err(connection_error(err)),
+        }
+    }
+
+    async fn close(self) {
+        if let Some(channel) = self.channel {
+            let _ = channel.close(200, "inspected".into()).await;
+        }
     }
 }
 
@@ -55,75 +127,59 @@ fn kind(k: ExchangeKind) -> LapinKind {
     }
 }
 
-/// Declares every exchange, queue and binding of `plan`.
+/// Declares every exchange, queue and binding of `plan`; with `inspect`, asks first which
+/// objects exist.
 pub(crate) async fn provision(
     conn: &Connection,
     plan: &TopologyPlan,
+    inspect: bool,
 ) -> Result<ProvisionReport, TransportError> {
-    let mut scratch = Scratch::open(conn).await?;
+    let mut inspector = inspect.then(|| Inspector::new(conn));
+    let channel = conn.create_channel().await.map_err(connection_error)?;
     let mut report = ProvisionReport::default();
     for e in plan.exchanges() {
         let name = short(&e.name)?;
-        let passive = ExchangeDeclareOptions {
-            passive: true,
-            ..ExchangeDeclareOptions::default()
-        };
-        let exists = match scratch
-            .channel
-            .exchange_declare(name.clone(), kind(e.kind), passive, FieldTable::default())
-            .await
-        {
-            Ok(()) => true,
-            Err(err) if amqp_code(&err) == Some(NOT_FOUND) => {
-                scratch.renew().await?;
-                false
-            }
-            Err(err) => return Err(connection_error(err)),
+        let exists = match &mut inspector {
+            Some(inspector) => Some(
+                inspector
+                    .exchange_exists(name.clone(), kind(e.kind))
+                    .await?,
+            ),
+            None => None,
         };
         let options = ExchangeDeclareOptions {
             durable: e.durable,
             ..ExchangeDeclareOptions::default()
         };
-        if let Err(err) = scratch
-            .channel
+        if let Err(err) = channel
             .exchange_declare(name, kind(e.kind), options, FieldTable::default())
             .await
         {
             return Err(conflict_or(err, "exchange", &e.name));
         }
-        record(&mut report, exists, format!("exchange {}", e.name));
+        record(&mut report, exists, "exchange", &e.name);
     }
     for q in plan.queues() {
         let name = short(&q.name)?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let exists = match scratch
-            .channel
-            .queue_declare(name.clone(), passive, FieldTable::default())
-            .await
-        {
-            Ok(_) => true,
-            Err(err) if amqp_code(&err) == Some(NOT_FOUND) => {
-                scratch.renew().await?;
-                false
-            }
-            Err(err) => return Err(connection_error(err)),
+        let exists = match &mut inspector {
+            Some(inspector) => Some(inspector.queue_exists(name.clone()).await?),
+            None => None,
         };
         let options = QueueDeclareOptions {
             durable: q.durable,
             ..QueueDeclareOptions::default()
         };
         let args = table_from_headers(&q.arguments.to_headers());
-        if let Err(err) = scratch.channel.queue_declare(name, options, args).await {
+        if let Err(err) = channel.queue_declare(name, options, args).await {
             return Err(conflict_or(err, "queue", &q.name));
         }
-        record(&mut report, exists, format!("queue {}", q.name));
+        record(&mut report, exists, "queue", &q.name);
+    }
+    if let Some(inspector) = inspector {
+        inspector.close().await;
     }
     for b in plan.bindings() {
-        scratch
-            .channel
+        channel
             .queue_bind(
                 short(&b.queue)?,
                 short(&b.exchange)?,
@@ -134,13 +190,24 @@ pub(crate) async fn provision(
             .await
             .map_err(connection_error)?;
     }
-    let _ = scratch.channel.close(200, "provisioned".into()).await;
-    info!(
-        queue = plan.work_queue(),
-        created = ?report.created,
-        verified = report.verified.len(),
-        "topology provisioned"
-    );
+    let _ = channel.close(200, "provisioned".into()).await;
+    if inspect {
+        info!(
+            queue = plan.work_queue(),
+            created = report.created.len(),
+            verified = report.verified.len(),
+            bindings = plan.bindings().len(),
+            "topology provisioned"
+        );
+    } else {
+        info!(
+            queue = plan.work_queue(),
+            exchanges = plan.exchanges().len(),
+            queues = plan.queues().len(),
+            bindings = plan.bindings().len(),
+            "topology declared"
+        );
+    }
     Ok(report)
 }
 
@@ -163,11 +230,23 @@ pub(crate) async fn teardown(conn: &Connection, plan: &TopologyPlan) -> Result<(
     Ok(())
 }
 
-fn record(report: &mut ProvisionReport, existed: bool, what: String) {
-    if existed {
-        report.verified.push(what);
-    } else {
-        report.created.push(what);
+/// Adds the exchange or queue (`kind`) `name` to `report`, and logs it: at INFO if it was
+/// created, at DEBUG if it `existed` or was declared without asking (`None`).
+fn record(report: &mut ProvisionReport, existed: Option<bool>, kind: &'static str, name: &str) {
+    let object = format!("{kind} {name}");
+    match existed {
+        Some(true) => {
+            debug!(kind, name, "verified");
+            report.verified.push(object);
+        }
+        Some(false) => {
+            info!(kind, name, "created");
+            report.created.push(object);
+        }
+        None => {
+            debug!(kind, name, "declared");
+            report.declared.push(object);
+        }
     }
 }
 

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Metadata, Subscriber};
+use tracing::{Event, Level, Metadata, Subscriber};
 
 /// `args` plus a length limit of zero with `reject-publish`: a queue declared with them
 /// refuses every publish with a negative confirm, which is how tests make a clone's publish
@@ -168,10 +168,19 @@ pub fn rabbitmqctl(args: &[&str]) -> String {
 /// });
 /// assert_eq!(recorder.containing("connection lost").len(), 1);
 /// assert!(recorder.containing("secret").is_empty());
+/// assert_eq!(recorder.at_least(tracing::Level::WARN).len(), 1);
+/// assert!(recorder.at_least(tracing::Level::ERROR).is_empty());
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct LogRecorder {
-    lines: Arc<Mutex<Vec<String>>>,
+    lines: Arc<Mutex<Vec<Recorded>>>,
+}
+
+/// One recorded line, with its event's level (`None` for a span).
+#[derive(Debug)]
+struct Recorded {
+    level: Option<Level>,
+    text: String,
 }
 
 impl LogRecorder {
@@ -189,17 +198,29 @@ impl LogRecorder {
     pub fn containing(&self, text: &str) -> Vec<String> {
         self.lock()
             .iter()
-            .filter(|line| line.contains(text))
-            .cloned()
+            .filter(|line| line.text.contains(text))
+            .map(|line| line.text.clone())
             .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+    /// The recorded events at `level` or more severe (`WARN` gives warnings and errors).
+    pub fn at_least(&self, level: Level) -> Vec<String> {
+        self.lock()
+            .iter()
+            .filter(|line| line.level.is_some_and(|l| l <= level))
+            .map(|line| line.text.clone())
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Recorded>> {
         self.lines.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn keep(&self, line: Line) {
-        self.lock().push(line.0);
+    fn keep(&self, level: Option<Level>, line: Line) {
+        self.lock().push(Recorded {
+            level,
+            text: line.0,
+        });
     }
 }
 
@@ -234,14 +255,14 @@ impl Subscriber for LogRecorder {
     fn new_span(&self, span: &Attributes<'_>) -> Id {
         let mut line = Line(format!("span {}", span.metadata().name()));
         span.record(&mut line);
-        self.keep(line);
+        self.keep(None, line);
         Id::from_u64(1)
     }
 
     fn record(&self, _: &Id, values: &Record<'_>) {
         let mut line = Line("record".into());
         values.record(&mut line);
-        self.keep(line);
+        self.keep(None, line);
     }
 
     fn record_follows_from(&self, _: &Id, _: &Id) {}
@@ -250,7 +271,7 @@ impl Subscriber for LogRecorder {
         let meta = event.metadata();
         let mut line = Line(format!("{} {}", meta.level(), meta.target()));
         event.record(&mut line);
-        self.keep(line);
+        self.keep(Some(*meta.level()), line);
     }
 
     fn enter(&self, _: &Id) {}

@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 use crate::acks::{Acks, Refusal};
 use crate::config::AmqpConfig;
 use crate::convert::{properties_to_amqp, received};
-use crate::error::{connection_error, short};
+use crate::error::{closes_only_a_channel, connection_error, short};
 use crate::provision::{self, ProvisionReport};
 use crate::subscription::AmqpSubscription;
 
@@ -168,7 +168,34 @@ impl AmqpTransport {
         &self.connection
     }
 
-    /// What the latest [`provision`](Transport::provision) created and verified.
+    /// Declares `plan` as [`provision`](Transport::provision) does, but asks the broker
+    /// first which objects exist, to report them as created or verified. On RabbitMQ each
+    /// missing object is a channel the broker closes with `NOT_FOUND`, which lapin logs at
+    /// ERROR (target `lapin::channel`): for tools, not for a consumer's start.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// use retry_core::{RetryPolicy, TopologyPlan};
+    /// use std::time::Duration;
+    /// use transport_amqp091::{AmqpConfig, AmqpTransport};
+    ///
+    /// let transport = AmqpTransport::connect(AmqpConfig::new("amqp://127.0.0.1:5672/%2f")).await?;
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let report = transport.provision_inspected(&TopologyPlan::new("comments", &policy)?).await?;
+    /// println!("created {:?}, verified {:?}", report.created, report.verified);
+    /// # Ok(()) }
+    /// ```
+    pub async fn provision_inspected(
+        &self,
+        plan: &TopologyPlan,
+    ) -> Result<ProvisionReport, TransportError> {
+        let report = provision::provision(&self.connection, plan, true).await?;
+        *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+        Ok(report)
+    }
+
+    /// What the latest [`provision`](Transport::provision) or
+    /// [`provision_inspected`](Self::provision_inspected) did.
     pub fn last_provision_report(&self) -> Option<ProvisionReport> {
         self.last_report
             .lock()
@@ -295,11 +322,19 @@ async fn confirm_channel(connection: &Connection) -> Result<Channel, TransportEr
 }
 
 /// Logs every loss and recovery of the connection, and counts the recoveries.
+///
+/// lapin reports a channel the broker closed as an error event of the connection too. That
+/// is no connection loss: the operation that made the broker close the channel has failed
+/// with the broker's reply and reports it, and some closures are expected (a passive
+/// declare of a missing object, see the `provision` module). It is logged at DEBUG only.
 fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>) {
     let mut events = connection.events_listener();
     tokio::spawn(async move {
         while let Some(event) = events.next().await {
             match event {
+                Event::Error(e) if closes_only_a_channel(&e) => {
+                    debug!(error = %e, "the broker closed a channel");
+                }
                 Event::Error(e) => warn!(error = %e, "connection lost; recovering"),
                 // The listener was made after the first connect: every `Connected` it sees
                 // is a reconnection. A close the broker initiates is not always preceded by
@@ -353,7 +388,7 @@ impl Transport for AmqpTransport {
     }
 
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        let report = provision::provision(&self.connection, plan).await?;
+        let report = provision::provision(&self.connection, plan, false).await?;
         *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
         Ok(())
     }

@@ -63,11 +63,11 @@ async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
         .unwrap();
     let plan = TopologyPlan::new(&q, &policy).unwrap();
     let t = transport(&config).await;
-    t.provision(&plan).await.unwrap();
-    let first = t.last_provision_report().unwrap();
+    let first = t.provision_inspected(&plan).await.unwrap();
     // Two exchanges; the work queue, three delay queues, the isolation queue, its
     // crash-delay queue and the parking queue.
     assert_eq!(first.created.len(), 2 + 7, "{first:?}");
+    assert_eq!(t.last_provision_report().as_ref(), Some(&first));
 
     let queues = list_queues(&q).await;
     let mut names: Vec<_> = queues.iter().map(|r| r["name"].as_str().unwrap()).collect();
@@ -117,10 +117,15 @@ async fn provisioning_creates_exactly_the_planned_topology_and_is_idempotent() {
     assert_eq!(bindings, planned);
 
     // Again: nothing new, everything verified.
-    t.provision(&plan).await.unwrap();
-    let second = t.last_provision_report().unwrap();
+    let second = t.provision_inspected(&plan).await.unwrap();
     assert!(second.created.is_empty(), "{second:?}");
     assert_eq!(second.verified.len(), 9);
+    // The consumer's start declares without asking: the same objects, none refused.
+    t.provision(&plan).await.unwrap();
+    let declared = t.last_provision_report().unwrap();
+    assert_eq!(declared.declared.len(), 9, "{declared:?}");
+    assert!(declared.created.is_empty() && declared.verified.is_empty());
+    assert_eq!(list_bindings(&q).await, planned);
     t.teardown(&plan).await.unwrap();
     assert!(list_queues(&q).await.is_empty());
 }
