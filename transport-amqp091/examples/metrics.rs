@@ -128,12 +128,24 @@ async fn run(
         }
         Ok::<(), lapin::Error>(())
     };
+    // Histogram samples wait in the recorder until upkeep drains them: run it even when
+    // nobody scrapes, so memory stays bounded.
+    let upkeep = {
+        let handle = handle.clone();
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                handle.run_upkeep();
+            }
+        }
+    };
     let serving = serve(listener, handle);
     let consuming = consumer.run(stop);
     tokio::select! {
         report = consuming => println!("consumer stopped: {:?}", report?),
         published = publishing => published?,
         () = serving => {}
+        () = upkeep => {}
     }
     transport.teardown(&plan).await?;
     Ok(())
