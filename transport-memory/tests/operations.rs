@@ -2,8 +2,9 @@
 //! with the run's own report. All on virtual time.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -253,4 +254,98 @@ fn metrics_agree_with_the_run_report() {
     );
     assert_eq!(gauges["retry_in_flight{}"], 0.0);
     assert_eq!(gauges["retry_storm_paused{}"], 0.0);
+}
+
+/// The fields of every `delivery` span, as text, by span id.
+#[derive(Clone, Default)]
+struct DeliverySpans(Arc<Mutex<Vec<Option<BTreeMap<String, String>>>>>);
+
+/// Records fields into a map, as text.
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+}
+
+impl tracing::Subscriber for DeliverySpans {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        let mut spans = self.0.lock().unwrap();
+        let fields = (span.metadata().name() == "delivery").then(|| {
+            let mut fields = BTreeMap::new();
+            span.record(&mut Fields(&mut fields));
+            fields
+        });
+        spans.push(fields);
+        tracing::span::Id::from_u64(spans.len() as u64)
+    }
+
+    fn record(&self, span: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        let mut spans = self.0.lock().unwrap();
+        if let Some(Some(fields)) = spans.get_mut(span.into_u64() as usize - 1) {
+            values.record(&mut Fields(fields));
+        }
+    }
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {}
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn the_attempts_of_one_message_share_its_message_id_in_their_spans() {
+    let policy = RetryPolicy::delays([10 * SECOND]).build().unwrap();
+    let spans = DeliverySpans::default();
+    tracing::subscriber::with_default(spans.clone(), || {
+        let mut sim = Simulation::builder("orders", policy).build().unwrap();
+        sim.publish("flaky", Script::fail_times(1)).unwrap();
+        sim.publish("fine", Script::succeed()).unwrap();
+        sim.run_until_quiet();
+    });
+    let spans = spans.0.lock().unwrap();
+    let of = |id: &str| -> Vec<Vec<(String, String)>> {
+        spans
+            .iter()
+            .flatten()
+            .filter(|f| f.get("message_id").map(String::as_str) == Some(id))
+            .map(|f| {
+                ["lane", "attempt", "crashes", "outcome", "terminal"]
+                    .iter()
+                    .map(|k| (k.to_string(), f.get(*k).cloned().unwrap_or_default()))
+                    .collect()
+            })
+            .collect()
+    };
+    let fields = |attempt: &str, outcome: &str, terminal: &str| {
+        [
+            ("lane", "work"),
+            ("attempt", attempt),
+            ("crashes", "0"),
+            ("outcome", outcome),
+            ("terminal", terminal),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .to_vec()
+    };
+    assert_eq!(
+        of("flaky"),
+        [
+            fields("1", "transient", "Retried { attempts: 1, delay: 10s }"),
+            fields("2", "success", "Handled { attempt: 2 }"),
+        ]
+    );
+    assert_eq!(
+        of("fine"),
+        [fields("1", "success", "Handled { attempt: 1 }")]
+    );
 }
