@@ -256,12 +256,15 @@ fn metrics_agree_with_the_run_report() {
     assert_eq!(gauges["retry_storm_paused{}"], 0.0);
 }
 
-/// The fields of every `delivery` span, as text, by span id.
+/// A span's fields, as text.
+type SpanFields = BTreeMap<String, String>;
+
+/// The fields of every `delivery` span (`None` for other spans), by span id.
 #[derive(Clone, Default)]
-struct DeliverySpans(Arc<Mutex<Vec<Option<BTreeMap<String, String>>>>>);
+struct DeliverySpans(Arc<Mutex<Vec<Option<SpanFields>>>>);
 
 /// Records fields into a map, as text.
-struct Fields<'a>(&'a mut BTreeMap<String, String>);
+struct Fields<'a>(&'a mut SpanFields);
 
 impl tracing::field::Visit for Fields<'_> {
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn fmt::Debug) {
