@@ -288,20 +288,17 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         if self.suspect_poll.is_zero() {
             return Err(ConsumerConfigError::ZeroSuspectPoll);
         }
+        let in_process = in_process(&self.policy, self.handler_timeout);
         check_consumer_timeout(
             &self.policy,
             self.handler_timeout,
+            in_process,
             self.solo_time,
             self.consumer_timeout,
         )?;
         if let Some(storm) = &self.storm {
             storm.check()?;
-            check_storm_hold(
-                storm,
-                self.prefetch,
-                in_process(&self.policy, self.handler_timeout),
-                self.consumer_timeout,
-            )?;
+            check_storm_hold(storm, self.prefetch, in_process, self.consumer_timeout)?;
         }
 
         let mut topology = TopologyPlan::builder(&queue, &self.policy);
@@ -359,10 +356,10 @@ impl<T: Transport, H: Handler> fmt::Debug for ConsumerBuilder<T, H> {
 fn check_consumer_timeout(
     policy: &RetryPolicy,
     handler_timeout: Duration,
+    in_process: Duration,
     solo_time: Duration,
     consumer_timeout: Duration,
 ) -> Result<(), ConsumerConfigError> {
-    let in_process = in_process(policy, handler_timeout);
     let worst_case = in_process
         .checked_mul(3)
         .and_then(|t| t.checked_add(solo_time))
