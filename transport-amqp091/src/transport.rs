@@ -189,7 +189,17 @@ impl AmqpTransport {
         &self,
         plan: &TopologyPlan,
     ) -> Result<ProvisionReport, TransportError> {
-        let report = provision::provision(&self.connection, plan, true).await?;
+        self.provision_reported(plan, true).await
+    }
+
+    /// Provisions `plan` (asking first which objects exist, with `inspect`) and keeps the
+    /// report for [`last_provision_report`](Self::last_provision_report).
+    async fn provision_reported(
+        &self,
+        plan: &TopologyPlan,
+        inspect: bool,
+    ) -> Result<ProvisionReport, TransportError> {
+        let report = provision::provision(&self.connection, plan, inspect).await?;
         *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
         Ok(report)
     }
@@ -388,9 +398,7 @@ impl Transport for AmqpTransport {
     }
 
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        let report = provision::provision(&self.connection, plan, false).await?;
-        *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
-        Ok(())
+        self.provision_reported(plan, false).await.map(drop)
     }
 
     async fn consume(
