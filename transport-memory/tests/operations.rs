@@ -36,6 +36,14 @@ impl Handler for Downstream {
     }
 }
 
+/// The report the simulation's one consumer returned when it was shut down.
+fn finished_run(report: &Report) -> RunReport {
+    match &report.consumers[0].state {
+        ConsumerState::Finished(run) => *run,
+        other => panic!("the consumer did not finish: {other:?}"),
+    }
+}
+
 /// What an outage did to the queue.
 #[derive(Debug)]
 struct Outage {
@@ -74,10 +82,7 @@ fn outage(storm: Option<StormControl>) -> Outage {
     downstream.down.store(false, Ordering::SeqCst);
     sim.run_until_quiet();
     let report = sim.shutdown();
-    let run = match &report.consumers[0].state {
-        ConsumerState::Finished(run) => *run,
-        other => panic!("the consumer did not finish: {other:?}"),
-    };
+    let run = finished_run(&report);
     Outage {
         parked_during: during.totals().parked,
         runs_during: downstream.runs_while_down.load(Ordering::SeqCst),
@@ -185,10 +190,7 @@ fn metrics_agree_with_the_run_report() {
         }
         sim.run_until_quiet();
         let report = sim.shutdown();
-        let run = match &report.consumers[0].state {
-            ConsumerState::Finished(run) => *run,
-            other => panic!("the consumer did not finish: {other:?}"),
-        };
+        let run = finished_run(&report);
         (run, report)
     });
     let (counts, samples, gauges) = counters(&recorder);
