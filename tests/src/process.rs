@@ -157,12 +157,17 @@ pub fn append(path: &Path, event: &Event) -> std::io::Result<()> {
 }
 
 /// Reads the record; a missing file is an empty record. Panics on a malformed line.
+///
+/// The record may be read while a consumer process appends to it: a reader can see part of
+/// a write under way, so text after the last newline is not a line yet and is left for the
+/// next read. Every [`append`] ends its line in the same write.
 pub fn read(path: &Path) -> Vec<Line> {
-    let text = match std::fs::read_to_string(path) {
+    let mut text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
         Err(e) => panic!("reading {}: {e}", path.display()),
     };
+    text.truncate(text.rfind('\n').map_or(0, |end| end + 1));
     text.lines()
         .map(|line| {
             let mut words = line.splitn(4, ' ');
@@ -204,4 +209,33 @@ pub fn read(path: &Path) -> Vec<Line> {
             Line { pid, event }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_still_being_written_is_read_once_it_is_whole() {
+        let path = std::env::temp_dir().join(format!("record-{}", std::process::id()));
+        std::fs::write(&path, "7 run m-1 1 work\n7 succeeded m-1").unwrap();
+        assert_eq!(read(&path).len(), 1);
+        std::fs::write(&path, "7 run m-1 1 work\n7 succeeded m-1 1\n").unwrap();
+        let lines = read(&path);
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(
+            &lines[1].event,
+            Event::Succeeded { id, attempt: 1 } if id == "m-1"
+        ));
+    }
+
+    #[test]
+    #[should_panic(expected = "malformed record line \"7 succeeded\"")]
+    fn a_whole_malformed_line_is_refused() {
+        let path = std::env::temp_dir().join(format!("malformed-{}", std::process::id()));
+        std::fs::write(&path, "7 succeeded\n").unwrap();
+        let read = std::panic::catch_unwind(|| read(&path));
+        std::fs::remove_file(&path).unwrap();
+        std::panic::resume_unwind(read.unwrap_err());
+    }
 }
