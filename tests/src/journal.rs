@@ -134,15 +134,15 @@ impl Journal {
         self.lock().runs.clone()
     }
 
-    /// Every terminal of message `id`, in order.
+    /// Every terminal of message `id`, in the order of the attempts they ended (see
+    /// [`Journal::terminals_by_message`] for why that is not always the report order).
     pub fn terminals_of(&self, id: &str) -> Vec<Terminal> {
-        self.terminal_records_of(id)
-            .into_iter()
-            .map(|r| r.terminal)
-            .collect()
+        let mut records = self.terminal_records_of(id);
+        records.sort_by_key(|r| r.attempt);
+        records.into_iter().map(|r| r.terminal).collect()
     }
 
-    /// Every terminal record of message `id`, in order.
+    /// Every terminal record of message `id`, in the order they were reported.
     pub fn terminal_records_of(&self, id: &str) -> Vec<TerminalRecord> {
         self.lock()
             .terminals
