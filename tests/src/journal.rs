@@ -265,3 +265,37 @@ impl Handler for ScriptedHandler {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use retry_core::{MessageParts, Properties};
+
+    #[test]
+    fn terminals_of_orders_by_attempt_not_by_report() {
+        let journal = Journal::new(Stopwatch::new(|| Duration::ZERO));
+        let observe = journal.observer();
+        let msg = Message::new(MessageParts {
+            properties: Properties {
+                message_id: Some("m".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        let retried = Terminal::Retried {
+            attempts: 1,
+            delay: Duration::from_millis(200),
+        };
+        let handled = Terminal::Handled { attempt: 2 };
+        // The clone was handled before the first delivery's settlement completed.
+        observe(&msg.with_attempt(2), &handled);
+        observe(&msg, &retried);
+        assert_eq!(journal.terminals_of("m"), [retried, handled]);
+        assert_eq!(
+            journal.terminal_records_of("m")[0].terminal,
+            handled,
+            "records keep the report order"
+        );
+        assert_eq!(journal.terminals_by_message()["m"], [retried, handled]);
+    }
+}
