@@ -319,6 +319,18 @@ pub enum PlanMismatch {
         /// The crash delay.
         delay: Duration,
     },
+    /// The policy asks for a delay longer than the plan's cascade holds.
+    #[error(
+        "the topology plan for {queue:?} has a delay cascade that holds at most {max:?}, and the policy needs {delay:?}; make the plan from the same policy"
+    )]
+    BeyondCascade {
+        /// The work queue.
+        queue: String,
+        /// The longest delay the policy needs.
+        delay: Duration,
+        /// The longest the cascade holds.
+        max: Duration,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -419,6 +431,22 @@ impl<D> Engine<D> {
     /// An engine for `policy` over `plan`, which must have been made from the same policy:
     /// every delay level the policy can ask for, and its crash delay, need their queues.
     pub fn new(policy: RetryPolicy, plan: &TopologyPlan) -> Result<Self, PlanMismatch> {
+        if let Some(cascade) = plan.cascade() {
+            let longest = policy
+                .delay_levels()
+                .iter()
+                .copied()
+                .chain(policy.crash_delay_level())
+                .max();
+            if let Some(delay) = longest.filter(|d| *d > cascade.max_delay()) {
+                return Err(PlanMismatch::BeyondCascade {
+                    queue: plan.work_queue().to_owned(),
+                    delay,
+                    max: cascade.max_delay(),
+                });
+            }
+            return Ok(Self::unchecked(policy, plan));
+        }
         for &delay in policy.delay_levels() {
             if !plan.delay_routes().iter().any(|(level, _)| *level == delay) {
                 return Err(PlanMismatch::MissingDelayLevel {
@@ -436,14 +464,18 @@ impl<D> Engine<D> {
                 delay,
             });
         }
-        Ok(Engine {
+        Ok(Self::unchecked(policy, plan))
+    }
+
+    fn unchecked(policy: RetryPolicy, plan: &TopologyPlan) -> Self {
+        Engine {
             policy,
             plan: plan.clone(),
             live: SlotMap::with_key(),
             actions: VecDeque::new(),
             timers: Vec::new(),
             excused: VecDeque::new(),
-        })
+        }
     }
 
     /// The policy.
@@ -760,10 +792,7 @@ impl<D> Engine<D> {
                 (route, None, headers, Terminal::Isolated)
             }
             Decision::Divert { delay } => {
-                let route = match self.plan.crash_route() {
-                    Some((level, route)) if level == delay => route.clone(),
-                    _ => self.plan.isolation_route().clone(),
-                };
+                let route = self.plan.divert_route(delay);
                 let terminal = Terminal::Diverted {
                     crashes: state.crashes,
                     delay,
@@ -798,11 +827,9 @@ impl<D> Engine<D> {
     fn delay_route(&self, delay: Duration) -> (Route, Option<Duration>) {
         // `new` checked that the plan has every level the policy can ask for, and decisions
         // only produce delays within the policy's levels.
-        let (route, expiration) = self
-            .plan
+        self.plan
             .route_for(delay)
-            .expect("Engine::new verified the plan has the policy's delay levels");
-        (route.clone(), expiration)
+            .expect("Engine::new verified the plan has the policy's delay levels")
     }
 
     fn settle(&mut self, id: DeliveryId, settlement: Settlement, terminal: Terminal) {

@@ -215,6 +215,7 @@
 #![warn(missing_docs)]
 
 mod backoff;
+mod cascade;
 #[cfg(feature = "serde")]
 mod config;
 mod consumer;
@@ -231,6 +232,10 @@ mod topology;
 mod transport;
 
 pub use backoff::Backoff;
+pub use cascade::{
+    Cascade, CascadePlan, DEFAULT_CASCADE_PREFIX, DEFAULT_CASCADE_UNIT, ExchangeBindingSpec,
+    MAX_CASCADE_LEVELS,
+};
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, StormControl,
     StormEvent,

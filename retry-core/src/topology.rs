@@ -18,10 +18,16 @@
 //! [`format_delay`](crate::format_delay). With [`QueueType::Quorum`], every queue is a
 //! quorum queue and the queues that dead-letter use at-least-once dead-lettering (which
 //! RabbitMQ requires to be paired with `x-overflow: reject-publish`).
+//!
+//! With [`DelayStrategy::Cascade`] there are no delay or crash-delay queues: every delayed
+//! clone goes through a binary cascade of TTL levels shared by all work queues (see
+//! [`CascadePlan`]), and the work queue and the isolation queue are bound to the cascade's
+//! delivery exchange.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cascade::{Cascade, CascadePlan};
 use crate::decision::Lane;
 use crate::headers::{HeaderValue, Headers};
 use crate::policy::RetryPolicy;
@@ -41,14 +47,18 @@ pub enum QueueType {
 }
 
 /// How delays are realised on the broker.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DelayStrategy {
     /// One TTL queue per distinct delay of the policy: the classic "retry queue" topology.
     /// A jittered or retry-after delay goes to the smallest level that holds it, with a
-    /// per-message expiration for the difference.
+    /// per-message expiration for the difference; since a broker expires messages only at
+    /// the head of a queue, such a clone can wait behind a longer one ahead of it.
     #[default]
     PerDelayQueue,
+    /// A binary cascade of TTL levels shared by every work queue: any delay, rounded up to
+    /// the cascade's unit, never waiting behind a longer one. See [`CascadePlan`].
+    Cascade(Cascade),
 }
 
 /// Exchange types the plan uses.
@@ -105,6 +115,14 @@ pub enum QueueRole {
     },
     /// Where parked messages wait for a human.
     Parking,
+    /// Level `level` of a delay cascade, shared by every work queue that uses it: every
+    /// message waits `ttl`, then moves down a level.
+    CascadeLevel {
+        /// The level, from 0.
+        level: u32,
+        /// Its TTL: the cascade's unit × 2^level.
+        ttl: Duration,
+    },
 }
 
 /// `x-overflow` behaviours the plan uses.
@@ -228,6 +246,50 @@ pub enum TopologyError {
         /// The name given.
         name: String,
     },
+    /// The cascade's unit is not a whole number of milliseconds of at least 1 ms.
+    #[error(
+        "cascade unit {unit:?} must be a whole number of milliseconds, at least 1 ms (broker TTLs are milliseconds)"
+    )]
+    InvalidCascadeUnit {
+        /// The unit given.
+        unit: Duration,
+    },
+    /// The cascade's name prefix is empty or starts with `amq.`.
+    #[error("cascade prefix {prefix:?} must be non-empty and must not start with \"amq.\"")]
+    InvalidCascadePrefix {
+        /// The prefix given.
+        prefix: String,
+    },
+    /// The cascade's number of levels is out of range, or too few for the longest delay.
+    #[error(
+        "a cascade of {levels} levels is out of range: the policy's longest delay {longest:?} needs {needed} (at most 32)"
+    )]
+    CascadeLevels {
+        /// The levels asked for.
+        levels: u32,
+        /// The fewest that hold the longest delay (33 when even 32 do not).
+        needed: u32,
+        /// The policy's longest delay.
+        longest: Duration,
+    },
+    /// The cascade's top level would hold messages longer than a broker TTL can.
+    #[error(
+        "cascade level {level} would hold messages for {ttl:?}, longer than a broker TTL can (about 49.7 days): use a smaller unit or fewer levels"
+    )]
+    CascadeLevelTooLong {
+        /// The top level.
+        level: u32,
+        /// Its TTL.
+        ttl: Duration,
+    },
+    /// A destination queue's name has a word that a topic binding reads as a wildcard.
+    #[error(
+        "queue name {name:?} has a `*` or `#` word, which the cascade's topic bindings would read as a wildcard"
+    )]
+    WildcardInQueueName {
+        /// The queue name.
+        name: String,
+    },
     /// A derived name would be longer than AMQP allows.
     #[error(
         "work queue name {name:?} is too long: derived name {derived:?} is {len} bytes, the limit is 255"
@@ -274,6 +336,7 @@ pub struct TopologyPlan {
     crash_route: Option<(Duration, Route)>,
     parking_route: Route,
     parking_queue: String,
+    cascade: Option<CascadePlan>,
 }
 
 impl TopologyPlan {
@@ -322,9 +385,17 @@ impl TopologyPlan {
         &self.queues
     }
 
-    /// The bindings to declare.
+    /// The bindings to declare. With a cascade, these include the work queue's (and the
+    /// isolation queue's) binding to the cascade's delivery exchange.
     pub fn bindings(&self) -> &[BindingSpec] {
         &self.bindings
+    }
+
+    /// The delay cascade, with [`DelayStrategy::Cascade`]: shared objects to provision
+    /// before [`exchanges`](Self::exchanges), [`queues`](Self::queues) and
+    /// [`bindings`](Self::bindings), and never to delete with this work queue's.
+    pub fn cascade(&self) -> Option<&CascadePlan> {
+        self.cascade.as_ref()
     }
 
     /// The parking (dead-letter) queue.
@@ -337,7 +408,8 @@ impl TopologyPlan {
         &self.parking_route
     }
 
-    /// The delay levels, ascending, each with its route.
+    /// The delay levels, ascending, each with its route; empty with a cascade, which has
+    /// no per-delay routes.
     pub fn delay_routes(&self) -> &[(Duration, Route)] {
         &self.delay_routes
     }
@@ -370,9 +442,39 @@ impl TopologyPlan {
     }
 
     /// The crash delay and the route into its queue, which expires back into the isolation
-    /// queue; `None` when crashed suspects go straight back to the isolation queue.
+    /// queue; `None` when crashed suspects go straight back to the isolation queue, or wait
+    /// in the cascade.
     pub fn crash_route(&self) -> Option<(Duration, &Route)> {
         self.crash_route.as_ref().map(|(d, r)| (*d, r))
+    }
+
+    /// The route for a crashed suspect that waits `delay` before it goes back to the
+    /// isolation queue: the crash-delay queue when `delay` is its TTL, the cascade with one,
+    /// and the isolation queue itself for a zero delay (or one the plan has no queue for).
+    ///
+    /// ```
+    /// use retry_core::{CrashAction, RetryPolicy, TopologyPlan};
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetryPolicy::builder()
+    ///     .with_on_crash(CrashAction::Divert)
+    ///     .with_crash_delay(Duration::from_secs(5))
+    ///     .build()?;
+    /// let plan = TopologyPlan::new("q", &policy)?;
+    /// assert_eq!(&*plan.divert_route(Duration::from_secs(5)).routing_key, "q.crash.5s");
+    /// assert_eq!(&*plan.divert_route(Duration::ZERO).routing_key, "q.suspect");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn divert_route(&self, delay: Duration) -> Route {
+        if let Some(cascade) = &self.cascade
+            && !delay.is_zero()
+        {
+            return cascade.route(delay, &self.isolation_queue);
+        }
+        match &self.crash_route {
+            Some((level, route)) if *level == delay => route.clone(),
+            _ => self.isolation_route.clone(),
+        }
     }
 
     /// Every route that leads into a TTL queue, with the queue it expires into: the delay
@@ -391,7 +493,9 @@ impl TopologyPlan {
 
     /// The route for a delay, and the per-message expiration to set when the delay is shorter
     /// than the level it goes to. The level is the smallest one that holds `delay`, or the
-    /// largest if none does; `None` when the plan has no delay levels.
+    /// largest if none does; `None` when the plan has no delay levels. With a cascade, the
+    /// route through it to the work queue, with no expiration: every delay, rounded up to
+    /// the unit (and cut to the longest the cascade holds).
     ///
     /// ```
     /// use retry_core::{RetryPolicy, TopologyPlan};
@@ -404,14 +508,17 @@ impl TopologyPlan {
     /// assert_eq!(expiration, Some(Duration::from_secs(20)));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn route_for(&self, delay: Duration) -> Option<(&Route, Option<Duration>)> {
+    pub fn route_for(&self, delay: Duration) -> Option<(Route, Option<Duration>)> {
+        if let Some(cascade) = &self.cascade {
+            return Some((cascade.route(delay, &self.work_queue), None));
+        }
         let (level, route) = self
             .delay_routes
             .iter()
             .find(|(level, _)| *level >= delay)
             .or(self.delay_routes.last())?;
         let expiration = (delay < *level).then_some(delay);
-        Some((route, expiration))
+        Some((route.clone(), expiration))
     }
 }
 
@@ -457,7 +564,20 @@ impl TopologyBuilder<'_> {
         if q.starts_with("amq.") {
             return Err(TopologyError::ReservedQueueName { name: q.to_owned() });
         }
-        let DelayStrategy::PerDelayQueue = self.strategy;
+        let cascade = match &self.strategy {
+            DelayStrategy::PerDelayQueue => None,
+            DelayStrategy::Cascade(settings) => {
+                let longest = self
+                    .policy
+                    .delay_levels()
+                    .iter()
+                    .copied()
+                    .chain(self.policy.crash_delay_level())
+                    .max()
+                    .unwrap_or_default();
+                Some(CascadePlan::new(settings, self.queue_type, longest)?)
+            }
+        };
         let quorum = self.queue_type == QueueType::Quorum;
         let retry_exchange = format!("{q}.retry");
         let dead_letter_exchange = format!("{q}.dead-letter");
@@ -503,7 +623,11 @@ impl TopologyBuilder<'_> {
             route
         };
         let mut delay_routes = Vec::new();
-        for &ttl in self.policy.delay_levels() {
+        let per_delay_levels = match cascade {
+            None => self.policy.delay_levels(),
+            Some(_) => &[],
+        };
+        for &ttl in per_delay_levels {
             let spec = QueueSpec {
                 name: format!("{q}.retry.{}", format_delay(ttl)),
                 role: QueueRole::Delay { ttl },
@@ -521,7 +645,11 @@ impl TopologyBuilder<'_> {
                 arguments: work_args,
             },
         );
-        let crash_route = self.policy.crash_delay_level().map(|ttl| {
+        let crash_delay_queue = self
+            .policy
+            .crash_delay_level()
+            .filter(|_| cascade.is_none());
+        let crash_route = crash_delay_queue.map(|ttl| {
             let mut arguments = args(Some(ttl), Some(""));
             arguments.dead_letter_routing_key = Some(isolation_queue.clone());
             let spec = QueueSpec {
@@ -543,6 +671,26 @@ impl TopologyBuilder<'_> {
             queue: parking_queue.clone(),
             routing_key: q.to_owned(),
         });
+        if let Some(cascade) = &cascade {
+            // Delayed retries come back to the work queue, crashed suspects to isolation.
+            let destinations = std::iter::once(q).chain(
+                self.policy
+                    .crash_delay_level()
+                    .map(|_| isolation_queue.as_str()),
+            );
+            for destination in destinations {
+                if destination.split('.').any(|w| w == "*" || w == "#") {
+                    return Err(TopologyError::WildcardInQueueName {
+                        name: destination.to_owned(),
+                    });
+                }
+                bindings.push(BindingSpec {
+                    exchange: cascade.delivery_exchange().to_owned(),
+                    queue: destination.to_owned(),
+                    routing_key: CascadePlan::delivery_pattern(destination),
+                });
+            }
+        }
         let exchanges = vec![
             ExchangeSpec {
                 name: retry_exchange,
@@ -556,10 +704,20 @@ impl TopologyBuilder<'_> {
             },
         ];
 
+        // A routing key is a short string too: the cascade's are 64 bytes longer than the
+        // queue they lead to.
+        let cascade_names = cascade.iter().flat_map(|c| {
+            c.queues()
+                .iter()
+                .map(|s| s.name.as_str())
+                .chain(c.exchanges().iter().map(|e| e.name.as_str()))
+        });
         let longest = queues
             .iter()
             .map(|s| s.name.as_str())
             .chain(exchanges.iter().map(|e| e.name.as_str()))
+            .chain(bindings.iter().map(|b| b.routing_key.as_str()))
+            .chain(cascade_names)
             .max_by_key(|n| n.len())
             .unwrap_or(q);
         if longest.len() > MAX_NAME_LEN {
@@ -583,6 +741,7 @@ impl TopologyBuilder<'_> {
                 routing_key: Arc::from(q),
             },
             parking_queue,
+            cascade,
         })
     }
 }

@@ -259,7 +259,7 @@ proptest! {
                     prop_assert!(delay >= min && delay <= max, "{delay:?} not in {min:?}..={max:?}");
                     prop_assert!(delay <= policy.backoff().delay(index).max(max));
                     let (route, expiration) = plan.route_for(delay).unwrap();
-                    let level = plan.delay_routes().iter().find(|(_, r)| r == route).unwrap().0;
+                    let level = plan.delay_routes().iter().find(|(_, r)| *r == route).unwrap().0;
                     prop_assert!(delay <= level);
                     prop_assert_eq!(expiration, (delay < level).then_some(delay));
                 }
