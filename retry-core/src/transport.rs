@@ -96,6 +96,14 @@ pub enum TransportError {
         /// How long it waited before giving up.
         after: Duration,
     },
+    /// The plan asks for something this transport, or its broker, cannot do safely.
+    #[error("{what} is not supported here: {why}")]
+    Unsupported {
+        /// What was asked for.
+        what: String,
+        /// Why it cannot be done, and what to do instead.
+        why: String,
+    },
     /// The transport was closed.
     #[error("transport closed")]
     Closed,
