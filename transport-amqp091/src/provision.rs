@@ -11,14 +11,23 @@
 //! is for tools ([`AmqpTransport::provision_inspected`](crate::AmqpTransport::provision_inspected)):
 //! it passive-declares each object on a channel used for nothing else, where `NOT_FOUND`
 //! means "to be created", and logs each creation at INFO.
+//!
+//! A plan with a delay cascade ([`TopologyPlan::cascade`]) has its cascade declared first:
+//! topic exchanges, level queues, each level's binding to its queue and its
+//! exchange-to-exchange binding to the level below. Those objects are shared by every work
+//! queue of the same cascade: declaring them again verifies them, and tearing one work queue
+//! down leaves them alone.
 
 use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ExchangeKind as LapinKind};
-use retry_core::{ExchangeKind, TopologyPlan, TransportError};
+use retry_core::{
+    BindingSpec, CascadePlan, ExchangeBindingSpec, ExchangeKind, ExchangeSpec, QueueSpec,
+    TopologyPlan, TransportError,
+};
 use tracing::{debug, info};
 
 use crate::convert::table_from_headers;
@@ -127,8 +136,8 @@ fn kind(k: ExchangeKind) -> LapinKind {
     }
 }
 
-/// Declares every exchange, queue and binding of `plan`; with `inspect`, asks first which
-/// objects exist.
+/// Declares every exchange, queue and binding of `plan`, its delay cascade's first; with
+/// `inspect`, asks first which objects exist.
 pub(crate) async fn provision(
     conn: &Connection,
     plan: &TopologyPlan,
@@ -137,90 +146,174 @@ pub(crate) async fn provision(
     let mut inspector = inspect.then(|| Inspector::new(conn));
     let channel = conn.create_channel().await.map_err(connection_error)?;
     let mut report = ProvisionReport::default();
-    for e in plan.exchanges() {
-        let name = short(&e.name)?;
-        let exists = match &mut inspector {
-            Some(inspector) => Some(
-                inspector
-                    .exchange_exists(name.clone(), kind(e.kind))
-                    .await?,
-            ),
-            None => None,
-        };
-        let options = ExchangeDeclareOptions {
-            durable: e.durable,
-            ..ExchangeDeclareOptions::default()
-        };
-        if let Err(err) = channel
-            .exchange_declare(name, kind(e.kind), options, FieldTable::default())
-            .await
-        {
-            return Err(conflict_or(err, "exchange", &e.name));
-        }
-        record(&mut report, exists, "exchange", &e.name);
+    let mut declaring = Declaring {
+        channel: &channel,
+        inspector: &mut inspector,
+        report: &mut report,
+    };
+    // The cascade first: the plan binds its work queue to the cascade's delivery exchange.
+    // Its objects are shared with every work queue that uses the same cascade, so declaring
+    // them again for another work queue verifies them (and adds any levels above).
+    let cascade = plan.cascade();
+    if let Some(cascade) = cascade {
+        declaring.exchanges(cascade.exchanges()).await?;
+        declaring.queues(cascade.queues()).await?;
+        declaring.bindings(cascade.bindings()).await?;
+        declaring
+            .exchange_bindings(cascade.exchange_bindings())
+            .await?;
     }
-    for q in plan.queues() {
-        let name = short(&q.name)?;
-        let exists = match &mut inspector {
-            Some(inspector) => Some(inspector.queue_exists(name.clone()).await?),
-            None => None,
-        };
-        let options = QueueDeclareOptions {
-            durable: q.durable,
-            ..QueueDeclareOptions::default()
-        };
-        let args = table_from_headers(&q.arguments.to_headers());
-        if let Err(err) = channel.queue_declare(name, options, args).await {
-            return Err(conflict_or(err, "queue", &q.name));
-        }
-        record(&mut report, exists, "queue", &q.name);
-    }
+    declaring.exchanges(plan.exchanges()).await?;
+    declaring.queues(plan.queues()).await?;
+    declaring.bindings(plan.bindings()).await?;
     if let Some(inspector) = inspector {
         inspector.close().await;
     }
-    for b in plan.bindings() {
-        channel
-            .queue_bind(
-                short(&b.queue)?,
-                short(&b.exchange)?,
-                short(&b.routing_key)?,
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(connection_error)?;
-    }
     let _ = channel.close(200, "provisioned".into()).await;
+    let cascade_levels = cascade.map_or(0, CascadePlan::levels);
+    let bindings = plan.bindings().len()
+        + cascade.map_or(0, |c| c.bindings().len() + c.exchange_bindings().len());
     if inspect {
         info!(
             queue = plan.work_queue(),
             created = report.created.len(),
             verified = report.verified.len(),
-            bindings = plan.bindings().len(),
+            bindings,
+            cascade_levels,
             "topology provisioned"
         );
     } else {
+        let exchanges = plan.exchanges().len() + cascade.map_or(0, |c| c.exchanges().len());
+        let queues = plan.queues().len() + cascade.map_or(0, |c| c.queues().len());
         info!(
             queue = plan.work_queue(),
-            exchanges = plan.exchanges().len(),
-            queues = plan.queues().len(),
-            bindings = plan.bindings().len(),
-            "topology declared"
+            exchanges, queues, bindings, cascade_levels, "topology declared"
         );
     }
     Ok(report)
 }
 
-/// Deletes every queue and exchange of `plan`, messages included.
+/// Declarations on one channel, each object inspected first when there is an inspector,
+/// and recorded in the report.
+struct Declaring<'a, 'c> {
+    channel: &'a Channel,
+    inspector: &'a mut Option<Inspector<'c>>,
+    report: &'a mut ProvisionReport,
+}
+
+impl Declaring<'_, '_> {
+    async fn exchanges(&mut self, exchanges: &[ExchangeSpec]) -> Result<(), TransportError> {
+        for e in exchanges {
+            let name = short(&e.name)?;
+            let exists = match self.inspector.as_mut() {
+                Some(inspector) => Some(
+                    inspector
+                        .exchange_exists(name.clone(), kind(e.kind))
+                        .await?,
+                ),
+                None => None,
+            };
+            let options = ExchangeDeclareOptions {
+                durable: e.durable,
+                ..ExchangeDeclareOptions::default()
+            };
+            if let Err(err) = self
+                .channel
+                .exchange_declare(name, kind(e.kind), options, FieldTable::default())
+                .await
+            {
+                return Err(conflict_or(err, "exchange", &e.name));
+            }
+            record(self.report, exists, "exchange", &e.name);
+        }
+        Ok(())
+    }
+
+    async fn queues(&mut self, queues: &[QueueSpec]) -> Result<(), TransportError> {
+        for q in queues {
+            let name = short(&q.name)?;
+            let exists = match self.inspector.as_mut() {
+                Some(inspector) => Some(inspector.queue_exists(name.clone()).await?),
+                None => None,
+            };
+            let options = QueueDeclareOptions {
+                durable: q.durable,
+                ..QueueDeclareOptions::default()
+            };
+            let args = table_from_headers(&q.arguments.to_headers());
+            if let Err(err) = self.channel.queue_declare(name, options, args).await {
+                return Err(conflict_or(err, "queue", &q.name));
+            }
+            record(self.report, exists, "queue", &q.name);
+        }
+        Ok(())
+    }
+
+    async fn bindings(&mut self, bindings: &[BindingSpec]) -> Result<(), TransportError> {
+        for b in bindings {
+            self.channel
+                .queue_bind(
+                    short(&b.queue)?,
+                    short(&b.exchange)?,
+                    short(&b.routing_key)?,
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(connection_error)?;
+        }
+        Ok(())
+    }
+
+    async fn exchange_bindings(
+        &mut self,
+        bindings: &[ExchangeBindingSpec],
+    ) -> Result<(), TransportError> {
+        for b in bindings {
+            self.channel
+                .exchange_bind(
+                    short(&b.destination)?,
+                    short(&b.source)?,
+                    short(&b.routing_key)?,
+                    ExchangeBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(connection_error)?;
+        }
+        Ok(())
+    }
+}
+
+/// Deletes every queue and exchange of `plan`, messages included; never its delay
+/// cascade's, which other work queues share. The plan's binding to the cascade's delivery
+/// exchange goes with its queue.
 pub(crate) async fn teardown(conn: &Connection, plan: &TopologyPlan) -> Result<(), TransportError> {
+    delete(conn, plan.queues(), plan.exchanges()).await
+}
+
+/// Deletes every queue and exchange of `cascade`, messages included, and so every binding
+/// into and out of it.
+pub(crate) async fn teardown_cascade(
+    conn: &Connection,
+    cascade: &CascadePlan,
+) -> Result<(), TransportError> {
+    delete(conn, cascade.queues(), cascade.exchanges()).await
+}
+
+async fn delete(
+    conn: &Connection,
+    queues: &[QueueSpec],
+    exchanges: &[ExchangeSpec],
+) -> Result<(), TransportError> {
     let channel = conn.create_channel().await.map_err(connection_error)?;
-    for q in plan.queues() {
+    for q in queues {
         channel
             .queue_delete(short(&q.name)?, QueueDeleteOptions::default())
             .await
             .map_err(connection_error)?;
     }
-    for e in plan.exchanges() {
+    for e in exchanges {
         channel
             .exchange_delete(short(&e.name)?, ExchangeDeleteOptions::default())
             .await

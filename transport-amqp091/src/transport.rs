@@ -13,8 +13,8 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Acker, Channel, Confirmation, Connection, ConnectionProperties, Event};
 use retry_core::{
-    Capabilities, Delivery, Message, Publish, PublishResult, Settlement, TopologyPlan, Transport,
-    TransportError,
+    Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, Settlement, TopologyPlan,
+    Transport, TransportError,
 };
 use tokio::sync::Mutex;
 use tracing::{debug, info, warn};
@@ -173,6 +173,10 @@ impl AmqpTransport {
     /// missing object is a channel the broker closes with `NOT_FOUND`, which lapin logs at
     /// ERROR (target `lapin::channel`): for tools, not for a consumer's start.
     ///
+    /// With a delay cascade ([`TopologyPlan::cascade`]) the report lists the cascade's
+    /// exchanges and queues first: created by the first work queue that uses it, verified
+    /// for the others (except levels a plan with longer delays adds on top).
+    ///
     /// ```no_run
     /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
     /// use retry_core::{RetryPolicy, TopologyPlan};
@@ -215,8 +219,46 @@ impl AmqpTransport {
 
     /// Deletes every queue and exchange of `plan`, with their messages. For tests and
     /// decommissioning.
+    ///
+    /// A plan's delay cascade ([`TopologyPlan::cascade`]) is left alone: every work queue
+    /// of the same cascade shares it. Only the plan's bindings to the cascade's delivery
+    /// exchange go, with the plan's queues. Delete the cascade itself with
+    /// [`teardown_cascade`](Self::teardown_cascade).
     pub async fn teardown(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
         provision::teardown(&self.connection, plan).await
+    }
+
+    /// Deletes every queue and exchange of a delay cascade: its level queues with the clones
+    /// waiting in them, its level exchanges, its delivery exchange, and so every binding into
+    /// and out of them.
+    ///
+    /// **Every work queue that uses this cascade (same prefix, unit and queue type) shares
+    /// these objects**, whichever plan `cascade` came from: afterwards their delayed retries
+    /// are lost until one of them provisions again, and clones already waiting are gone. For
+    /// tests with a cascade of their own ([`Cascade::with_prefix`](retry_core::Cascade::with_prefix))
+    /// and for decommissioning the last work queue of a cascade.
+    ///
+    /// Only the levels `cascade` has are deleted: levels that a plan with longer delays
+    /// added on top stay. Pass the cascade of the plan with the most levels.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// use retry_core::{Cascade, DelayStrategy, RetryPolicy, TopologyPlan};
+    /// use std::time::Duration;
+    /// use transport_amqp091::{AmqpConfig, AmqpTransport};
+    ///
+    /// let transport = AmqpTransport::connect(AmqpConfig::new("amqp://127.0.0.1:5672/%2f")).await?;
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let plan = TopologyPlan::builder("comments", &policy)
+    ///     .with_strategy(DelayStrategy::Cascade(Cascade::new().with_prefix("test.cascade")))
+    ///     .build()?;
+    /// // The work queue's own objects, then the cascade no other work queue uses.
+    /// transport.teardown(&plan).await?;
+    /// transport.teardown_cascade(plan.cascade().unwrap()).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn teardown_cascade(&self, cascade: &CascadePlan) -> Result<(), TransportError> {
+        provision::teardown_cascade(&self.connection, cascade).await
     }
 
     /// Sends every subscription's batched acknowledgements, then closes the connection.
