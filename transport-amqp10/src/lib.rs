@@ -91,6 +91,23 @@
 //! natively with the scheduled-delivery annotations of ActiveMQ Artemis and Azure Service
 //! Bus ([`NativeDelay`]): a delayed clone then goes straight back to the work queue.
 //!
+//! How each profile carries a plan's [delay strategy](retry_core::DelayStrategy):
+//!
+//! | profile | per-delay queues (the default) | delay cascade |
+//! |---|---|---|
+//! | `RabbitMq3` | sent to the verified delay queue; the broker expires it back | refused with [`TransportError::Unsupported`](retry_core::TransportError::Unsupported) |
+//! | `Generic` without native delays | sent to the verified delay queue, which the broker must expire back | refused with `Unsupported` |
+//! | `Generic` with native delays | sent straight to the work (or isolation) queue, scheduled | the same: the cascade's objects are never used |
+//!
+//! A cascade is a chain of exchanges joined by exchange-to-exchange bindings. RabbitMQ's
+//! plugin can neither declare nor inspect bindings, and it accepts a send to an exchange with
+//! no matching binding and drops it without a word: a cascade with one binding missing
+//! would lose retries silently. So [`verify`](Amqp10Transport::verify) and `provision` of a
+//! plan with a cascade fail, before anything is probed or sent, and a
+//! [`Consumer`](retry_core::Consumer) with one never starts. Use the per-delay-queue strategy
+//! with this transport, or consume with transport-amqp091, which declares the cascade and
+//! hears of an unroutable publish.
+//!
 //! ## TLS and credentials
 //!
 //! `amqps://` URLs connect over TLS with rustls and its `ring` provider (no C toolchain

@@ -34,9 +34,15 @@ pub enum BrokerProfile {
     /// * A send to a missing queue is accepted and dropped, so every address is verified
     ///   before the first send to it.
     /// * Queues are addressed as `/amq/queue/NAME`, exchanges as `/exchange/NAME`.
+    /// * A plan with a delay cascade is refused with
+    ///   [`TransportError::Unsupported`](retry_core::TransportError::Unsupported): the plugin
+    ///   can neither declare nor inspect the cascade's bindings, and it drops a send that no
+    ///   binding routes without a word.
     #[default]
     RabbitMq3,
-    /// Any other AMQP 1.0 broker.
+    /// Any other AMQP 1.0 broker. Without native delays a plan with a delay cascade is
+    /// refused as on RabbitMQ; with them a cascade's delayed clones go straight to their
+    /// queue, scheduled.
     Generic(GenericProfile),
 }
 
@@ -63,7 +69,8 @@ impl GenericProfile {
     }
 
     /// Delays through a scheduled-delivery annotation: a delayed clone goes straight back to
-    /// the work queue, and the broker holds it until it is due.
+    /// the work queue, and the broker holds it until it is due. The routes of a plan's delay
+    /// queues or delay cascade are used only to find that queue.
     pub fn with_native_delay(mut self, delay: NativeDelay) -> Self {
         self.native_delay = Some(delay);
         self

@@ -1,14 +1,14 @@
 //! `Amqp10Transport`: the [`Transport`] implementation.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use retry_core::{
-    Capabilities, Delivery, Message, Publish, PublishResult, QueueRole, Route, Settlement,
-    TopologyPlan, Transport, TransportError,
+    Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, QueueRole, Route,
+    Settlement, TopologyPlan, Transport, TransportError,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info};
@@ -102,6 +102,18 @@ struct Routes {
     /// Routes into TTL queues, and the queue each expires into: a delay level's work queue,
     /// the crash delay's isolation queue.
     delays: HashMap<(String, String), String>,
+    /// Delay cascades by entry exchange (only with native delays: `verify` refuses a
+    /// cascade otherwise), each with the queues verified plans route through it.
+    cascades: HashMap<String, Cascaded>,
+}
+
+/// A delay cascade of verified plans: its routing keys name a destination and a delay.
+#[derive(Debug)]
+struct Cascaded {
+    cascade: CascadePlan,
+    /// The queues bound to its delivery exchange by a verified plan: its work queue, and
+    /// its isolation queue when crashed suspects wait in the cascade.
+    destinations: HashSet<String>,
 }
 
 impl Routes {
@@ -112,6 +124,24 @@ impl Routes {
         }
         for (_, route, destination) in plan.delayed_destinations() {
             self.delays.insert(key(route), destination.to_owned());
+        }
+        if let Some(cascade) = plan.cascade() {
+            // The entry exchange names the prefix, the unit, the queue type and the levels:
+            // plans with the same entry have the same cascade.
+            let cascaded = self
+                .cascades
+                .entry(cascade.entry_exchange().to_owned())
+                .or_insert_with(|| Cascaded {
+                    cascade: cascade.clone(),
+                    destinations: HashSet::new(),
+                });
+            let delivered = plan
+                .bindings()
+                .iter()
+                .filter(|b| b.exchange == cascade.delivery_exchange());
+            cascaded
+                .destinations
+                .extend(delivered.map(|b| b.queue.clone()));
         }
     }
 }
@@ -126,6 +156,9 @@ struct Target {
     address: String,
     probe: Probe,
     native_delay: bool,
+    /// The delay the route itself says (a cascade routing key's), which a native delay
+    /// uses before the clone's headers.
+    delay: Option<Duration>,
 }
 
 /// How a queue is probed on `profile`: on RabbitMQ by attaching a receiver with no credit
@@ -168,6 +201,36 @@ fn checks(plan: &TopologyPlan, profile: &BrokerProfile) -> Vec<(String, String, 
         }
     }
     checks
+}
+
+/// Why `plan` cannot be carried out on `profile`, if it cannot: a delay cascade without
+/// native delays.
+///
+/// A cascade is a chain of exchanges and exchange-to-exchange bindings. This transport
+/// never sends through an exchange, since it cannot see a binding: it sends each clone to
+/// the verified queue its route is bound to. A cascade's level is reached only through
+/// bindings, so it could neither be verified nor used: refused, before anything is probed
+/// or sent.
+fn unsupported(plan: &TopologyPlan, profile: &BrokerProfile) -> Option<TransportError> {
+    let cascade = plan.cascade()?;
+    let why = match profile {
+        BrokerProfile::Generic(generic) if generic.native_delay().is_some() => return None,
+        BrokerProfile::RabbitMq3 => {
+            "RabbitMQ's AMQP 1.0 plugin can neither declare nor inspect bindings, and it accepts a send to an exchange with no matching binding and drops it without a word: a cascade missing one exchange-to-exchange binding would lose retries silently. Use the per-delay-queue strategy (`DelayStrategy::PerDelayQueue`, the default) with this transport, whose every delay queue is verified and sent to directly, or consume with transport-amqp091, which declares the cascade and is told of an unroutable publish"
+        }
+        BrokerProfile::Generic(_) => {
+            "AMQP 1.0 can neither declare nor inspect bindings, and a broker may accept a send with no matching route and drop it without a word: a cascade missing one of its bindings would lose retries silently, so this transport sends only to verified queues, never through a cascade's exchanges. Use the per-delay-queue strategy (`DelayStrategy::PerDelayQueue`, the default), or, if the broker schedules deliveries itself, a profile with native delays (`GenericProfile::with_native_delay`), which sends a delayed clone straight to its queue"
+        }
+    };
+    Some(TransportError::Unsupported {
+        what: format!(
+            "the delay cascade {:?} of work queue {:?} on {}",
+            cascade.entry_exchange(),
+            plan.work_queue(),
+            profile.name()
+        ),
+        why: why.to_owned(),
+    })
 }
 
 /// How to provision what is missing, for the profile.
@@ -230,8 +293,38 @@ impl Amqp10Transport {
     /// verified queue a route is bound to, not through the exchange. With native delays the
     /// delay and crash-delay queues are not needed (a delayed clone goes straight to the
     /// work or isolation queue, scheduled) and are not checked.
+    ///
+    /// A plan with a delay cascade ([`TopologyPlan::cascade`]) is refused with
+    /// [`TransportError::Unsupported`] before anything is probed, on RabbitMQ 3.x and on a
+    /// generic profile without native delays: a cascade is exchanges and exchange-to-exchange
+    /// bindings, which AMQP 1.0 can neither declare nor see, and a send into a cascade with
+    /// one binding missing would be accepted and dropped. With native delays a cascade route
+    /// is sent straight to its destination queue (the plan's work or isolation queue),
+    /// scheduled for the delay its routing key says, and the cascade's own objects are not
+    /// needed.
+    ///
+    /// ```no_run
+    /// use retry_core::{Cascade, DelayStrategy, RetryPolicy, TopologyPlan, TransportError};
+    /// use std::time::Duration;
+    /// use transport_amqp10::{Amqp10Config, Amqp10Transport};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let transport = Amqp10Transport::connect(Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672")).await?;
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let plan = TopologyPlan::builder("comments", &policy)
+    ///     .with_strategy(DelayStrategy::Cascade(Cascade::new()))
+    ///     .build()?;
+    /// // RabbitMQ 3.x (the default profile): refused, nothing sent.
+    /// let err = transport.verify(&plan).await.unwrap_err();
+    /// assert!(matches!(err, TransportError::Unsupported { .. }));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
         let profile = self.profile();
+        if let Some(refused) = unsupported(plan, &profile) {
+            return Err(refused);
+        }
         let checks = checks(plan, &profile);
         let mut missing = Vec::new();
         for (what, address, probe) in checks {
@@ -303,7 +396,13 @@ impl Routes {
                 address: profile.queue_address(destination),
                 probe: Probe::Sender,
                 native_delay: true,
+                delay: None,
             });
+        }
+        if profile.native_delay().is_some()
+            && let Some(cascaded) = self.cascades.get(&*route.exchange)
+        {
+            return cascaded.target(profile, route);
         }
         let queue_probe = queue_probe(profile);
         if let Some(queue) = self.bound.get(&k) {
@@ -311,6 +410,7 @@ impl Routes {
                 address: profile.queue_address(queue),
                 probe: queue_probe,
                 native_delay: false,
+                delay: None,
             });
         }
         if route.exchange.is_empty() {
@@ -318,6 +418,7 @@ impl Routes {
                 address: profile.queue_address(&route.routing_key),
                 probe: queue_probe,
                 native_delay: false,
+                delay: None,
             });
         }
         // Not from a verified plan. Its exchange could be checked, but not its binding (AMQP
@@ -329,6 +430,32 @@ impl Routes {
             ),
             hint: "no verified plan routes it: this transport sends only to queues it has verified (`provision` or `verify` with the plan first; a Consumer does one of them before consuming)".into(),
         })
+    }
+}
+
+impl Cascaded {
+    /// A clone on a route through the cascade goes straight to its destination queue,
+    /// scheduled natively for the delay its routing key says: the levels are never used.
+    /// Only a destination a verified plan routes through the cascade is accepted.
+    fn target(&self, profile: &BrokerProfile, route: &Route) -> Result<Target, TransportError> {
+        let key = &*route.routing_key;
+        let destination = self.cascade.destination_of(key);
+        match (destination, self.cascade.delay_of(key)) {
+            (Some(queue), Some(delay)) if self.destinations.contains(queue) => Ok(Target {
+                address: profile.queue_address(queue),
+                probe: Probe::Sender,
+                native_delay: true,
+                delay: Some(delay),
+            }),
+            _ => Err(TransportError::MissingAddress {
+                address: format!(
+                    "queue {:?} through the delay cascade {:?}",
+                    destination.unwrap_or(key),
+                    route.exchange
+                ),
+                hint: "no verified plan routes that queue through this cascade: this transport sends only to queues it has verified (`provision` or `verify` with the plan first; a Consumer does one of them before consuming)".into(),
+            }),
+        }
     }
 }
 
@@ -429,22 +556,26 @@ impl Transport for Amqp10Transport {
         Ok(())
     }
 
-    /// Sends the clone to the verified queue its route is bound to. The address is probed
-    /// first if its verification is older than [`Amqp10Config::with_reverify_after`] or was
-    /// made on an earlier publishing connection; a missing one, or a route no verified plan
-    /// knows, fails with [`TransportError::MissingAddress`] and nothing is sent.
+    /// Sends the clone to the verified queue its route is bound to (with native delays, a
+    /// delayed clone to the queue its delay queue or cascade leads to, scheduled). The address
+    /// is probed first if its verification is older than [`Amqp10Config::with_reverify_after`]
+    /// or was made on an earlier publishing connection; a missing one, or a route no verified
+    /// plan knows, fails with [`TransportError::MissingAddress`] and nothing is sent.
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
         let target = match self.target(&publish.route) {
             Ok(t) => t,
             Err(e) => return PublishResult::Failed(e),
         };
+        // A cascade route says its delay (rounded up to the cascade's unit, as the levels
+        // would hold it); a delay queue's route says only its level, so the clone's delay
+        // header (or expiration) is the one asked for.
         let schedule = match (target.native_delay, self.profile().native_delay()) {
             (true, Some(kind)) => Some(Schedule {
                 kind,
                 now: self.now(),
-                delay: publish
-                    .headers
+                delay: target
                     .delay
+                    .or(publish.headers.delay)
                     .or(publish.expiration)
                     .unwrap_or_default(),
             }),
@@ -611,6 +742,144 @@ mod tests {
             .expect("target");
         assert_eq!(target.address, "/amq/queue/orders.retry.1s");
         assert_eq!(target.probe, Probe::Receiver);
+    }
+
+    /// `queue`'s plan with `orders()`'s policy, through a cascade of 10 ms units.
+    fn cascaded(queue: &str) -> TopologyPlan {
+        let policy = RetryPolicy::delays([Duration::from_secs(1), Duration::from_secs(60)])
+            .build()
+            .expect("policy");
+        TopologyPlan::builder(queue, &policy)
+            .with_strategy(retry_core::DelayStrategy::Cascade(
+                retry_core::Cascade::new(),
+            ))
+            .build()
+            .expect("plan")
+    }
+
+    fn artemis() -> BrokerProfile {
+        BrokerProfile::Generic(GenericProfile::new().with_native_delay(NativeDelay::DeliveryTime))
+    }
+
+    #[test]
+    fn a_cascade_is_refused_without_native_delays() {
+        let plan = cascaded("orders");
+        let generic = BrokerProfile::Generic(GenericProfile::new());
+        for (profile, instead) in [
+            (BrokerProfile::RabbitMq3, "transport-amqp091"),
+            (generic, "GenericProfile::with_native_delay"),
+        ] {
+            let err = unsupported(&plan, &profile).expect("refused");
+            let TransportError::Unsupported { what, why } = &err else {
+                panic!("{err:?}")
+            };
+            assert!(what.contains("retry.cascade.10ms.12"), "{what}");
+            assert!(
+                what.contains("\"orders\"") && what.contains(profile.name()),
+                "{what}"
+            );
+            for says in [
+                "can neither declare nor inspect bindings",
+                "without a word",
+                "lose retries silently",
+                "DelayStrategy::PerDelayQueue",
+                instead,
+            ] {
+                assert!(
+                    why.contains(says),
+                    "{}: {says:?} missing from {why}",
+                    profile.name()
+                );
+            }
+        }
+        assert!(
+            unsupported(&plan, &artemis()).is_none(),
+            "native delays need no cascade"
+        );
+        for profile in [BrokerProfile::RabbitMq3, generic, artemis()] {
+            assert!(
+                unsupported(&orders(), &profile).is_none(),
+                "no cascade, nothing refused"
+            );
+        }
+    }
+
+    #[test]
+    fn native_delays_send_cascade_clones_straight_to_their_queue() {
+        let plan = cascaded("orders");
+        let cascade = plan.cascade().expect("cascade");
+        let mut r = routes(&plan);
+        // Another work queue of the same cascade, verified too.
+        r.learn(&cascaded("payments"));
+        assert_eq!(r.cascades.len(), 1, "one cascade, shared");
+        let (retry, expiration) = plan.route_for(Duration::from_secs(20)).expect("route");
+        assert_eq!(&*retry.exchange, cascade.entry_exchange());
+        assert_eq!(expiration, None);
+        let target = r.target(&artemis(), &retry).expect("target");
+        assert_eq!(
+            target,
+            Target {
+                address: "orders".into(),
+                probe: Probe::Sender,
+                native_delay: true,
+                delay: Some(Duration::from_secs(20)),
+            }
+        );
+        // The delay is the route's, rounded up to the unit as the levels would hold it.
+        let (odd, _) = plan.route_for(Duration::from_millis(15)).expect("route");
+        let odd = r.target(&artemis(), &odd).expect("target");
+        assert_eq!(odd.delay, Some(Duration::from_millis(20)));
+        // A crashed suspect goes back to the isolation queue the same way.
+        let divert = r
+            .target(&artemis(), &plan.divert_route(Duration::from_secs(1)))
+            .expect("target");
+        assert_eq!(divert.address, "orders.suspect");
+        assert_eq!(divert.delay, Some(Duration::from_secs(1)));
+        assert!(divert.native_delay);
+        let theirs = cascade.route(Duration::from_secs(5), "payments");
+        assert_eq!(
+            r.target(&artemis(), &theirs).expect("target").address,
+            "payments"
+        );
+        // Isolating is not delayed: it goes to the bound queue.
+        let isolate = r
+            .target(&artemis(), plan.isolation_route())
+            .expect("target");
+        assert_eq!(isolate.address, "orders.suspect");
+        assert!(!isolate.native_delay && isolate.delay.is_none());
+
+        // A destination no verified plan routes through the cascade, or a key that is not
+        // a cascade's, is never sent.
+        for stray in [
+            cascade.route(Duration::from_secs(5), "invoices"),
+            Route {
+                exchange: retry.exchange.clone(),
+                routing_key: "orders".into(),
+            },
+        ] {
+            let err = r.target(&artemis(), &stray).expect_err("not verified");
+            let TransportError::MissingAddress { address, hint } = &err else {
+                panic!("{err:?}")
+            };
+            assert!(address.contains(cascade.entry_exchange()), "{address}");
+            assert!(hint.contains("verify"), "{hint}");
+        }
+        // Without native delays nothing goes through the cascade, even from a plan learned.
+        for profile in [
+            BrokerProfile::RabbitMq3,
+            BrokerProfile::Generic(GenericProfile::new()),
+        ] {
+            let err = r.target(&profile, &retry).expect_err("no native delays");
+            assert!(
+                matches!(err, TransportError::MissingAddress { .. }),
+                "{err:?}"
+            );
+        }
+        // And only the plan's own queues are verified: the cascade's objects are not needed.
+        assert_eq!(
+            checked(&plan, &artemis()),
+            ["orders", "orders.suspect", "orders.parking"]
+        );
     }
 
     #[test]
