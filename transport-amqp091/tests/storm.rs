@@ -35,7 +35,9 @@ async fn a_paused_consumer_takes_nothing_until_its_probe() {
     let runs = Arc::new(AtomicU64::new(0));
     let events = Arc::new(Mutex::new(Vec::<(Instant, StormEvent)>::new()));
     let (d, r, e) = (Arc::clone(&down), Arc::clone(&runs), Arc::clone(&events));
-    let cool_down = Duration::from_secs(6);
+    // Long enough for two `rabbitmqctl` listings (a second or two each on a loaded machine)
+    // and the wait between them to fit inside the pause.
+    let cool_down = Duration::from_secs(12);
     let running = start(
         Arc::clone(&t),
         policy,
