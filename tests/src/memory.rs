@@ -100,6 +100,13 @@ impl Harness for MemoryHarness {
     }
 
     async fn provision(&self, plan: &TopologyPlan, faults: &TopologyFaults) {
+        // The shared delay cascade as the transport declares it; the plan's own objects
+        // below, with the faults asked for.
+        if let Some(cascade) = plan.cascade() {
+            self.broker
+                .provision_cascade(cascade)
+                .expect("declare the delay cascade");
+        }
         for x in plan.exchanges() {
             self.broker
                 .declare_exchange(&x.name, x.kind)

@@ -111,18 +111,28 @@
 //!
 //! ## RabbitMQ behaviour modelled
 //!
+//! * Exchanges: direct, fanout, topic (`*` one word, `#` zero or more, the empty key no
+//!   words: [`topic_matches`]) and the default exchange, with idempotent bindings.
+//!   Exchange-to-exchange bindings ([`Broker::bind_exchange`]) are followed as RabbitMQ
+//!   follows them: each exchange reached routes the same key through its own bindings, at
+//!   most once per routing (so a cycle of bindings ends), and a queue reached by several
+//!   paths gets one copy. The default exchange can be neither end of one. This carries the
+//!   engine's delay cascade ([`Broker::provision_cascade`]): topic levels that skip a level
+//!   through an exchange binding, and a delivery exchange that routes by destination.
 //! * `x-message-ttl` and per-message `expiration`, the lower winning; only the head of a
 //!   queue expires, so a long TTL at the head holds back shorter ones behind it (which is
-//!   why the engine uses one queue per delay). A zero TTL delivers to a waiting consumer or
-//!   expires at once. The expiration property is removed on dead-lettering and kept in
-//!   `x-death` as `original-expiration`.
+//!   why the engine uses one queue per delay, or a cascade of levels each with a single
+//!   TTL). A zero TTL delivers to a waiting consumer or expires at once. The expiration
+//!   property is removed on dead-lettering and kept in `x-death` as
+//!   `original-expiration`.
 //! * `x-dead-letter-exchange` (`""` is the default exchange) and
-//!   `x-dead-letter-routing-key`; `x-death` as an array of tables, one per {queue, reason},
-//!   with `count`, `reason` (`expired`, `rejected`, `maxlen`, `delivery_limit`), `queue`,
-//!   `exchange`, `routing-keys` and `time` (whole seconds), the latest death moved to the
-//!   front with its count grown and its other fields kept from the first such death;
-//!   `x-first-death-queue`, `-reason` and `-exchange`; dead-letter cycles without a
-//!   rejection are dropped.
+//!   `x-dead-letter-routing-key` (without one, a dead letter keeps its own routing key, and
+//!   is routed through exchange-to-exchange bindings like any publish); `x-death` as an
+//!   array of tables, one per {queue, reason}, with `count`, `reason` (`expired`,
+//!   `rejected`, `maxlen`, `delivery_limit`), `queue`, `exchange`, `routing-keys` and
+//!   `time` (whole seconds), the latest death moved to the front with its count grown and
+//!   its other fields kept from the first such death; `x-first-death-queue`, `-reason` and
+//!   `-exchange`; dead-letter cycles without a rejection are dropped.
 //! * `x-max-length` with `x-overflow` `drop-head` (dead-letter the oldest, reason `maxlen`)
 //!   or `reject-publish` (nack the publish); only ready messages count. A classic queue
 //!   refuses the publish that would exceed the limit, a quorum queue only once it is over
@@ -140,10 +150,11 @@
 //!   `consumer_timeout` (30 min by default) closing the channel of a consumer that holds a
 //!   delivery too long.
 //!
-//! Not modelled: exchange-to-exchange bindings, headers exchanges, alternate exchanges,
-//! priorities, `x-max-length-bytes`, `reject-publish-dlx`, queue expiry (`x-expires`),
-//! lazy or stream queues, server-named queues, multiple channels per connection, broker
-//! restarts and durability, transactions, and flow control.
+//! Not modelled: headers exchanges, alternate exchanges, unbinding, deleting exchanges or
+//! queues, `CC`/`BCC` routing headers, priorities, `x-max-length-bytes`,
+//! `reject-publish-dlx`, queue expiry (`x-expires`), lazy or stream queues, server-named
+//! queues, multiple channels per connection, broker restarts and durability, transactions,
+//! and flow control.
 //!
 //! ## Faults
 //!

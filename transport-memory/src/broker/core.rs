@@ -180,6 +180,18 @@ impl State {
         Ok(())
     }
 
+    pub(crate) fn bind_exchange(
+        &mut self,
+        source: &str,
+        destination: &str,
+        routing_key: &str,
+    ) -> Result<(), BrokerError> {
+        self.topology
+            .bind_exchange(source, destination, routing_key)?;
+        self.retry_stuck_dead_letters();
+        Ok(())
+    }
+
     // Publish.
 
     /// The key given to the latest new message.
@@ -599,7 +611,8 @@ impl State {
     // Dead-letter.
 
     /// Dead-letters `m` out of queue `q`, or discards it when the queue has no dead-letter
-    /// exchange.
+    /// exchange. Without a dead-letter routing key it keeps its own routing key, and it is
+    /// routed like a publish, through exchange-to-exchange bindings too.
     fn dead_letter(&mut self, q: QueueIndex, mut m: Stored, reason: DeathReason) {
         let queue = self.queues.get(q);
         let queue_name = queue.name().clone();

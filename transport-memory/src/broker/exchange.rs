@@ -1,4 +1,5 @@
-//! Exchanges and routing: direct, fanout and topic, as RabbitMQ routes them.
+//! Exchanges and routing: direct, fanout and topic, as RabbitMQ routes them, with bindings
+//! to queues and to other exchanges.
 
 use std::sync::Arc;
 
@@ -7,9 +8,19 @@ use retry_core::ExchangeKind;
 use crate::broker::hash::FastMap;
 use crate::broker::queues::QueueIndex;
 
+/// Index of an exchange in the broker's table.
+pub(crate) type ExchangeIndex = usize;
+
+/// Where a binding leads: a queue, or another exchange (an exchange-to-exchange binding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Destination {
+    Queue(QueueIndex),
+    Exchange(ExchangeIndex),
+}
+
 #[derive(Debug)]
 struct Binding {
-    queue: QueueIndex,
+    destination: Destination,
     key: Arc<str>,
 }
 
@@ -19,7 +30,7 @@ pub(crate) struct Exchange {
     kind: ExchangeKind,
     bindings: Vec<Binding>,
     /// Direct exchanges route by exact key; this avoids scanning every binding on the hot path.
-    by_key: FastMap<Arc<str>, Vec<QueueIndex>>,
+    by_key: FastMap<Arc<str>, Vec<Destination>>,
 }
 
 impl Exchange {
@@ -35,40 +46,54 @@ impl Exchange {
         self.kind
     }
 
-    /// Adds a binding; binding the same queue with the same key twice is a no-op, as on
-    /// RabbitMQ.
-    pub(crate) fn bind(&mut self, queue: QueueIndex, key: &str) {
+    /// Adds a binding; binding the same destination with the same key twice is a no-op, as
+    /// on RabbitMQ.
+    pub(crate) fn bind(&mut self, destination: Destination, key: &str) {
         if self
             .bindings
             .iter()
-            .any(|b| b.queue == queue && &*b.key == key)
+            .any(|b| b.destination == destination && &*b.key == key)
         {
             return;
         }
         let key: Arc<str> = Arc::from(key);
-        self.by_key.entry(key.clone()).or_default().push(queue);
-        self.bindings.push(Binding { queue, key });
+        self.by_key
+            .entry(key.clone())
+            .or_default()
+            .push(destination);
+        self.bindings.push(Binding { destination, key });
     }
 
-    /// The queues a message with `routing_key` reaches, each once, in binding order.
-    pub(crate) fn route(&self, routing_key: &str, out: &mut Vec<QueueIndex>) {
+    /// What a message with `routing_key` reaches through this exchange's own bindings, in
+    /// binding order: the queues added to `queues` and the exchanges to `exchanges`, each
+    /// once. The exchanges' own bindings are for the caller to follow.
+    pub(crate) fn route(
+        &self,
+        routing_key: &str,
+        queues: &mut Vec<QueueIndex>,
+        exchanges: &mut Vec<ExchangeIndex>,
+    ) {
+        let mut reach = |d: Destination| match d {
+            Destination::Queue(q) => push_unique(queues, q),
+            Destination::Exchange(x) => push_unique(exchanges, x),
+        };
         match self.kind {
             ExchangeKind::Direct => {
-                if let Some(queues) = self.by_key.get(routing_key) {
-                    for q in queues {
-                        push_unique(out, *q);
+                if let Some(destinations) = self.by_key.get(routing_key) {
+                    for d in destinations {
+                        reach(*d);
                     }
                 }
             }
             ExchangeKind::Fanout => {
                 for b in &self.bindings {
-                    push_unique(out, b.queue);
+                    reach(b.destination);
                 }
             }
             ExchangeKind::Topic => {
                 for b in &self.bindings {
                     if topic_matches(&b.key, routing_key) {
-                        push_unique(out, b.queue);
+                        reach(b.destination);
                     }
                 }
             }
@@ -76,9 +101,9 @@ impl Exchange {
     }
 }
 
-fn push_unique(out: &mut Vec<QueueIndex>, q: QueueIndex) {
-    if !out.contains(&q) {
-        out.push(q);
+fn push_unique(out: &mut Vec<usize>, i: usize) {
+    if !out.contains(&i) {
+        out.push(i);
     }
 }
 

@@ -6,7 +6,8 @@
 //! messages along publish → route → enqueue → deliver → settle → dead-letter, calling into
 //! the types that own each part of the state:
 //!
-//! * [`topology`]: exchanges and bindings ([`exchange`]), and routing;
+//! * [`topology`]: exchanges and their bindings to queues and to other exchanges
+//!   ([`exchange`]), and routing;
 //! * [`queues`]: the queues ([`queue`]), their messages and consumers' places;
 //! * [`connections`]: consumers with their prefetch, and unacknowledged deliveries;
 //! * [`timers`]: sleeps on the virtual clock ([`clock`] has the [`Sleep`] future);
@@ -199,6 +200,50 @@ impl Broker {
     /// Binds `queue` to `exchange` with `routing_key` (a pattern for topic exchanges).
     pub fn bind(&self, exchange: &str, queue: &str, routing_key: &str) -> Result<(), BrokerError> {
         self.shared.with(|s| s.bind(exchange, queue, routing_key))
+    }
+
+    /// Binds the exchange `destination` to the exchange `source` with `routing_key`, as
+    /// AMQP 0-9-1's `exchange.bind` does: a message `source` routes with this binding goes
+    /// on through `destination`'s bindings, with its routing key unchanged.
+    ///
+    /// As on RabbitMQ: binding the same pair with the same key again is a no-op; a missing
+    /// exchange is [`BrokerError::ExchangeNotFound`] naming it; the default exchange (`""`)
+    /// can be neither end ([`BrokerError::AccessRefused`]). A routing visits each exchange at
+    /// most once, so a cycle of bindings ends, and puts one copy in each queue it reaches,
+    /// however many paths lead there.
+    ///
+    /// ```
+    /// use retry_core::ExchangeKind;
+    /// use transport_memory::{Broker, BrokerError, Outgoing, QueueOptions};
+    ///
+    /// let broker = Broker::new();
+    /// broker.declare_exchange("events", ExchangeKind::Topic)?;
+    /// broker.declare_exchange("orders", ExchangeKind::Direct)?;
+    /// broker.declare_queue("orders.created", QueueOptions::new())?;
+    /// broker.bind("orders", "orders.created", "order.created")?;
+    /// broker.bind_exchange("events", "orders", "order.#")?;
+    ///
+    /// broker.publish(Outgoing::new("events", "order.created", b"{}".to_vec()))?;
+    /// assert_eq!(broker.ready("orders.created"), Some(1));
+    ///
+    /// assert_eq!(
+    ///     broker.bind_exchange("events", "audit", "#"),
+    ///     Err(BrokerError::ExchangeNotFound("audit".into()))
+    /// );
+    /// assert!(matches!(
+    ///     broker.bind_exchange("", "orders", "order.created"),
+    ///     Err(BrokerError::AccessRefused(_))
+    /// ));
+    /// # Ok::<(), BrokerError>(())
+    /// ```
+    pub fn bind_exchange(
+        &self,
+        source: &str,
+        destination: &str,
+        routing_key: &str,
+    ) -> Result<(), BrokerError> {
+        self.shared
+            .with(|s| s.bind_exchange(source, destination, routing_key))
     }
 
     /// Publishes as a producer with publisher confirms: `Ack` when routed (or dropped

@@ -1,12 +1,12 @@
 //! The broker's topology: its exchanges and their bindings, and routing a message through
-//! them to queues.
+//! them, and through the exchanges they are bound to, to queues.
 
 use std::sync::Arc;
 
 use retry_core::ExchangeKind;
 
 use crate::broker::error::BrokerError;
-use crate::broker::exchange::Exchange;
+use crate::broker::exchange::{Destination, Exchange, ExchangeIndex};
 use crate::broker::hash::FastMap;
 use crate::broker::queues::{QueueIndex, Queues};
 
@@ -14,7 +14,7 @@ use crate::broker::queues::{QueueIndex, Queues};
 #[derive(Debug)]
 pub(crate) struct Topology {
     exchanges: Vec<Exchange>,
-    index: FastMap<Arc<str>, usize>,
+    index: FastMap<Arc<str>, ExchangeIndex>,
 }
 
 impl Topology {
@@ -84,16 +84,43 @@ impl Topology {
             return Err(default_exchange_refused());
         }
         let q = queues.index_of(queue)?;
-        let x = *self
-            .index
-            .get(exchange)
-            .ok_or_else(|| BrokerError::ExchangeNotFound(exchange.to_owned()))?;
-        self.exchanges[x].bind(q, routing_key);
+        let x = self.index_of(exchange)?;
+        self.exchanges[x].bind(Destination::Queue(q), routing_key);
         Ok(())
+    }
+
+    /// Binds the exchange `destination` to the exchange `source` with `routing_key`: what
+    /// `source` routes with that binding goes on through `destination`'s bindings. The
+    /// default exchange can be neither end, as on RabbitMQ.
+    pub(crate) fn bind_exchange(
+        &mut self,
+        source: &str,
+        destination: &str,
+        routing_key: &str,
+    ) -> Result<(), BrokerError> {
+        if source.is_empty() || destination.is_empty() {
+            return Err(default_exchange_refused());
+        }
+        let from = self.index_of(source)?;
+        let to = self.index_of(destination)?;
+        self.exchanges[from].bind(Destination::Exchange(to), routing_key);
+        Ok(())
+    }
+
+    fn index_of(&self, exchange: &str) -> Result<ExchangeIndex, BrokerError> {
+        self.index
+            .get(exchange)
+            .copied()
+            .ok_or_else(|| BrokerError::ExchangeNotFound(exchange.to_owned()))
     }
 
     /// The queues `exchange` routes `routing_key` to, added to `out`; `false` when the
     /// exchange does not exist. The default exchange routes to the queue the key names.
+    ///
+    /// Exchange-to-exchange bindings are followed as RabbitMQ follows them: every exchange
+    /// reached routes the same key through its own bindings, each exchange at most once (so
+    /// a cycle of bindings ends), and each queue is reached at most once however many paths
+    /// lead to it.
     pub(crate) fn route(
         &self,
         queues: &Queues,
@@ -110,7 +137,18 @@ impl Topology {
         let Some(&x) = self.index.get(exchange) else {
             return false;
         };
-        self.exchanges[x].route(routing_key, out);
+        // The exchanges reached through exchange bindings, in the order reached: the work
+        // list and the visited set at once. Empty, it costs no allocation, as on the hot
+        // path of a direct exchange bound only to queues.
+        let mut reached: Vec<ExchangeIndex> = Vec::new();
+        self.exchanges[x].route(routing_key, out, &mut reached);
+        let mut next = 0;
+        while let Some(&e) = reached.get(next) {
+            next += 1;
+            if e != x {
+                self.exchanges[e].route(routing_key, out, &mut reached);
+            }
+        }
         true
     }
 }

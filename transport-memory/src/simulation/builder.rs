@@ -4,7 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use retry_core::{Handler, QueueType, RetryPolicy, StormControl, Timestamp, TopologyPlan};
+use retry_core::{
+    DelayStrategy, Handler, QueueType, RetryPolicy, StormControl, Timestamp, TopologyPlan,
+};
 
 use crate::broker::fault::{FaultRates, Rng};
 use crate::broker::{Broker, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_START};
@@ -50,6 +52,32 @@ impl SimulationBuilder {
     /// Quorum queues: the broker's `x-delivery-limit` on the work queue (default none).
     pub fn with_delivery_limit(mut self, limit: u32) -> Self {
         self.settings.delivery_limit = Some(limit);
+        self
+    }
+
+    /// How delays are realised on the broker (default
+    /// [`DelayStrategy::PerDelayQueue`]): with [`DelayStrategy::Cascade`], every delayed
+    /// clone goes through the binary cascade of TTL levels, and comes back after exactly its
+    /// delay rounded up to the cascade's unit.
+    ///
+    /// ```
+    /// use retry_core::{Cascade, DelayStrategy, RetryPolicy};
+    /// use transport_memory::{Script, Simulation, Step};
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetryPolicy::delays([Duration::from_secs(60)]).build()?;
+    /// let mut sim = Simulation::builder("orders", policy)
+    ///     .with_strategy(DelayStrategy::Cascade(Cascade::new()))
+    ///     .build()?;
+    /// sim.publish("m", Script::fail_times(1))?;
+    /// let report = sim.run_until_quiet();
+    /// let runs = &report.message("m").unwrap().runs;
+    /// assert_eq!(runs[1].at, runs[0].at + Duration::from_secs(60));
+    /// assert_eq!(sim.broker().ready("retry.cascade.10ms.12"), Some(0)); // its top level
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_strategy(mut self, strategy: DelayStrategy) -> Self {
+        self.settings.strategy = strategy;
         self
     }
 
@@ -164,7 +192,9 @@ impl SimulationBuilder {
     /// Makes the broker, declares the plan, and starts the consumer processes.
     pub fn build(self) -> Result<Simulation, SimulationError> {
         let s = &self.settings;
-        let mut plan = TopologyPlan::builder(&s.queue, &s.policy).with_queue_type(s.queue_type);
+        let mut plan = TopologyPlan::builder(&s.queue, &s.policy)
+            .with_queue_type(s.queue_type)
+            .with_strategy(s.strategy.clone());
         if let Some(limit) = s.delivery_limit {
             plan = plan.with_delivery_limit(limit);
         }
@@ -199,6 +229,7 @@ impl Simulation {
                 policy,
                 queue_type: QueueType::Classic,
                 delivery_limit: None,
+                strategy: DelayStrategy::PerDelayQueue,
                 prefetch: 10,
                 handler_timeout: Duration::from_secs(30),
                 shutdown_grace: Duration::from_secs(30),

@@ -9,7 +9,8 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use retry_core::{
-    Consumer, Handler, QueueType, RetryPolicy, RunReport, StormControl, Timestamp, TopologyPlan,
+    Consumer, DelayStrategy, Handler, QueueType, RetryPolicy, RunReport, StormControl, Timestamp,
+    TopologyPlan,
 };
 
 use crate::broker::Broker;
@@ -56,6 +57,7 @@ pub(crate) struct Settings {
     pub(crate) policy: RetryPolicy,
     pub(crate) queue_type: QueueType,
     pub(crate) delivery_limit: Option<u32>,
+    pub(crate) strategy: DelayStrategy,
     pub(crate) prefetch: u16,
     pub(crate) handler_timeout: Duration,
     pub(crate) shutdown_grace: Duration,
@@ -327,7 +329,7 @@ impl Simulation {
             isolation: Arc::from(self.plan.isolation_queue()),
         };
         let s = &self.settings;
-        let (queue_type, limit) = (s.queue_type, s.delivery_limit);
+        let (queue_type, limit, strategy) = (s.queue_type, s.delivery_limit, s.strategy.clone());
         let (ledger, broker) = (self.ledger.clone(), self.broker.clone());
         let mut consumer = Consumer::builder(transport, s.queue.clone(), s.policy.clone(), handler)
             .with_prefetch(s.prefetch)
@@ -335,7 +337,7 @@ impl Simulation {
             .with_shutdown_grace(s.shutdown_grace)
             .with_consumer_timeout(s.consumer_timeout.unwrap_or(Duration::MAX))
             .with_topology(move |b| {
-                let b = b.with_queue_type(queue_type);
+                let b = b.with_queue_type(queue_type).with_strategy(strategy);
                 match limit {
                     Some(n) => b.with_delivery_limit(n),
                     None => b,
