@@ -262,11 +262,19 @@ impl Admin {
         panic!("{queue} never ran dry");
     }
 
-    /// Deletes every tracked plan's queues and exchanges, and closes the connection.
+    /// Deletes every tracked plan's queues and exchanges, and its delay cascade (scenarios
+    /// give each cascade a prefix of their own), and closes the connection.
     pub async fn cleanup(&self) {
         let plans = std::mem::take(&mut *self.plans.lock().unwrap_or_else(|e| e.into_inner()));
         for plan in plans {
-            if let Err(e) = self.transport.teardown(&plan).await {
+            let deleted = match self.transport.teardown(&plan).await {
+                Ok(()) => match plan.cascade() {
+                    Some(cascade) => self.transport.teardown_cascade(cascade).await,
+                    None => Ok(()),
+                },
+                Err(e) => Err(e),
+            };
+            if let Err(e) = deleted {
                 print_uncaptured(&format!(
                     "warning: deleting the topology of {} failed: {e}\n",
                     plan.work_queue()

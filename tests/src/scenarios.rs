@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use retry_core::headers::{ATTEMPTS, CRASHES, DELAY};
 use retry_core::{
-    CrashAction, DeadLetterReason, HeaderValue, Headers, RetryPolicy, Terminal, TopologyPlan,
-    Transport,
+    Cascade, CrashAction, DeadLetterReason, DelayStrategy, HeaderValue, Headers, Jitter,
+    RetryPolicy, Terminal, TopologyPlan, Transport,
 };
 
 use crate::drive::{Ended, assert_waited, drive, wait_until};
@@ -32,7 +32,8 @@ use crate::journal::{Journal, ScriptedHandler, Step, permanent_cause, transient_
 use crate::storm::{StormConfig, storm};
 use crate::suite::Verdict;
 use crate::support::{
-    Setup, WITHIN, assert_nothing_left, delay_queue, ms, setup, setup_with_faults, unmet,
+    Setup, WITHIN, assert_nothing_left, delay_queue, ms, setup, setup_cascade, setup_with_faults,
+    unmet,
 };
 
 /// Calls the macro `callback` with every scenario of [`scenarios`](crate::scenarios): the
@@ -72,6 +73,7 @@ macro_rules! for_each_scenario {
             poison_with_bystanders,
             refused_publish_not_lost,
             no_head_of_line_blocking,
+            no_head_of_line_blocking_any_delay,
             transport_declares_topology,
             seeded_storm,
         ] }
@@ -974,6 +976,103 @@ pub async fn no_head_of_line_blocking<H: Harness>(h: &H) -> Verdict {
     )])
 }
 
+/// With the delay cascade, any delay comes back on time: a 1.5 s retry-after published
+/// behind a 3 s one (which the per-delay topology would hold in the same 3 s queue), and
+/// retries whose delays the policy's full jitter picks (which it would hold in the 1 s queue
+/// in publish order). Each comes back after its own delay rounded up to the cascade's unit
+/// (exactly, on virtual time), and every retry due a unit or more before another comes back
+/// first (on a real broker, one due at least a unit plus a margin before).
+pub async fn no_head_of_line_blocking_any_delay<H: Harness>(h: &H) -> Verdict {
+    if let Some(skip) = unmet(h, &[Need::DeclaresTopology, Need::DeadLetterExchange]) {
+        return skip;
+    }
+    let (short_level, long_level) = (Duration::from_secs(1), Duration::from_secs(3));
+    let policy = RetryPolicy::delays([short_level, long_level])
+        .with_jitter(Jitter::Full)
+        .build()
+        .expect("policy");
+    let s = setup_cascade(h, "hol-any", policy, Cascade::new()).await;
+    let cascade = s.plan.cascade().expect("a cascade plan").clone();
+    let (slow, fast) = (long_level, ms(1_500));
+    let mut messages = vec![TestMessage::new("slow-3s"), TestMessage::new("fast-1.5s")];
+    messages.extend((1..=6).map(|i| TestMessage::new(format!("jittered-{i}"))));
+    publish_all(h, &s.queue, &messages).await;
+
+    let journal = Journal::new(h.stopwatch());
+    let report = run_until(
+        h,
+        |t| {
+            let handler = journal.handler(move |r| match (r.run, r.id.as_str()) {
+                (1, "slow-3s") => Step::RetryAfter(slow),
+                (1, "fast-1.5s") => Step::RetryAfter(fast),
+                (1, _) => Step::Fail,
+                _ => Step::Succeed,
+            });
+            // Prefetch 1: the clones are published in the messages' order.
+            s.consumer(t, &journal, handler, 1)
+                .build()
+                .expect("consumer")
+        },
+        "every message handled",
+        || journal.finished() == messages.len(),
+    )
+    .await;
+
+    let timing = h.capabilities().timing;
+    // (id, delay the engine chose, when it was due, when it came back)
+    let mut retries = Vec::new();
+    let mut fast_wait = Duration::ZERO;
+    for m in &messages {
+        let Some(Terminal::Retried { delay, .. }) = journal.terminals_of(&m.id).first().copied()
+        else {
+            panic!("{} was not retried first", m.id);
+        };
+        let runs = journal.runs_of(&m.id);
+        assert_eq!(runs.len(), 2, "{}: {runs:?}", m.id);
+        let waited = runs[1].at - runs[0].at;
+        // The delay rounded up to the unit, worked out here rather than asked of the plan.
+        let unit = cascade.unit().as_nanos();
+        let rounded = Duration::from_nanos(
+            u64::try_from(delay.as_nanos().div_ceil(unit) * unit).expect("test delays fit"),
+        );
+        assert_waited(timing, &m.id, waited, rounded);
+        if delay == fast {
+            fast_wait = waited;
+        }
+        retries.push((m.id.clone(), delay, runs[0].at + delay, runs[1].at));
+    }
+    let margin = match timing {
+        Timing::Virtual => cascade.unit(),
+        // Scenarios run side by side on a small machine: each hop through a level can
+        // be late by a few milliseconds.
+        Timing::Wall { .. } => cascade.unit() + ms(200),
+    };
+    for (a, _, due_a, back_a) in &retries {
+        for (b, _, due_b, back_b) in &retries {
+            if *due_a + margin <= *due_b {
+                assert!(
+                    back_a < back_b,
+                    "{a} was due at {due_a:?}, before {b} at {due_b:?}, but came back at {back_a:?}, after it ({back_b:?})"
+                );
+            }
+        }
+    }
+    assert_eq!((report.retried, report.handled), (8, 8), "{report:?}");
+    assert_nothing_left(h, &s.plan).await;
+    let delays: Vec<String> = retries
+        .iter()
+        .map(|(_, d, _, _)| format!("{d:.0?}"))
+        .collect();
+    Verdict::passed([
+        describe_wait(timing, fast_wait, fast),
+        format!(
+            "delays {} through a {}-level cascade, each back in due order",
+            delays.join(", "),
+            cascade.levels()
+        ),
+    ])
+}
+
 /// The transport declares a plan itself, idempotently, and the declared delay queue routes
 /// a retry back.
 pub async fn transport_declares_topology<H: Harness>(h: &H) -> Verdict {
@@ -997,6 +1096,7 @@ pub async fn transport_declares_topology<H: Harness>(h: &H) -> Verdict {
         policy,
         plan,
         quorum: false,
+        strategy: DelayStrategy::default(),
     };
     let journal = Journal::new(h.stopwatch());
     let m = TestMessage::new("after-declare");

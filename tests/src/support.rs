@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use retry_core::{
-    ConsumerBuilder, QueueType, RetryPolicy, TopologyBuilder, TopologyPlan, Transport,
+    Cascade, ConsumerBuilder, DelayStrategy, QueueType, RetryPolicy, TopologyBuilder, TopologyPlan,
+    Transport,
 };
 
 use crate::harness::{Harness, Need, TopologyFaults};
@@ -43,6 +44,8 @@ pub struct Setup {
     pub plan: TopologyPlan,
     /// Whether the plan uses quorum queues.
     pub quorum: bool,
+    /// How the plan realises delays.
+    pub strategy: DelayStrategy,
 }
 
 /// Names a work queue for `scenario`, makes the plan for `policy` and has the harness
@@ -60,7 +63,34 @@ pub async fn setup_with_faults<H: Harness>(
     faults: impl FnOnce(&TopologyPlan) -> TopologyFaults,
 ) -> Setup {
     let queue = h.unique_queue(scenario);
-    let plan = customize(quorum)(TopologyPlan::builder(&queue, &policy))
+    setup_plan(h, queue, policy, quorum, DelayStrategy::default(), faults).await
+}
+
+/// [`setup`] with classic queues and a delay cascade of the scenario's own: its names start
+/// with the work queue's, so scenarios never share one and its cleanup can delete it.
+pub async fn setup_cascade<H: Harness>(
+    h: &H,
+    scenario: &str,
+    policy: RetryPolicy,
+    cascade: Cascade,
+) -> Setup {
+    let queue = h.unique_queue(scenario);
+    let strategy = DelayStrategy::Cascade(cascade.with_prefix(format!("{queue}.cascade")));
+    setup_plan(h, queue, policy, false, strategy, |_| {
+        TopologyFaults::default()
+    })
+    .await
+}
+
+async fn setup_plan<H: Harness>(
+    h: &H,
+    queue: String,
+    policy: RetryPolicy,
+    quorum: bool,
+    strategy: DelayStrategy,
+    faults: impl FnOnce(&TopologyPlan) -> TopologyFaults,
+) -> Setup {
+    let plan = customize(quorum, strategy.clone())(TopologyPlan::builder(&queue, &policy))
         .build()
         .expect("the scenario's plan is valid");
     h.provision(&plan, &faults(&plan)).await;
@@ -69,11 +99,16 @@ pub async fn setup_with_faults<H: Harness>(
         policy,
         plan,
         quorum,
+        strategy,
     }
 }
 
-fn customize(quorum: bool) -> impl for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> {
+fn customize(
+    quorum: bool,
+    strategy: DelayStrategy,
+) -> impl for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<'a> {
     move |b| {
+        let b = b.with_strategy(strategy);
         if quorum {
             b.with_queue_type(QueueType::Quorum)
         } else {
@@ -100,7 +135,7 @@ impl Setup {
             // Crash-delayed suspects come back within a second; on a real broker, notice
             // them soon.
             .with_suspect_poll(ms(100))
-            .with_topology(customize(self.quorum))
+            .with_topology(customize(self.quorum, self.strategy.clone()))
             .with_on_terminal(journal.observer())
     }
 
@@ -119,7 +154,8 @@ pub fn delay_queue(plan: &TopologyPlan, delay: Duration) -> String {
 
 /// Asserts every queue of the plan is empty: nothing left behind, nothing stuck.
 pub async fn assert_nothing_left<H: Harness>(h: &H, plan: &TopologyPlan) {
-    for q in plan.queues() {
+    let cascade = plan.cascade().map(|c| c.queues()).unwrap_or_default();
+    for q in plan.queues().iter().chain(cascade) {
         assert_eq!(h.ready(&q.name).await, 0, "messages left in {}", q.name);
     }
 }
