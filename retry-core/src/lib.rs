@@ -23,7 +23,11 @@
 //!   Every move is *publish, await confirm, then settle the original*; a refused,
 //!   returned or failed publish requeues the original. Duplicates are possible, loss is not.
 //! * [`TopologyPlan`]: the exchanges, queues (with TTL and dead-letter arguments) and bindings
-//!   a work queue needs, as data. The core computes the route of every delay.
+//!   a work queue needs, as data. The core computes the route of every delay: through one
+//!   TTL queue per delay of the policy ([`DelayStrategy::PerDelayQueue`]), or through a
+//!   binary cascade of levels shared by every work queue ([`DelayStrategy::Cascade`],
+//!   [`CascadePlan`]), which takes any delay to the unit without it waiting behind a
+//!   longer one.
 //!
 //! ## The async edge
 //!

@@ -8,6 +8,10 @@
 //! * `provision` declares a [`TopologyPlan`](retry_core::TopologyPlan) idempotently and
 //!   reports an existing, differently declared object by name and argument
 //!   ([`TransportError::TopologyConflict`](retry_core::TransportError::TopologyConflict)).
+//!   A plan's delay cascade ([`TopologyPlan::cascade`](retry_core::TopologyPlan::cascade))
+//!   is declared first, exchange-to-exchange bindings included; it is shared by every work
+//!   queue that uses it, so [`AmqpTransport::teardown`] leaves it and
+//!   [`AmqpTransport::teardown_cascade`] deletes it.
 //! * Clones are published `mandatory` with confirms: the original is acknowledged only after
 //!   a plain positive confirm. Returned, nacked, timed-out or failed publishes requeue it.
 //! * Acknowledgements are batched with `multiple` where it is safe, per subscription, and
