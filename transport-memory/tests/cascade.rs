@@ -364,7 +364,16 @@ fn provisioning_a_cascade_plan_twice_is_a_no_op() {
     assert_eq!(levels.len(), 9, "5 s is 500 units of 10 ms: 9 bits");
 
     // Still one copy per clone, back after exactly its delay.
-    let (route, _) = plan.route_for(ms(3_210)).unwrap();
+    arrives_after_exactly(&broker, &plan, ms(3_210));
+    broker.advance(secs(60));
+    assert_eq!(broker.ready("orders"), Some(1));
+}
+
+/// Publishes a clone on `plan`'s route for `delay` and checks that it reaches the empty
+/// work queue exactly `delay` later, not a millisecond sooner.
+fn arrives_after_exactly(broker: &Broker, plan: &TopologyPlan, delay: Duration) {
+    let (route, _) = plan.route_for(delay).unwrap();
+    let queue = plan.work_queue();
     broker
         .publish(Outgoing::new(
             &*route.exchange,
@@ -372,12 +381,10 @@ fn provisioning_a_cascade_plan_twice_is_a_no_op() {
             b"x".to_vec(),
         ))
         .unwrap();
-    broker.advance(ms(3_209));
-    assert_eq!(broker.ready("orders"), Some(0));
+    broker.advance(delay - ms(1));
+    assert_eq!(broker.ready(queue), Some(0), "{delay:?}: early");
     broker.advance(ms(1));
-    assert_eq!(broker.ready("orders"), Some(1));
-    broker.advance(secs(60));
-    assert_eq!(broker.ready("orders"), Some(1));
+    assert_eq!(broker.ready(queue), Some(1), "{delay:?}: on time");
 }
 
 #[test]
@@ -411,18 +418,7 @@ fn a_quorum_cascade_is_provisioned_and_carries_clones() {
     broker.provision(&plan).unwrap();
     broker.provision(&plan).unwrap();
     assert!(broker.ready("retry.cascade.10ms.quorum.00").is_some());
-    let (route, _) = plan.route_for(ms(990)).unwrap();
-    broker
-        .publish(Outgoing::new(
-            &*route.exchange,
-            &*route.routing_key,
-            b"x".to_vec(),
-        ))
-        .unwrap();
-    broker.advance(ms(989));
-    assert_eq!(broker.ready("orders"), Some(0));
-    broker.advance(ms(1));
-    assert_eq!(broker.ready("orders"), Some(1));
+    arrives_after_exactly(&broker, &plan, ms(990));
 }
 
 #[test]
