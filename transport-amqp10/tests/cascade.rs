@@ -20,38 +20,8 @@ use retry_core::{
     MessageParts, Publish, PublishResult, RetryPolicy, Terminal, TopologyPlan, Transport,
     TransportError,
 };
-use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-use common::{Broker, broker, transport, unique, url091};
-
-/// Deletes a cascade when dropped, even when the test panics: from a thread of its own with
-/// a runtime of its own, since drop may run inside the test's runtime.
-struct CascadeCleanup(CascadePlan);
-
-impl Drop for CascadeCleanup {
-    fn drop(&mut self) {
-        let cascade = self.0.clone();
-        let deleting = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let connecting = AmqpTransport::connect(AmqpConfig::new(url091()));
-                if let Ok(Ok(setup)) =
-                    tokio::time::timeout(Duration::from_secs(10), connecting).await
-                {
-                    let deleting = setup.teardown_cascade(&cascade);
-                    let _ = tokio::time::timeout(Duration::from_secs(10), deleting).await;
-                    let _ = setup.close().await;
-                }
-            });
-        });
-        let _ = deleting.join();
-    }
-}
+use common::{Broker, broker, transport, unique};
 
 async fn always_fails(_msg: Message) -> Result<(), HandlerError> {
     Err(HandlerError::transient("downstream unavailable"))
@@ -106,7 +76,6 @@ async fn a_cascade_plan_is_refused_on_rabbitmq_and_nothing_is_sent() {
         .build()
         .expect("plan");
     let cascade = plan.cascade().expect("cascade").clone();
-    let _cascade_cleanup = CascadeCleanup(cascade.clone());
     // Everything exists, declared over AMQP 0-9-1: the cascade, its bindings, the plan.
     let _cleanup = b.declare(&plan, &[], vec![]).await;
     let bodies: Vec<String> = (0..3).map(|i| format!("m{i}")).collect();

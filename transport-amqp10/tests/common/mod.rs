@@ -177,7 +177,8 @@ impl Broker {
     }
 }
 
-/// Deletes what a test declared, even when the test panics.
+/// Deletes what a test declared (its plan, and the plan's delay cascade), even when the
+/// test panics.
 pub struct Cleanup {
     plan: TopologyPlan,
 }
@@ -201,6 +202,11 @@ impl Drop for Cleanup {
                 {
                     let _ =
                         tokio::time::timeout(Duration::from_secs(10), setup.teardown(&plan)).await;
+                    // A test's cascade has a prefix of its own: it goes with the plan.
+                    if let Some(cascade) = plan.cascade() {
+                        let deleting = setup.teardown_cascade(cascade);
+                        let _ = tokio::time::timeout(Duration::from_secs(10), deleting).await;
+                    }
                 }
             });
         });
