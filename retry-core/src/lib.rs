@@ -219,7 +219,6 @@
 #![warn(missing_docs)]
 
 mod backoff;
-mod cascade;
 #[cfg(feature = "serde")]
 mod config;
 mod consumer;
@@ -236,10 +235,6 @@ mod topology;
 mod transport;
 
 pub use backoff::Backoff;
-pub use cascade::{
-    Cascade, CascadePlan, DEFAULT_CASCADE_PREFIX, DEFAULT_CASCADE_UNIT, ExchangeBindingSpec,
-    MAX_CASCADE_LEVELS,
-};
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, StormControl,
     StormEvent,
@@ -259,8 +254,10 @@ pub use policy::{
 };
 pub use time::{Timestamp, format_delay};
 pub use topology::{
-    BindingSpec, DelayStrategy, ExchangeKind, ExchangeSpec, MAX_NAME_LEN, Overflow, QueueArguments,
-    QueueRole, QueueSpec, QueueType, Route, TopologyBuilder, TopologyError, TopologyPlan,
+    BindingSpec, Cascade, CascadePlan, DEFAULT_CASCADE_PREFIX, DEFAULT_CASCADE_UNIT, DelayStrategy,
+    ExchangeBindingSpec, ExchangeKind, ExchangeSpec, MAX_CASCADE_LEVELS, MAX_NAME_LEN, Overflow,
+    QueueArguments, QueueRole, QueueSpec, QueueType, Route, TopologyBuilder, TopologyError,
+    TopologyPlan,
 };
 pub use transport::{Capabilities, PublishResult, Subscription, Transport, TransportError};
 

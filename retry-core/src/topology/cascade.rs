@@ -25,12 +25,12 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::policy::MAX_TTL;
-use crate::time::{duration_millis, format_delay};
-use crate::topology::{
+use super::{
     BindingSpec, ExchangeKind, ExchangeSpec, Overflow, QueueArguments, QueueRole, QueueSpec,
     QueueType, Route, TopologyError,
 };
+use crate::policy::MAX_TTL;
+use crate::time::{duration_millis, format_delay};
 
 /// The most levels a cascade may have, and the number of bit words in every cascade routing
 /// key. 32 levels of 1 ms hold about 49.7 days, the longest TTL a broker can hold.

@@ -24,10 +24,16 @@
 //! [`CascadePlan`]), and the work queue and the isolation queue are bound to the cascade's
 //! delivery exchange.
 
+mod cascade;
+
+pub use cascade::{
+    Cascade, CascadePlan, DEFAULT_CASCADE_PREFIX, DEFAULT_CASCADE_UNIT, ExchangeBindingSpec,
+    MAX_CASCADE_LEVELS,
+};
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::cascade::{Cascade, CascadePlan};
 use crate::decision::Lane;
 use crate::headers::{HeaderValue, Headers};
 use crate::policy::RetryPolicy;
