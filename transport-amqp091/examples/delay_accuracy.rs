@@ -37,32 +37,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties};
 use retry_core::{
     Cascade, Consumer, DelayStrategy, HandlerError, Jitter, Message, RetryPolicy, Terminal,
     TopologyPlan, Transport, splitmix64,
 };
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
+#[path = "paced/mod.rs"]
+mod paced;
+use paced::{BoxError, load1, percentiles, publish_paced, url};
+
 const PREFETCH: u16 = 200;
 const UNIT: Duration = Duration::from_millis(10);
 const LEVELS: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(10)];
 const SHORTEST: Duration = Duration::from_millis(100);
 const USAGE: &str = "usage: delay_accuracy [--n N] [--rate R] [--rounds R]";
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-fn url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn load1() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
-}
 
 /// The asked delay of message `i` of `n`: evenly spread over 0.1–10 s.
 fn asked(i: u64, n: u64) -> Duration {
@@ -101,38 +91,6 @@ struct Figures {
     by_hops: Vec<(u32, f64)>,
     /// Most and mean level hops (cascade only).
     hops: Option<(u32, f64)>,
-}
-
-/// Publishes the messages in `order` at `rate` per second with confirms; returns once all
-/// are confirmed.
-async fn publish_paced(
-    conn: &Connection,
-    queue: &str,
-    order: &[u64],
-    rate: f64,
-) -> Result<(), BoxError> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-    for &i in order {
-        tick.tick().await;
-        // Dropped confirms are collected by wait_for_confirms below.
-        drop(
-            ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                i.to_string().as_bytes(),
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(i.to_string().into()),
-            )
-            .await?,
-        );
-    }
-    ch.wait_for_confirms().await?;
-    ch.close(200, "published".into()).await?;
-    Ok(())
 }
 
 /// Runs the N messages through `strategy` and measures them.
@@ -199,8 +157,10 @@ async fn measure(
             }
         };
         let order = shuffled(n, 0x5eed);
-        let (fed, report) =
-            tokio::join!(publish_paced(conn, &work, &order, rate), consumer.run(stop));
+        let (fed, report) = tokio::join!(
+            publish_paced(conn, &work, order.iter().copied(), b"retry", rate),
+            consumer.run(stop)
+        );
         fed?;
         let report = report?;
         if report.handled != n || report.retried != n {
@@ -243,9 +203,6 @@ fn figures(runs: &Runs, n: u64, cascade: Option<&retry_core::CascadePlan>) -> Fi
         })
         .collect();
     assert_eq!(rows.len() as u64, n, "every message ran twice");
-    let mut late: Vec<f64> = rows.iter().map(|r| r.2).collect();
-    late.sort_by(f64::total_cmp);
-    let at = |q: f64| late[((late.len() as f64 * q).ceil() as usize).clamp(1, late.len()) - 1];
     // In the order they came back: overtaken if a message back earlier was due `margin`
     // later.
     rows.sort_by_key(|r| r.1);
@@ -273,7 +230,7 @@ fn figures(runs: &Runs, n: u64, cascade: Option<&retry_core::CascadePlan>) -> Fi
         }
     }
     Figures {
-        lateness: (at(0.50), at(0.99), late[late.len() - 1]),
+        lateness: percentiles(rows.iter().map(|r| r.2).collect()),
         overtaken,
         ahead: 0.0,
         by_hops: by_hops

@@ -34,28 +34,19 @@ use lapin::options::{
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan, Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
+
+#[path = "paced/mod.rs"]
+mod paced;
+use paced::{BoxError, load1, percentiles, publish_paced, url};
 
 const PREFETCH: u16 = 100;
 const DELAY: Duration = Duration::from_secs(1);
 const BODY: [u8; 256] = [b'x'; 256];
 /// The header the plain consumer marks its copies with.
 const RETRIED: &str = "x-bench-retried";
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-fn url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn load1() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
-}
 
 /// First-failure times by message id, and the lateness of each second run.
 #[derive(Default)]
@@ -81,33 +72,6 @@ impl Clock {
             None => self.early += 1,
         }
     }
-}
-
-/// Publishes `n` persistent messages at `rate` per second with confirms; returns once all
-/// are confirmed.
-async fn publish_paced(conn: &Connection, queue: &str, n: u64, rate: f64) -> Result<(), BoxError> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-    for i in 0..n {
-        tick.tick().await;
-        // Dropped confirms are collected by wait_for_confirms below.
-        drop(
-            ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &BODY,
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(i.to_string().into()),
-            )
-            .await?,
-        );
-    }
-    ch.wait_for_confirms().await?;
-    ch.close(200, "published".into()).await?;
-    Ok(())
 }
 
 async fn declare(ch: &Channel, name: &str, arguments: FieldTable) -> Result<(), BoxError> {
@@ -156,7 +120,7 @@ async fn plain(conn: &Connection, tag: &str, n: u64, rate: f64) -> Result<Clock,
             )
             .await?;
         let clock = Arc::new(Mutex::new(Clock::default()));
-        let feed = publish_paced(conn, &work, n, rate);
+        let feed = publish_paced(conn, &work, 0..n, &BODY, rate);
         let consume = async {
             let mut in_flight = FuturesUnordered::new();
             let mut second_runs = 0;
@@ -268,7 +232,7 @@ async fn ours(conn: &Connection, tag: &str, n: u64, rate: f64) -> Result<Clock, 
                 }
             })
             .build()?;
-        let feed = publish_paced(conn, &work, n, rate);
+        let feed = publish_paced(conn, &work, 0..n, &BODY, rate);
         let (fed, report) = tokio::join!(feed, consumer.run(done.notified()));
         fed?;
         let report = report?;
@@ -284,12 +248,9 @@ async fn ours(conn: &Connection, tag: &str, n: u64, rate: f64) -> Result<Clock, 
     result
 }
 
-/// p50, p99 and max, in milliseconds.
-fn percentiles(late: &[Duration]) -> (f64, f64, f64) {
-    let mut v: Vec<f64> = late.iter().map(|d| d.as_secs_f64() * 1e3).collect();
-    v.sort_by(f64::total_cmp);
-    let at = |q: f64| v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1];
-    (at(0.50), at(0.99), v[v.len() - 1])
+/// Durations in milliseconds.
+fn ms(late: &[Duration]) -> Vec<f64> {
+    late.iter().map(|d| d.as_secs_f64() * 1e3).collect()
 }
 
 fn row(out: &mut String, label: &str, (p50, p99, max): (f64, f64, f64)) {
@@ -353,7 +314,7 @@ async fn main() -> Result<(), BoxError> {
                 .into());
             }
         }
-        let (pp, po) = (percentiles(&p.late), percentiles(&o.late));
+        let (pp, po) = (percentiles(ms(&p.late)), percentiles(ms(&o.late)));
         let _ = writeln!(out, "round {round} (load {load_before} -> {})", load1());
         row(&mut out, "plain lapin, 1 s TTL queue + DLX", pp);
         row(&mut out, "retry consumer (ours)", po);
@@ -365,7 +326,7 @@ async fn main() -> Result<(), BoxError> {
         all_plain.extend(p.late);
         all_ours.extend(o.late);
     }
-    let (pp, po) = (percentiles(&all_plain), percentiles(&all_ours));
+    let (pp, po) = (percentiles(ms(&all_plain)), percentiles(ms(&all_ours)));
     let _ = writeln!(out, "all {rounds} round(s)");
     row(&mut out, "plain lapin, 1 s TTL queue + DLX", pp);
     row(&mut out, "retry consumer (ours)", po);
