@@ -1,7 +1,7 @@
 //! Declaring the retry engine's [`TopologyPlan`] on the broker, and the delay cascade
 //! ([`CascadePlan`]) it may share with other plans.
 
-use retry_core::{CascadePlan, QueueArguments, TopologyPlan};
+use retry_core::{BindingSpec, CascadePlan, ExchangeSpec, QueueArguments, QueueSpec, TopologyPlan};
 
 use crate::broker::Broker;
 use crate::broker::core::State;
@@ -32,16 +32,7 @@ impl Broker {
             if let Some(cascade) = plan.cascade() {
                 declare_cascade(s, cascade)?;
             }
-            for x in plan.exchanges() {
-                s.declare_exchange(&x.name, x.kind)?;
-            }
-            for q in plan.queues() {
-                s.declare_queue(&q.name, QueueOptions::from(&q.arguments))?;
-            }
-            for b in plan.bindings() {
-                s.bind(&b.exchange, &b.queue, &b.routing_key)?;
-            }
-            Ok(())
+            declare(s, plan.exchanges(), plan.queues(), plan.bindings())
         })
     }
 
@@ -84,17 +75,28 @@ impl Broker {
 /// Declares `cascade` under the broker's lock: exchanges first, so the level queues'
 /// dead-letter exchanges exist before anything can expire into them.
 fn declare_cascade(s: &mut State, cascade: &CascadePlan) -> Result<(), BrokerError> {
-    for x in cascade.exchanges() {
-        s.declare_exchange(&x.name, x.kind)?;
-    }
-    for q in cascade.queues() {
-        s.declare_queue(&q.name, QueueOptions::from(&q.arguments))?;
-    }
-    for b in cascade.bindings() {
-        s.bind(&b.exchange, &b.queue, &b.routing_key)?;
-    }
+    declare(s, cascade.exchanges(), cascade.queues(), cascade.bindings())?;
     for b in cascade.exchange_bindings() {
         s.bind_exchange(&b.source, &b.destination, &b.routing_key)?;
+    }
+    Ok(())
+}
+
+/// Declares `exchanges`, then `queues`, then the `bindings` between them.
+fn declare(
+    s: &mut State,
+    exchanges: &[ExchangeSpec],
+    queues: &[QueueSpec],
+    bindings: &[BindingSpec],
+) -> Result<(), BrokerError> {
+    for x in exchanges {
+        s.declare_exchange(&x.name, x.kind)?;
+    }
+    for q in queues {
+        s.declare_queue(&q.name, QueueOptions::from(&q.arguments))?;
+    }
+    for b in bindings {
+        s.bind(&b.exchange, &b.queue, &b.routing_key)?;
     }
     Ok(())
 }
