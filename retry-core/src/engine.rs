@@ -432,12 +432,7 @@ impl<D> Engine<D> {
     /// every delay level the policy can ask for, and its crash delay, need their queues.
     pub fn new(policy: RetryPolicy, plan: &TopologyPlan) -> Result<Self, PlanMismatch> {
         if let Some(cascade) = plan.cascade() {
-            let longest = policy
-                .delay_levels()
-                .iter()
-                .copied()
-                .chain(policy.crash_delay_level())
-                .max();
+            let longest = policy.longest_broker_delay();
             if let Some(delay) = longest.filter(|d| *d > cascade.max_delay()) {
                 return Err(PlanMismatch::BeyondCascade {
                     queue: plan.work_queue().to_owned(),

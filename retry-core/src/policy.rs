@@ -295,6 +295,16 @@ impl RetryPolicy {
             .then_some(self.crash_delay)
     }
 
+    /// The longest delay a clone of this policy can ask a broker to hold: its longest delay
+    /// level or its crash delay; `None` when it has neither.
+    pub(crate) fn longest_broker_delay(&self) -> Option<Duration> {
+        self.delay_levels()
+            .iter()
+            .copied()
+            .chain(self.crash_delay_level())
+            .max()
+    }
+
     /// The retry that follows a failed run number `attempt` (1-based), for the message whose
     /// jitter seed is `seed`; `None` when `attempt` was the last one allowed.
     ///

@@ -573,14 +573,7 @@ impl TopologyBuilder<'_> {
         let cascade = match &self.strategy {
             DelayStrategy::PerDelayQueue => None,
             DelayStrategy::Cascade(settings) => {
-                let longest = self
-                    .policy
-                    .delay_levels()
-                    .iter()
-                    .copied()
-                    .chain(self.policy.crash_delay_level())
-                    .max()
-                    .unwrap_or_default();
+                let longest = self.policy.longest_broker_delay().unwrap_or_default();
                 Some(CascadePlan::new(settings, self.queue_type, longest)?)
             }
         };
