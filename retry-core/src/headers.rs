@@ -31,6 +31,19 @@ pub const ORIGIN_ROUTING_KEY: &str = "x-retry-origin-routing-key";
 pub const REASON: &str = "x-retry-reason";
 /// The delay this copy was sent through, in milliseconds (integer).
 pub const DELAY: &str = "x-retry-delay";
+/// On replayed copies: how many times the message was replayed from its parking queue
+/// (integer).
+pub const REPLAYS: &str = "x-retry-replays";
+/// On replayed copies: when the latest replay was made, milliseconds since the Unix epoch
+/// (integer).
+pub const REPLAYED_AT: &str = "x-retry-replayed-at";
+/// On replayed copies: why the message had been parked before its latest replay (string).
+pub const PREVIOUS_REASON: &str = "x-retry-previous-reason";
+/// On replayed copies: the last error it had been parked with (string).
+pub const PREVIOUS_ERROR: &str = "x-retry-previous-error";
+/// Marks a topology probe: a consumer acknowledges a delivery carrying it without running
+/// the handler (any value).
+pub const PROBE: &str = "x-retry-probe";
 
 /// Headers the broker owns. Clones drop them: the engine's headers are the record, and a
 /// broker may refuse or misread a client-supplied `x-death`.
@@ -257,7 +270,7 @@ pub struct Headers(Vec<(Name, HeaderValue)>);
 type Name = Cow<'static, str>;
 
 /// Names stored without allocating, sorted for a binary search.
-const WELL_KNOWN: [&str; 24] = [
+const WELL_KNOWN: [&str; 29] = [
     "count",
     "exchange",
     "original-expiration",
@@ -281,7 +294,12 @@ const WELL_KNOWN: [&str; 24] = [
     ORIGIN_EXCHANGE,
     ORIGIN_QUEUE,
     ORIGIN_ROUTING_KEY,
+    PREVIOUS_ERROR,
+    PREVIOUS_REASON,
+    PROBE,
     REASON,
+    REPLAYED_AT,
+    REPLAYS,
 ];
 
 fn well_known(name: &str) -> Option<&'static str> {

@@ -116,6 +116,11 @@
 //! | `x-retry-origin-routing-key` | string | the routing key of that delivery |
 //! | `x-retry-reason` | string | on parked messages: `attempts-exhausted`, `max-elapsed`, `permanent` or `crash-loop` |
 //! | `x-retry-delay` | integer (ms) | on delayed copies: the delay they went through |
+//! | `x-retry-replays` | integer | on replayed copies: times replayed from the parking queue |
+//! | `x-retry-replayed-at` | integer (ms) | on replayed copies: the latest replay |
+//! | `x-retry-previous-reason` | string | on replayed copies: the reason it had been parked with |
+//! | `x-retry-previous-error` | string | on replayed copies: the last error it had been parked with |
+//! | `x-retry-probe` | any | marks a topology probe: consumers acknowledge it without running the handler |
 //!
 //! Counters above [`MAX_COUNTER`], negative numbers, times past the year 9999, wrong types
 //! and garbage bytes are read as absent and reported in [`Malformed`]. The broker's own
@@ -229,6 +234,7 @@ mod handler;
 pub mod headers;
 mod jitter;
 mod message;
+mod parking;
 mod policy;
 mod time;
 mod topology;
@@ -248,6 +254,10 @@ pub use handler::{FailureKind, Handler, HandlerError};
 pub use headers::{DeadLetterReason, HeaderValue, Headers};
 pub use jitter::{Jitter, message_identity, splitmix64};
 pub use message::{Delivery, Message, MessageParts, Properties};
+pub use parking::{
+    ParkedFilter, ParkedMessage, ParkedReason, ParkingError, ParkingLot, ParkingReport,
+    ParseReasonError, ReplayOptions, parked_at, replay_headers,
+};
 pub use policy::{
     CrashAction, Exhausted, MAX_DELAY_LEVELS, MAX_TTL, PolicyError, Retry, RetryPolicy,
     RetryPolicyBuilder,

@@ -76,6 +76,7 @@ macro_rules! for_each_scenario {
             no_head_of_line_blocking_any_delay,
             transport_declares_topology,
             seeded_storm,
+            parking_lot,
         ] }
     };
 }
@@ -1154,4 +1155,188 @@ pub async fn seeded_storm<H: Harness>(h: &H) -> Verdict {
     };
     let report = storm(h, &config).await;
     Verdict::passed([report.summary()])
+}
+
+/// The parking lot through the public API: three messages parked for three reasons
+/// (`permanent`, `attempts-exhausted`, and one without the engine's headers, `unknown`),
+/// browsed without being taken; the permanent one replayed by reason, with its counters
+/// reset and its history kept, and handled by the consumer on attempt 1; the two others
+/// left parked unchanged; one of them purged by id.
+pub async fn parking_lot<H: Harness>(h: &H) -> Verdict {
+    use retry_core::headers::{PREVIOUS_ERROR, PREVIOUS_REASON, REPLAYED_AT, REPLAYS};
+    use retry_core::{ParkedFilter, ParkedReason, ParkingLot, ReplayOptions};
+
+    let policy = RetryPolicy::delays([ms(100)])
+        .with_max_attempts(1)
+        .build()
+        .expect("policy");
+    let s = setup(h, "lot", policy, false).await;
+    let journal = Journal::new(h.stopwatch());
+    let (perm, exhaust, stray) = (
+        TestMessage::new("lot-perm"),
+        TestMessage::new("lot-exhaust"),
+        TestMessage::new("lot-stray"),
+    );
+    publish_all(h, &s.queue, &[perm.clone(), exhaust.clone()]).await;
+    // Parked by something else than the engine: no `x-retry-*` header at all.
+    h.publish(s.plan.parking_queue(), &stray).await;
+    let fixed = Arc::new(AtomicBool::new(false));
+    let script = {
+        let fixed = Arc::clone(&fixed);
+        move |run: &crate::journal::RunInfo| match run.id.as_str() {
+            "lot-perm" if fixed.load(Ordering::SeqCst) => Step::Succeed,
+            "lot-perm" => Step::Permanent,
+            _ => Step::Fail,
+        }
+    };
+    let consumer = |t| {
+        s.consumer(t, &journal, journal.handler(script.clone()), 4)
+            .build()
+            .expect("consumer")
+    };
+    run_until(h, consumer, "two messages parked", || {
+        journal.is_finished(&perm.id) && journal.is_finished(&exhaust.id)
+    })
+    .await;
+
+    let transport = h.transport().await;
+    let lot = ParkingLot::new(Arc::clone(&transport), &s.plan);
+    let browse = |filter: ParkedFilter| {
+        let lot = &lot;
+        async move {
+            let mut seen = Vec::new();
+            let report = lot
+                .browse(&filter, |p| {
+                    seen.push(p);
+                    std::ops::ControlFlow::Continue(())
+                })
+                .await
+                .expect("browse");
+            (report, seen)
+        }
+    };
+    let reasons = |seen: &[retry_core::ParkedMessage]| {
+        let mut r: Vec<(String, String)> = seen
+            .iter()
+            .map(|p| (p.id().unwrap_or("?").to_owned(), p.reason().to_string()))
+            .collect();
+        r.sort();
+        r
+    };
+    let (report, before) = browse(ParkedFilter::all()).await;
+    assert_eq!(
+        reasons(&before),
+        [
+            ("lot-exhaust".to_owned(), "attempts-exhausted".to_owned()),
+            ("lot-perm".to_owned(), "permanent".to_owned()),
+            ("lot-stray".to_owned(), "unknown".to_owned()),
+        ],
+        "{report:?}"
+    );
+    // Browsing took nothing: a second look sees the same three.
+    let (_, again) = browse(ParkedFilter::all()).await;
+    assert_eq!(
+        reasons(&again),
+        reasons(&before),
+        "browsing removed messages"
+    );
+
+    // Replay the permanent one, now that its bug is fixed.
+    fixed.store(true, Ordering::SeqCst);
+    let replayed = lot
+        .replay(
+            &ParkedFilter::reason(ParkedReason::Known(DeadLetterReason::Permanent)),
+            ReplayOptions::default(),
+            |_| {},
+        )
+        .await
+        .expect("replay");
+    assert_eq!(
+        (replayed.matched, replayed.replayed, replayed.left),
+        (1, 1, 2),
+        "{replayed:?}"
+    );
+    assert_eq!(h.ready(&s.queue).await, 1, "the copy is in the work queue");
+
+    // The other two are still parked, unchanged: body, id and headers.
+    let (_, after) = browse(ParkedFilter::all()).await;
+    let unchanged = |id: &str| {
+        let find = |list: &[retry_core::ParkedMessage]| {
+            list.iter().find(|p| p.id() == Some(id)).map(|p| {
+                (
+                    p.message().body().to_vec(),
+                    p.message().headers().clone(),
+                    p.message().properties().clone(),
+                )
+            })
+        };
+        assert_eq!(find(&after), find(&before), "{id} changed while parked");
+        assert!(find(&after).is_some(), "{id} left the parking queue");
+    };
+    unchanged(&exhaust.id);
+    unchanged(&stray.id);
+    assert_eq!(after.len(), 2, "{:?}", reasons(&after));
+
+    // The consumer handles the copy on attempt 1, with reset counters and its history.
+    run_until(h, consumer, "the replayed copy handled", || {
+        journal.terminals_of(&perm.id).len() == 2
+    })
+    .await;
+    let runs = journal.runs_of(&perm.id);
+    let last = runs.last().expect("a run of the copy");
+    assert_eq!(
+        (last.info.attempt, last.step),
+        (1, Step::Succeed),
+        "{runs:?}"
+    );
+    let h2 = &last.headers;
+    assert_eq!(
+        h2.get(ATTEMPTS).and_then(HeaderValue::as_u64).unwrap_or(0),
+        0
+    );
+    assert_eq!(
+        h2.get(CRASHES).and_then(HeaderValue::as_u64).unwrap_or(0),
+        0
+    );
+    assert_eq!(h2.get(REPLAYS).and_then(HeaderValue::as_u64), Some(1));
+    assert!(h2.get(REPLAYED_AT).and_then(HeaderValue::as_u64).is_some());
+    assert_eq!(
+        h2.get(PREVIOUS_REASON).and_then(HeaderValue::as_str),
+        Some("permanent")
+    );
+    assert_eq!(
+        h2.get(PREVIOUS_ERROR).and_then(HeaderValue::as_str),
+        Some(permanent_cause(1).as_str())
+    );
+    assert!(h2.get(retry_core::headers::REASON).is_none());
+    assert_eq!(
+        journal.terminals_of(&perm.id).last(),
+        Some(&Terminal::Handled { attempt: 1 })
+    );
+
+    // Purge by id removes that one only.
+    let purged = lot
+        .purge(&ParkedFilter::ids([exhaust.id.as_str()]), |_| {})
+        .await
+        .expect("purge");
+    assert_eq!((purged.purged, purged.left), (1, 1), "{purged:?}");
+    let (_, rest) = browse(ParkedFilter::all()).await;
+    assert_eq!(
+        reasons(&rest),
+        [("lot-stray".to_owned(), "unknown".to_owned())]
+    );
+    let cleared = lot
+        .purge(&ParkedFilter::all(), |_| {})
+        .await
+        .expect("purge all");
+    assert_eq!(cleared.purged, 1);
+    h.close(transport).await;
+    assert_nothing_left(h, &s.plan).await;
+    Verdict::passed([
+        "browsed 3 parked messages (permanent, attempts-exhausted, unknown) without taking any"
+            .to_owned(),
+        "replayed 1 by reason: handled on attempt 1 with reset counters; 2 left unchanged"
+            .to_owned(),
+        "purged 1 by id".to_owned(),
+    ])
 }

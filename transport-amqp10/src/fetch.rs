@@ -31,6 +31,7 @@
 //! never caught. Granting only on a link with no credit and nothing on the way is what keeps
 //! the echo harmless everywhere else.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use fe2o3_amqp::Receiver;
@@ -67,7 +68,7 @@ pub(crate) fn spawn(
         queue: queue.to_owned(),
         connection: None,
         link: None,
-        held: None,
+        held: BTreeSet::new(),
         unclaimed: None,
         generation: 0,
         attachments: 0,
@@ -85,8 +86,10 @@ struct FetchTask {
     connection: Option<ConnectionHandle<()>>,
     /// The attached link. Its credit is 0 on both ends whenever it is kept between fetches.
     link: Option<(SessionHandle<()>, Receiver)>,
-    /// The delivery id handed out and not yet settled: at most one.
-    held: Option<u32>,
+    /// The delivery ids handed out and not yet settled on the attached link. A consumer
+    /// holds at most one; a walk of a parking queue holds every message it leaves, until
+    /// it puts them back.
+    held: BTreeSet<u32>,
     /// The held delivery, when the fetch that took it was abandoned before the answer. Kept
     /// without its tag, whose sender would keep this task alive.
     unclaimed: Option<(DeliveryInfo, Message, DeliveryFacts)>,
@@ -155,15 +158,6 @@ impl FetchTask {
                 message,
                 facts,
             }));
-        }
-        if let Some(id) = self.held {
-            return Err(TransportError::Other(
-                format!(
-                    "delivery {id} fetched from {} is not settled yet: a fetch link holds one message at a time",
-                    self.queue
-                )
-                .into(),
-            ));
         }
         let after = self.config.operation_timeout();
         let wait = self.config.fetch_wait().min(after);
@@ -272,7 +266,7 @@ impl FetchTask {
             return Err(TransportError::Closed);
         };
         let (info, message) = delivery.into_parts();
-        self.held = Some(info.delivery_id());
+        self.held.insert(info.delivery_id());
         let tag = Amqp10Tag {
             link,
             info,
@@ -281,7 +275,7 @@ impl FetchTask {
         Ok(Some(read_message(message, &self.queue, &self.profile, tag)))
     }
 
-    /// Settles the one delivery held, at once.
+    /// Settles one delivery held, at once.
     async fn settle(
         &mut self,
         info: &DeliveryInfo,
@@ -291,10 +285,9 @@ impl FetchTask {
         if generation != self.generation || self.link.is_none() {
             return Err(stale(info));
         }
-        if self.held != Some(info.delivery_id()) {
+        if !self.held.remove(&info.delivery_id()) {
             return Err(already_settled(info));
         }
-        self.held = None;
         let Some((_, receiver)) = self.link.as_ref() else {
             return Err(stale(info));
         };
@@ -332,6 +325,8 @@ impl FetchTask {
     /// on a live session; that part runs in the background, as nothing waits on it and
     /// RabbitMQ 3.10 now and then never answers an `end`.
     async fn take_back(&mut self) {
+        // Deliveries still held go back with the session.
+        self.held.clear();
         if let Some((mut session, receiver)) = self.link.take() {
             let after = self.config.operation_timeout();
             let _ = timeout(after, receiver.detach()).await;
@@ -342,7 +337,7 @@ impl FetchTask {
     /// Drops a link that failed, with its session, in the background; the next fetch
     /// attaches a new one.
     fn discard(&mut self) {
-        self.held = None;
+        self.held.clear();
         self.unclaimed = None;
         if let Some((mut session, receiver)) = self.link.take() {
             let after = self.config.operation_timeout();

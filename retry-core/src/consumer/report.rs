@@ -52,6 +52,10 @@ pub struct RunReport {
     pub receive_errors: u64,
     /// Times storm control paused the work lane (a failed probe pauses it again).
     pub storm_pauses: u64,
+    /// Topology probes (deliveries carrying
+    /// [`headers::PROBE`](crate::headers::PROBE)) acknowledged without a handler run. They
+    /// are not counted in `received`.
+    pub probes: u64,
 }
 
 impl RunReport {

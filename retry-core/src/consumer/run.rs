@@ -36,6 +36,7 @@ use super::{Config, Consumer, Observer, RunReport, StormObserver};
 use crate::decision::{Lane, Outcome};
 use crate::engine::{Action, DeliveryId, Engine, EngineError, Settlement, Terminal};
 use crate::handler::{Handler, HandlerError};
+use crate::headers;
 use crate::message::{Delivery, Message};
 use crate::time::{Timestamp, format_delay};
 use crate::transport::{PublishResult, Subscription, Transport, TransportError};
@@ -134,6 +135,8 @@ enum Event<T: Transport> {
         result: Result<(), TransportError>,
     },
     Fetched(Received<T::Tag>),
+    /// A topology probe was acknowledged, or its acknowledgement failed.
+    ProbeAcked(Result<(), TransportError>),
 }
 
 /// Why the loop woke up.
@@ -645,6 +648,10 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
     }
 
     fn admit(&mut self, delivery: Delivery<T::Tag>, lane: Lane) {
+        if delivery.message.headers().get(headers::PROBE).is_some() {
+            self.ack_probe(delivery, lane);
+            return;
+        }
         let Delivery {
             tag,
             message,
@@ -700,6 +707,22 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 "delivery was held by a consumer that went away",
             );
         }
+    }
+
+    /// Acknowledges a topology probe without a handler run or an engine decision: it only
+    /// checked that the broker routes a delayed copy back here (`retryctl topology verify`).
+    fn ack_probe(&mut self, delivery: Delivery<T::Tag>, lane: Lane) {
+        debug!(
+            queue = %self.config.queue,
+            lane = lane_label(lane),
+            probe = ?delivery.message.headers().get(headers::PROBE),
+            "acknowledging a topology probe without running the handler",
+        );
+        let transport = self.transport;
+        self.settling += 1;
+        self.tasks.push(Box::pin(async move {
+            Event::ProbeAcked(transport.settle(&delivery.tag, Settlement::Ack).await)
+        }));
     }
 
     /// Starts an action. Actions start in the engine's order and then run concurrently; the
@@ -868,6 +891,15 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     }
                     Ok(None) => intake.suspects = false,
                     Err(e) => self.isolation_error(intake, e),
+                }
+            }
+            Event::ProbeAcked(result) => {
+                self.settling -= 1;
+                match result {
+                    Ok(()) => self.report.probes += 1,
+                    Err(e) => {
+                        warn!(queue = %self.config.queue, error = &e as &dyn Error, "acknowledging a topology probe failed; the broker will redeliver it");
+                    }
                 }
             }
         }

@@ -1,0 +1,736 @@
+//! The parking lot: read, replay and purge the messages a work queue parked, on any
+//! [`Transport`].
+//!
+//! A [`ParkingLot`] walks its parking queue one message at a time with
+//! [`Transport::fetch`]. A message it does not take stays unsettled with the broker until the
+//! walk ends and is then put back where it was ([`Settlement::Requeue`]), so no message is
+//! looked at twice in one walk and none is copied or rewritten to be left alone. A message it
+//! takes is replayed (a copy published with a confirm, then the original acknowledged) or
+//! purged (acknowledged). If the process dies at any point the broker puts back every
+//! delivery it had not seen acknowledged: a replay can be repeated, never lost.
+//!
+//! The pure parts, usable on their own: [`ParkedFilter`] (which messages),
+//! [`ParkedReason`] (why, `unknown` or `malformed` included), [`replay_headers`] (what a
+//! replayed copy carries).
+
+use std::fmt;
+use std::ops::ControlFlow;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::engine::{Confirm, Publish, Settlement};
+use crate::facts::ParkedRecord;
+use crate::headers::{self, DeadLetterReason, EngineHeaders, HeaderValue, Headers};
+use crate::message::{Delivery, Message, MessageParts};
+use crate::time::Timestamp;
+use crate::topology::{Route, TopologyPlan};
+use crate::transport::{PublishResult, Transport, TransportError};
+
+/// Why a message is in the parking queue, as its headers tell.
+///
+/// ```
+/// use retry_core::{DeadLetterReason, ParkedReason};
+///
+/// assert_eq!("crash-loop".parse(), Ok(ParkedReason::Known(DeadLetterReason::CrashLoop)));
+/// assert_eq!("unknown".parse(), Ok(ParkedReason::Unknown));
+/// assert!("crashed".parse::<ParkedReason>().is_err());
+/// assert_eq!(ParkedReason::Malformed.to_string(), "malformed");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ParkedReason {
+    /// The engine parked it, for this reason (`x-retry-reason`).
+    Known(DeadLetterReason),
+    /// It has no `x-retry-reason`: parked by something else than the engine, such as the
+    /// broker's delivery limit or another publisher (`unknown`).
+    Unknown,
+    /// Its `x-retry-reason` is not a string the engine writes (`malformed`).
+    Malformed,
+}
+
+impl ParkedReason {
+    /// The reason of a parked message's headers.
+    ///
+    /// ```
+    /// use retry_core::{Headers, ParkedReason};
+    ///
+    /// let headers: Headers = [("x-retry-reason", "permanent")].into_iter().collect();
+    /// assert_eq!(ParkedReason::of(&headers).to_string(), "permanent");
+    /// assert_eq!(ParkedReason::of(&Headers::new()), ParkedReason::Unknown);
+    /// ```
+    pub fn of(headers: &Headers) -> Self {
+        match headers.get(headers::REASON) {
+            None => ParkedReason::Unknown,
+            Some(value) => value
+                .as_str()
+                .and_then(DeadLetterReason::parse)
+                .map_or(ParkedReason::Malformed, ParkedReason::Known),
+        }
+    }
+
+    /// The spelling: a [`DeadLetterReason`]'s, `unknown` or `malformed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParkedReason::Known(reason) => reason.as_str(),
+            ParkedReason::Unknown => "unknown",
+            ParkedReason::Malformed => "malformed",
+        }
+    }
+}
+
+impl fmt::Display for ParkedReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A reason that is none of the spellings [`ParkedReason`] reads.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown reason {given:?}: expected attempts-exhausted, max-elapsed, permanent, crash-loop, unknown or malformed"
+)]
+pub struct ParseReasonError {
+    /// What was given.
+    pub given: String,
+}
+
+impl FromStr for ParkedReason {
+    type Err = ParseReasonError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "unknown" => Ok(ParkedReason::Unknown),
+            "malformed" => Ok(ParkedReason::Malformed),
+            other => DeadLetterReason::parse(other)
+                .map(ParkedReason::Known)
+                .ok_or_else(|| ParseReasonError {
+                    given: other.to_owned(),
+                }),
+        }
+    }
+}
+
+/// When a message was parked: its latest failure (`x-retry-last-failure`, written when it
+/// was parked), or for a message the engine did not park, when the broker last
+/// dead-lettered it (the `time` of its latest `x-death` entry).
+///
+/// ```
+/// use retry_core::{Headers, Timestamp, parked_at};
+///
+/// let headers: Headers = [("x-retry-last-failure", 1_700_000_000_000i64)].into_iter().collect();
+/// assert_eq!(parked_at(&headers), Some(Timestamp::from_millis(1_700_000_000_000)));
+/// assert_eq!(parked_at(&Headers::new()), None);
+/// ```
+pub fn parked_at(headers: &Headers) -> Option<Timestamp> {
+    if let Some(t) = ParkedRecord::decode(headers).last_failure {
+        return Some(t);
+    }
+    let Some(HeaderValue::Array(deaths)) = headers.get("x-death") else {
+        return None;
+    };
+    match deaths.first()? {
+        HeaderValue::Table(death) => match death.get("time")? {
+            HeaderValue::Timestamp(t) => Some(*t),
+            other => other.as_u64().map(Timestamp::from_millis),
+        },
+        _ => None,
+    }
+}
+
+/// Which parked messages an operation takes. Every condition given must hold; with none, all
+/// messages match.
+///
+/// ```
+/// use retry_core::{DeadLetterReason, Headers, Message, MessageParts, ParkedFilter, ParkedReason, Properties};
+///
+/// let parked = Message::new(MessageParts {
+///     properties: Properties { message_id: Some("c-7".into()), ..Properties::default() },
+///     headers: [("x-retry-reason", "permanent")].into_iter().collect(),
+///     ..MessageParts::default()
+/// });
+/// assert!(ParkedFilter::all().matches(&parked));
+/// assert!(ParkedFilter::ids(["c-1", "c-7"]).matches(&parked));
+/// assert!(!ParkedFilter::reason(ParkedReason::Known(DeadLetterReason::CrashLoop)).matches(&parked));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParkedFilter {
+    ids: Vec<String>,
+    reason: Option<ParkedReason>,
+    parked_before: Option<Timestamp>,
+    parked_after: Option<Timestamp>,
+}
+
+impl ParkedFilter {
+    /// Every message.
+    pub fn all() -> Self {
+        ParkedFilter::default()
+    }
+
+    /// Messages whose `message-id` is one of `ids`.
+    pub fn ids<I, S>(ids: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        ParkedFilter {
+            ids: ids.into_iter().map(Into::into).collect(),
+            ..ParkedFilter::default()
+        }
+    }
+
+    /// Messages parked for `reason`.
+    pub fn reason(reason: ParkedReason) -> Self {
+        ParkedFilter::all().with_reason(reason)
+    }
+
+    /// Only messages parked for `reason`, as well.
+    pub fn with_reason(mut self, reason: ParkedReason) -> Self {
+        self.reason = Some(reason);
+        self
+    }
+
+    /// Only messages parked before `t` (see [`parked_at`]; a message with no time does not
+    /// match).
+    pub fn parked_before(mut self, t: Timestamp) -> Self {
+        self.parked_before = Some(t);
+        self
+    }
+
+    /// Only messages parked at or after `t` (see [`parked_at`]; a message with no time does
+    /// not match).
+    pub fn parked_after(mut self, t: Timestamp) -> Self {
+        self.parked_after = Some(t);
+        self
+    }
+
+    /// Whether it takes every message.
+    pub fn is_all(&self) -> bool {
+        *self == ParkedFilter::default()
+    }
+
+    /// Whether `message` matches.
+    pub fn matches(&self, message: &Message) -> bool {
+        if !self.ids.is_empty() {
+            let id = message.properties().message_id.as_deref();
+            if !id.is_some_and(|id| self.ids.iter().any(|want| want == id)) {
+                return false;
+            }
+        }
+        if self
+            .reason
+            .is_some_and(|r| r != ParkedReason::of(message.headers()))
+        {
+            return false;
+        }
+        if self.parked_before.is_none() && self.parked_after.is_none() {
+            return true;
+        }
+        let Some(at) = parked_at(message.headers()) else {
+            return false;
+        };
+        self.parked_before.is_none_or(|t| at < t) && self.parked_after.is_none_or(|t| at >= t)
+    }
+}
+
+/// The headers of a replayed copy: the parked message's, with the engine's counters reset
+/// (attempts, crashes, first and last failure, the reason, the last error and the delay are
+/// removed, and the broker's own headers dropped), its history kept (`x-retry-replays` one
+/// higher, `x-retry-replayed-at` = `now`, the reason and the last error it was parked with
+/// as `x-retry-previous-reason` and `x-retry-previous-error`), and every other header, the
+/// user's and the origin, untouched.
+///
+/// ```
+/// use retry_core::headers::{self, HeaderValue};
+/// use retry_core::{Headers, Timestamp, replay_headers};
+///
+/// let parked: Headers = [
+///     ("x-retry-attempts", HeaderValue::Int(5)),
+///     ("x-retry-reason", "attempts-exhausted".into()),
+///     ("x-retry-last-error", "timeout".into()),
+///     ("tenant", "acme".into()),
+/// ].into_iter().collect();
+/// let copy = replay_headers(&parked, Timestamp::from_millis(42));
+/// assert_eq!(copy.get(headers::ATTEMPTS), None);
+/// assert_eq!(copy.get(headers::REPLAYS), Some(&HeaderValue::Int(1)));
+/// assert_eq!(copy.get(headers::REPLAYED_AT), Some(&HeaderValue::Int(42)));
+/// assert_eq!(copy.get(headers::PREVIOUS_REASON).and_then(|v| v.as_str()), Some("attempts-exhausted"));
+/// assert_eq!(copy.get(headers::PREVIOUS_ERROR).and_then(|v| v.as_str()), Some("timeout"));
+/// assert_eq!(copy.get("tenant").and_then(|v| v.as_str()), Some("acme"));
+/// ```
+pub fn replay_headers(parked: &Headers, now: Timestamp) -> Headers {
+    const RESET: [&str; 7] = [
+        headers::ATTEMPTS,
+        headers::CRASHES,
+        headers::FIRST_FAILURE,
+        headers::LAST_FAILURE,
+        headers::LAST_ERROR,
+        headers::REASON,
+        headers::DELAY,
+    ];
+    let replays = parked
+        .get(headers::REPLAYS)
+        .and_then(HeaderValue::as_u64)
+        .map_or(1, |n| n.saturating_add(1));
+    let mut out: Headers = parked
+        .iter()
+        .filter(|(k, _)| !RESET.contains(k) && !headers::BROKER_OWNED.contains(k))
+        .map(|(k, v)| (k.to_owned(), v.clone()))
+        .collect();
+    out.insert_static(headers::REPLAYS, i64::try_from(replays).unwrap_or(i64::MAX));
+    out.insert_static(
+        headers::REPLAYED_AT,
+        i64::try_from(now.as_millis()).unwrap_or(i64::MAX),
+    );
+    for (from, to) in [
+        (headers::REASON, headers::PREVIOUS_REASON),
+        (headers::LAST_ERROR, headers::PREVIOUS_ERROR),
+    ] {
+        match parked.get(from) {
+            Some(value) => out.insert_static(to, value.clone()),
+            None => out.remove(to),
+        };
+    }
+    out
+}
+
+/// A message read from a parking queue.
+#[derive(Clone, Debug)]
+pub struct ParkedMessage {
+    message: Message,
+}
+
+impl ParkedMessage {
+    /// The message as parked: body, properties and headers.
+    pub fn message(&self) -> &Message {
+        &self.message
+    }
+
+    /// Its `message-id`.
+    pub fn id(&self) -> Option<&str> {
+        self.message.properties().message_id.as_deref()
+    }
+
+    /// The engine's record on it; malformed values are listed in its `malformed`.
+    pub fn record(&self) -> ParkedRecord<'_> {
+        ParkedRecord::decode(self.message.headers())
+    }
+
+    /// Why it was parked.
+    pub fn reason(&self) -> ParkedReason {
+        ParkedReason::of(self.message.headers())
+    }
+
+    /// When it was parked (see [`parked_at`]).
+    pub fn parked_at(&self) -> Option<Timestamp> {
+        parked_at(self.message.headers())
+    }
+}
+
+/// How to replay.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ReplayOptions {
+    /// At most this many replays per second; `None` replays as fast as confirms come back.
+    pub rate: Option<f64>,
+    /// Count what would be replayed, and replay nothing.
+    pub dry_run: bool,
+}
+
+impl ReplayOptions {
+    /// At most `per_second` replays per second.
+    pub fn with_rate(mut self, per_second: f64) -> Self {
+        self.rate = Some(per_second);
+        self
+    }
+
+    /// Counts, and replays nothing.
+    pub fn with_dry_run(mut self, on: bool) -> Self {
+        self.dry_run = on;
+        self
+    }
+}
+
+/// What one walk of the parking queue did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ParkingReport {
+    /// Messages read.
+    pub seen: u64,
+    /// Of those, messages the filter matched.
+    pub matched: u64,
+    /// Copies confirmed in the work queue whose original was then acknowledged.
+    pub replayed: u64,
+    /// Originals acknowledged without a copy.
+    pub purged: u64,
+    /// Messages read and put back: not matched, replayed already in this walk (parked again
+    /// since), matched in a dry run or browsed, or whose copy the broker did not take.
+    pub left: u64,
+}
+
+/// A parking-lot operation failed. Nothing is lost: every message not yet acknowledged is
+/// back in the parking queue, or is on its way back as the connection closes.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ParkingError {
+    /// The parking queue does not exist.
+    #[error("queue {queue:?} does not exist")]
+    UnknownQueue {
+        /// Its name.
+        queue: String,
+    },
+    /// The broker did not take a replayed copy; the original stays parked.
+    #[error(
+        "the broker did not take the replayed copy of {message} into {queue:?} ({answer:?}); the original stays parked"
+    )]
+    CopyRefused {
+        /// The message's id, or `(no message-id)`.
+        message: String,
+        /// The work queue.
+        queue: String,
+        /// The broker's answer.
+        answer: Confirm,
+        /// The transport's error, when the publish failed.
+        #[source]
+        source: Option<TransportError>,
+    },
+    /// Reading or settling failed.
+    #[error("{operation} on {queue:?} failed")]
+    Transport {
+        /// What was being done.
+        operation: &'static str,
+        /// The queue.
+        queue: String,
+        /// The transport's error.
+        #[source]
+        source: TransportError,
+    },
+    /// The report so far, when an operation stopped part way.
+    #[error("{source} (after {replayed} replayed, {purged} purged)", replayed = report.replayed, purged = report.purged)]
+    Interrupted {
+        /// What was done before it stopped.
+        report: ParkingReport,
+        /// Why it stopped.
+        #[source]
+        source: Box<ParkingError>,
+    },
+}
+
+impl ParkingError {
+    /// What was done before the operation stopped: zero for an error that stopped it before
+    /// anything was done.
+    pub fn report(&self) -> ParkingReport {
+        match self {
+            ParkingError::Interrupted { report, .. } => *report,
+            _ => ParkingReport::default(),
+        }
+    }
+}
+
+/// What to do with each matching message.
+enum Take<'v> {
+    Browse(&'v mut (dyn FnMut(ParkedMessage) -> ControlFlow<()> + Send)),
+    Replay(ReplayOptions),
+    Purge,
+}
+
+/// The parking queue of one work queue, on a transport.
+///
+/// ```
+/// # use retry_core::*;
+/// # async fn demo<T: Transport>(transport: T, plan: &TopologyPlan) -> Result<(), ParkingError> {
+/// let lot = ParkingLot::new(transport, plan);
+/// // Read every parked message, without taking any.
+/// lot.browse(&ParkedFilter::all(), |parked| {
+///     println!("{:?} {} {:?}", parked.id(), parked.reason(), parked.record().last_error);
+///     std::ops::ControlFlow::Continue(())
+/// })
+/// .await?;
+/// // Replay the ones a fixed bug parked.
+/// let report = lot
+///     .replay(&ParkedFilter::reason(ParkedReason::Known(DeadLetterReason::Permanent)), ReplayOptions::default(), |_| {})
+///     .await?;
+/// println!("replayed {}, left {}", report.replayed, report.left);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// A complete run on the in-memory broker is in `transport-memory/tests/parking.rs`; on
+/// RabbitMQ, `retryctl parked` (the `cli` feature of `transport-amqp091`) drives it.
+pub struct ParkingLot<T> {
+    transport: T,
+    work_queue: String,
+    parking_queue: String,
+}
+
+impl<T: Transport> ParkingLot<T> {
+    /// The parking queue of `plan`, replaying to its work queue.
+    pub fn new(transport: T, plan: &TopologyPlan) -> Self {
+        ParkingLot::with_queues(transport, plan.work_queue(), plan.parking_queue())
+    }
+
+    /// The parking queue `parking_queue`, replaying to `work_queue`.
+    pub fn with_queues(
+        transport: T,
+        work_queue: impl Into<String>,
+        parking_queue: impl Into<String>,
+    ) -> Self {
+        ParkingLot {
+            transport,
+            work_queue: work_queue.into(),
+            parking_queue: parking_queue.into(),
+        }
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// The work queue replays go to.
+    pub fn work_queue(&self) -> &str {
+        &self.work_queue
+    }
+
+    /// The parking queue.
+    pub fn parking_queue(&self) -> &str {
+        &self.parking_queue
+    }
+
+    /// Hands each parked message that `filter` matches to `visit`, in queue order, and
+    /// leaves every message where it was. `visit` returns [`ControlFlow::Break`] to stop
+    /// early.
+    pub async fn browse<F>(
+        &self,
+        filter: &ParkedFilter,
+        mut visit: F,
+    ) -> Result<ParkingReport, ParkingError>
+    where
+        F: FnMut(ParkedMessage) -> ControlFlow<()> + Send,
+    {
+        self.walk(filter, Take::Browse(&mut visit), &mut |_| {})
+            .await
+    }
+
+    /// Replays each parked message that `filter` matches to the work queue (never to the
+    /// exchange it was first published to, which may fan out): a copy with the headers of
+    /// [`replay_headers`], the body and properties unchanged, is published with a confirm,
+    /// and only then is the parked original acknowledged. A message is replayed at most
+    /// once per call: a copy parked again while the call runs is left. `progress` sees the
+    /// report after each message.
+    pub async fn replay(
+        &self,
+        filter: &ParkedFilter,
+        options: ReplayOptions,
+        mut progress: impl FnMut(&ParkingReport) + Send,
+    ) -> Result<ParkingReport, ParkingError> {
+        self.walk(filter, Take::Replay(options), &mut progress)
+            .await
+    }
+
+    /// Acknowledges (removes) each parked message that `filter` matches. `progress` sees the
+    /// report after each message.
+    pub async fn purge(
+        &self,
+        filter: &ParkedFilter,
+        mut progress: impl FnMut(&ParkingReport) + Send,
+    ) -> Result<ParkingReport, ParkingError> {
+        self.walk(filter, Take::Purge, &mut progress).await
+    }
+
+    async fn walk(
+        &self,
+        filter: &ParkedFilter,
+        mut take: Take<'_>,
+        progress: &mut (dyn FnMut(&ParkingReport) + Send),
+    ) -> Result<ParkingReport, ParkingError> {
+        let mut walk = Walk {
+            lot: self,
+            held: Vec::new(),
+            report: ParkingReport::default(),
+            started: self.transport.now(),
+        };
+        let result = walk.run(filter, &mut take, progress).await;
+        let released = walk.release().await;
+        let report = walk.report;
+        match (result, released) {
+            (Ok(()), Ok(())) => Ok(report),
+            (Err(e), _) | (Ok(()), Err(e)) if report == ParkingReport::default() => Err(e),
+            (Err(e), _) | (Ok(()), Err(e)) => Err(ParkingError::Interrupted {
+                report,
+                source: Box::new(e),
+            }),
+        }
+    }
+}
+
+/// One walk of the parking queue: the deliveries it holds back, and its counts.
+struct Walk<'a, T: Transport> {
+    lot: &'a ParkingLot<T>,
+    /// Deliveries read and left: unsettled until the walk ends, so none is read twice.
+    held: Vec<T::Tag>,
+    report: ParkingReport,
+    started: Timestamp,
+}
+
+impl<T: Transport> Walk<'_, T> {
+    async fn run(
+        &mut self,
+        filter: &ParkedFilter,
+        take: &mut Take<'_>,
+        progress: &mut (dyn FnMut(&ParkingReport) + Send),
+    ) -> Result<(), ParkingError> {
+        let queue = &self.lot.parking_queue;
+        let mut paced = 0u32;
+        loop {
+            let delivery = match self.lot.transport.fetch(queue).await {
+                Ok(Some(delivery)) => delivery,
+                Ok(None) => return Ok(()),
+                Err(TransportError::MissingAddress { .. }) => {
+                    return Err(ParkingError::UnknownQueue {
+                        queue: queue.clone(),
+                    });
+                }
+                Err(source) => {
+                    return Err(ParkingError::Transport {
+                        operation: "reading",
+                        queue: queue.clone(),
+                        source,
+                    });
+                }
+            };
+            let Delivery { tag, message, .. } = delivery;
+            self.report.seen += 1;
+            let replayed_in_this_walk = matches!(take, Take::Replay(_))
+                && message
+                    .headers()
+                    .get(headers::REPLAYED_AT)
+                    .and_then(HeaderValue::as_u64)
+                    .is_some_and(|at| at >= self.started.as_millis());
+            if replayed_in_this_walk || !filter.matches(&message) {
+                self.leave(tag);
+                progress(&self.report);
+                continue;
+            }
+            self.report.matched += 1;
+            match take {
+                Take::Browse(visit) => {
+                    self.leave(tag);
+                    if visit(ParkedMessage { message }).is_break() {
+                        return Ok(());
+                    }
+                }
+                Take::Purge => {
+                    self.settle(&tag, "purging").await?;
+                    self.report.purged += 1;
+                }
+                Take::Replay(options) if options.dry_run => self.leave(tag),
+                Take::Replay(options) => {
+                    if let Some(rate) = options.rate.filter(|r| *r > 0.0) {
+                        // Paced from the walk's start, so a slow confirm is caught up on.
+                        let due = self
+                            .started
+                            .saturating_add(Duration::from_secs_f64(f64::from(paced) / rate));
+                        let now = self.lot.transport.now();
+                        if due > now {
+                            self.lot
+                                .transport
+                                .sleep(due.saturating_duration_since(now))
+                                .await;
+                        }
+                        paced += 1;
+                    }
+                    if let Err(e) = self.replay_one(message).await {
+                        // Not confirmed: the original stays, put back with the others.
+                        self.leave(tag);
+                        return Err(e);
+                    }
+                    self.settle(&tag, "acknowledging a replayed message")
+                        .await?;
+                    self.report.replayed += 1;
+                }
+            }
+            progress(&self.report);
+        }
+    }
+
+    fn leave(&mut self, tag: T::Tag) {
+        self.held.push(tag);
+        self.report.left += 1;
+    }
+
+    async fn replay_one(&self, parked: Message) -> Result<(), ParkingError> {
+        let work = &self.lot.work_queue;
+        let now = self.lot.transport.now();
+        let id = parked.properties().message_id.clone();
+        let parts = parked.parts();
+        let copy = Message::new(MessageParts {
+            queue: work.clone(),
+            exchange: String::new(),
+            routing_key: work.clone(),
+            body: parts.body.clone(),
+            properties: parts.properties.clone(),
+            headers: replay_headers(&parts.headers, now),
+        });
+        drop(parked);
+        let publish = Publish {
+            route: Route {
+                exchange: "".into(),
+                routing_key: work.as_str().into(),
+            },
+            expiration: None,
+            headers: EngineHeaders {
+                attempts: 0,
+                crashes: 0,
+                first_failure: None,
+                last_failure: None,
+                last_error: None,
+                reason: None,
+                delay: None,
+            },
+        };
+        let result = self.lot.transport.publish(&copy, &publish).await;
+        let answer = result.confirm();
+        match result {
+            PublishResult::Confirmed => Ok(()),
+            other => Err(ParkingError::CopyRefused {
+                message: id.unwrap_or_else(|| "(no message-id)".into()),
+                queue: work.clone(),
+                answer,
+                source: match other {
+                    PublishResult::Failed(e) => Some(e),
+                    _ => None,
+                },
+            }),
+        }
+    }
+
+    async fn settle(&self, tag: &T::Tag, operation: &'static str) -> Result<(), ParkingError> {
+        self.lot
+            .transport
+            .settle(tag, Settlement::Ack)
+            .await
+            .map_err(|source| ParkingError::Transport {
+                operation,
+                queue: self.lot.parking_queue.clone(),
+                source,
+            })
+    }
+
+    /// Puts back every delivery left, in the order read. One whose connection has gone is
+    /// back already.
+    async fn release(&mut self) -> Result<(), ParkingError> {
+        let mut first_error = None;
+        for tag in std::mem::take(&mut self.held) {
+            match self.lot.transport.settle(&tag, Settlement::Requeue).await {
+                Ok(()) | Err(TransportError::Connection { .. } | TransportError::Closed) => {}
+                Err(source) => {
+                    first_error.get_or_insert(ParkingError::Transport {
+                        operation: "putting back unmatched messages",
+                        queue: self.lot.parking_queue.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
