@@ -4,6 +4,10 @@
 //! doubles, short strings as long strings; decimals are kept as their text. Long strings
 //! that are not UTF-8 become bytes. Nothing here panics on what the broker sends.
 
+use crate::amqp10_sections::{
+    APP_PROPERTIES_HEADER, PROPERTIES_HEADER, SectionError, decode_application_properties,
+    decode_message_id,
+};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use retry_core::headers::MAX_DEPTH;
@@ -188,6 +192,75 @@ pub fn properties_to_amqp(
     out
 }
 
+/// The bytes of a header that holds an encoded AMQP 1.0 section. RabbitMQ writes it as a
+/// long string, read as bytes, or as text when the encoding happens to be valid UTF-8.
+fn section_bytes(value: &HeaderValue) -> Result<&[u8], SectionError> {
+    match value {
+        HeaderValue::Bytes(b) => Ok(b),
+        HeaderValue::Str(s) => Ok(s.as_bytes()),
+        _ => Err(SectionError::NotBytes),
+    }
+}
+
+/// Reads what RabbitMQ 3.x passes on of a message published over AMQP 1.0.
+///
+/// * Its application properties, where the AMQP 1.0 transport keeps the engine's headers,
+///   arrive encoded in one header, `x-amqp-1.0-app-properties`: they are decoded into
+///   headers of their own and that header is removed. A header already present wins over an
+///   application property of the same name, since the broker writes its own (`x-death`, ...)
+///   in AMQP 0-9-1.
+/// * Its `properties` section arrives encoded in `x-amqp-1.0-properties`, which is kept (the
+///   broker gives it back to AMQP 1.0 readers of a copy). Its message id fills
+///   [`Properties::message_id`] when that is empty, and replaces it when the id is not a
+///   string: the broker copies a uuid or binary id as its raw bytes, where the id is read as
+///   text (a uuid hyphenated, binary in hex, a ulong in decimal).
+///
+/// A section that does not decode is left where it is, with one warning naming the queue.
+pub(crate) fn lift_amqp10_sections(
+    headers: &mut Headers,
+    properties: &mut Properties,
+    queue: &str,
+) {
+    let mut problems = Vec::new();
+    if let Some(encoded) = headers.remove(APP_PROPERTIES_HEADER) {
+        match section_bytes(&encoded).and_then(decode_application_properties) {
+            Ok(decoded) => {
+                for (name, value) in decoded.headers {
+                    if name != APP_PROPERTIES_HEADER && headers.get(&name).is_none() {
+                        headers.insert(name, value);
+                    }
+                }
+                if decoded.dropped > 0 {
+                    problems.push(format!(
+                        "{APP_PROPERTIES_HEADER}: {} entries without a string key left out",
+                        decoded.dropped
+                    ));
+                }
+            }
+            Err(e) => {
+                problems.push(format!("{APP_PROPERTIES_HEADER}: {e}"));
+                headers.insert(APP_PROPERTIES_HEADER, encoded);
+            }
+        }
+    }
+    if let Some(encoded) = headers.get(PROPERTIES_HEADER) {
+        match section_bytes(encoded).and_then(decode_message_id) {
+            Ok(Some(id)) if properties.message_id.is_none() || !id.is_string => {
+                properties.message_id = Some(id.text);
+            }
+            Ok(_) => {}
+            Err(e) => problems.push(format!("{PROPERTIES_HEADER}: {e}")),
+        }
+    }
+    if !problems.is_empty() {
+        warn!(
+            queue,
+            problems = %problems.join("; "),
+            "AMQP 1.0 sections in a delivery's headers do not decode; kept as they are"
+        );
+    }
+}
+
 /// A lapin delivery from `queue` as the engine reads it, settled through the tag `tag`
 /// makes of its delivery tag and acker.
 pub(crate) fn received<T>(
@@ -195,17 +268,19 @@ pub(crate) fn received<T>(
     queue: &str,
     tag: impl FnOnce(u64, lapin::Acker) -> T,
 ) -> retry_core::Delivery<T> {
-    let headers = delivery
+    let mut headers = delivery
         .properties
         .headers()
         .as_ref()
         .map(headers_from_table)
         .unwrap_or_default();
+    let mut properties = properties_from_amqp(&delivery.properties);
+    lift_amqp10_sections(&mut headers, &mut properties, queue);
     let parts = retry_core::MessageParts {
         queue: queue.to_owned(),
         exchange: delivery.exchange.as_str().to_owned(),
         routing_key: delivery.routing_key.as_str().to_owned(),
-        properties: properties_from_amqp(&delivery.properties),
+        properties,
         body: delivery.data,
         headers,
     };
@@ -401,6 +476,168 @@ mod tests {
             back.get("big"),
             Some(&HeaderValue::Str(u64::MAX.to_string()))
         );
+    }
+
+    /// An application-properties section, encoded as RabbitMQ 3.10 stores one:
+    /// `x-retry-attempts` = 1 (long), `x-retry-reason` = "permanent", `x-death` = "from 1.0",
+    /// `tenant` = "acme" (a symbol).
+    fn app_properties_section() -> Vec<u8> {
+        let mut body = vec![8u8];
+        for (k, v) in [
+            ("x-retry-attempts", &[0x55, 0x01][..]),
+            (
+                "x-retry-reason",
+                &[
+                    0xa1, 9, b'p', b'e', b'r', b'm', b'a', b'n', b'e', b'n', b't',
+                ],
+            ),
+            (
+                "x-death",
+                &[0xa1, 8, b'f', b'r', b'o', b'm', b' ', b'1', b'.', b'0'],
+            ),
+            ("tenant", &[0xa3, 4, b'a', b'c', b'm', b'e']),
+        ] {
+            body.extend([0xa1, u8::try_from(k.len()).unwrap()]);
+            body.extend(k.as_bytes());
+            body.extend(v);
+        }
+        let mut out = vec![0x00, 0x53, 0x74, 0xc1, u8::try_from(body.len()).unwrap()];
+        out.extend(body);
+        out
+    }
+
+    /// A properties section with this message id (encoded) and a correlation id.
+    fn properties_section(id: &[u8]) -> Vec<u8> {
+        let mut body = vec![6u8];
+        body.extend(id);
+        body.extend([0x40, 0x40, 0x40, 0x40, 0xa1, 1, b'c']);
+        let mut out = vec![0x00, 0x53, 0x73, 0xc0, u8::try_from(body.len()).unwrap()];
+        out.extend(body);
+        out
+    }
+
+    fn table_with(entries: Vec<(&str, AMQPValue)>) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in entries {
+            t.insert(k.into(), v);
+        }
+        t
+    }
+
+    #[test]
+    fn application_properties_from_amqp10_become_headers() {
+        let mut death = FieldTable::default();
+        death.insert("count".into(), AMQPValue::LongLongInt(1));
+        let table = table_with(vec![
+            (
+                APP_PROPERTIES_HEADER,
+                AMQPValue::LongString(app_properties_section().into()),
+            ),
+            (
+                "x-death",
+                AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+            ),
+        ]);
+        let mut headers = headers_from_table(&table);
+        assert!(matches!(
+            headers.get(APP_PROPERTIES_HEADER),
+            Some(HeaderValue::Bytes(_))
+        ));
+        let mut properties = Properties::default();
+        lift_amqp10_sections(&mut headers, &mut properties, "q");
+        assert_eq!(headers.get(APP_PROPERTIES_HEADER), None);
+        assert_eq!(headers.get("x-retry-attempts"), Some(&HeaderValue::Int(1)));
+        assert_eq!(
+            headers.get("x-retry-reason"),
+            Some(&HeaderValue::from("permanent"))
+        );
+        assert_eq!(headers.get("tenant"), Some(&HeaderValue::from("acme")));
+        assert!(
+            matches!(headers.get("x-death"), Some(HeaderValue::Array(_))),
+            "the broker's own header wins: {headers:?}"
+        );
+        assert_eq!(headers.len(), 4);
+        assert_eq!(properties, Properties::default());
+    }
+
+    #[test]
+    fn an_empty_section_read_as_text_is_lifted_too() {
+        // `00 53 74 40` is valid UTF-8.
+        let table = table_with(vec![(
+            APP_PROPERTIES_HEADER,
+            AMQPValue::LongString(vec![0x00, 0x53, 0x74, 0x40].into()),
+        )]);
+        let mut headers = headers_from_table(&table);
+        assert!(matches!(
+            headers.get(APP_PROPERTIES_HEADER),
+            Some(HeaderValue::Str(_))
+        ));
+        lift_amqp10_sections(&mut headers, &mut Properties::default(), "q");
+        assert!(headers.is_empty(), "{headers:?}");
+    }
+
+    #[test]
+    fn a_section_that_does_not_decode_is_kept_as_it_is() {
+        let mut truncated = app_properties_section();
+        truncated.pop();
+        for value in [
+            HeaderValue::Bytes(truncated),
+            HeaderValue::Int(3),
+            HeaderValue::Bytes(vec![0xff; 40]),
+        ] {
+            let mut headers: Headers = [
+                (APP_PROPERTIES_HEADER, value.clone()),
+                (PROPERTIES_HEADER, HeaderValue::Bytes(vec![0x00, 0x53])),
+                ("x-retry-attempts", HeaderValue::Int(2)),
+            ]
+            .into_iter()
+            .collect();
+            let before = headers.clone();
+            let mut properties = Properties::default();
+            lift_amqp10_sections(&mut headers, &mut properties, "q");
+            assert_eq!(headers, before);
+            assert_eq!(properties.message_id, None);
+        }
+    }
+
+    #[test]
+    fn the_message_id_comes_from_the_properties_section_where_needed() {
+        let uuid: Vec<u8> = std::iter::once(0x98).chain(1..=16).collect();
+        let cases: Vec<(Option<&str>, Vec<u8>, Option<&str>)> = vec![
+            // Empty: filled from a string id.
+            (None, vec![0xa1, 3, b'm', b'-', b'1'], Some("m-1")),
+            // A string id the broker copied: kept.
+            (Some("m-1"), vec![0xa1, 3, b'm', b'-', b'1'], Some("m-1")),
+            (Some("set"), vec![0xa1, 3, b'm', b'-', b'1'], Some("set")),
+            // A uuid or binary id the broker copied as bytes: read as text.
+            (
+                Some("\u{1}\u{2}"),
+                uuid,
+                Some("01020304-0506-0708-090a-0b0c0d0e0f10"),
+            ),
+            (Some("\u{1}\u{2}"), vec![0xa0, 2, 1, 2], Some("0102")),
+            (None, vec![0x53, 42], Some("42")),
+            // No id in the section.
+            (None, vec![0x40], None),
+            (Some("kept"), vec![0x40], Some("kept")),
+        ];
+        for (before, id, after) in cases {
+            let section = properties_section(&id);
+            let mut headers: Headers = [(PROPERTIES_HEADER, HeaderValue::Bytes(section.clone()))]
+                .into_iter()
+                .collect();
+            let mut properties = Properties {
+                message_id: before.map(str::to_owned),
+                ..Properties::default()
+            };
+            lift_amqp10_sections(&mut headers, &mut properties, "q");
+            assert_eq!(properties.message_id.as_deref(), after, "{id:02x?}");
+            assert_eq!(
+                headers.get(PROPERTIES_HEADER),
+                Some(&HeaderValue::Bytes(section)),
+                "the section stays for AMQP 1.0 readers of a copy"
+            );
+        }
     }
 
     #[test]

@@ -33,6 +33,7 @@
 #![warn(missing_docs)]
 
 mod acks;
+mod amqp10_sections;
 mod config;
 mod convert;
 pub mod embed;
