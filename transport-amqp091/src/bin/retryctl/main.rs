@@ -1,0 +1,109 @@
+//! `retryctl`: the retry engine's topology on a RabbitMQ broker, for operators.
+//!
+//! ```text
+//! retryctl topology plan   QUEUE --policy FILE [--quorum] [--json]
+//! retryctl topology apply  QUEUE --policy FILE [--quorum]
+//! retryctl topology verify QUEUE --policy FILE [--quorum] [--max-probe-ttl 10s]
+//! ```
+//!
+//! * `plan` prints the exchanges, queues (with their arguments) and bindings that
+//!   `retry_core::TopologyPlan` computes for a work queue and a policy file (the TOML format
+//!   of `retry-core`'s `serde` feature). It needs no broker.
+//! * `apply` declares them idempotently and says, object by object, which it created and
+//!   which already existed as planned.
+//! * `verify` checks the broker from outside: every object exists, and a probe sent through
+//!   each delay queue, as the engine sends a delayed copy, comes back where the plan says,
+//!   dead-lettered as expired. It deletes nothing.
+//!
+//! The broker is `--url`, or `AMQP_URL`, or `amqp://guest:guest@127.0.0.1:5672/%2f`. Its
+//! password is never printed: not by `--help`, not in errors, not in reports.
+//!
+//! Exit codes: 0 success; 1 failure, a mismatch found by `verify` included; 2 bad usage or
+//! bad input (an unknown option, a policy file that does not parse or has an unknown key).
+//!
+//! Built with the `cli` feature: `cargo run -p transport-amqp091 --features cli --bin
+//! retryctl -- --help`.
+
+mod broker;
+mod error;
+mod policy;
+mod topology;
+mod verify;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::CliError;
+
+/// The broker when neither `--url` nor `AMQP_URL` says otherwise.
+const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Operate the retry engine's topology on RabbitMQ.
+#[derive(Debug, Parser)]
+#[command(name = "retryctl", version)]
+struct Cli {
+    /// The broker's AMQP URL. Its password is never printed: `--help` shows the default
+    /// redacted, and hides the value of `AMQP_URL`.
+    #[arg(
+        long,
+        global = true,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        hide_default_value = true,
+        default_value = DEFAULT_URL,
+        value_name = "URL",
+        help = "The broker's AMQP URL [default: amqp://guest:****@127.0.0.1:5672/%2f]; its \
+                password is never printed"
+    )]
+    url: String,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The command groups.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Plan, apply and verify a work queue's exchanges, queues and bindings.
+    #[command(subcommand)]
+    Topology(topology::TopologyCommand),
+}
+
+/// `println!` that does not panic when standard output is closed (`retryctl ... | head`).
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+pub(crate) use outln;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("retryctl: {}", err.chain());
+            ExitCode::from(err.exit_code())
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Topology(command) => topology::run(command, &cli.url),
+    }
+}
+
+/// Runs `future` to completion on a single-threaded runtime: the commands talk to one
+/// broker, one request at a time.
+pub(crate) fn block_on<T>(
+    future: impl Future<Output = Result<T, CliError>>,
+) -> Result<T, CliError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::failure_from("cannot start the async runtime", e))?
+        .block_on(future)
+}

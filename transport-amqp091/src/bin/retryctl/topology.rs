@@ -1,0 +1,290 @@
+//! `retryctl topology`: plan, apply and verify a work queue's topology.
+
+use std::fmt::Write as _;
+
+use clap::Subcommand;
+use retry_core::{HeaderValue, QueueRole, QueueSpec, QueueType, TopologyPlan, format_delay};
+use serde_json::{Value, json};
+
+use crate::error::CliError;
+use crate::policy::PlanArgs;
+use crate::verify::{self, VerifyArgs};
+use crate::{block_on, broker, outln};
+
+/// The `topology` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum TopologyCommand {
+    /// Print the exchanges, queues (with their arguments) and bindings a work queue needs
+    /// for a policy. Needs no broker.
+    Plan {
+        #[command(flatten)]
+        plan: PlanArgs,
+        /// Print the plan as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Declare the plan on the broker, idempotently, and say which objects were created and
+    /// which already existed as planned. An object that exists with other settings is an
+    /// error naming it and the setting.
+    Apply {
+        #[command(flatten)]
+        plan: PlanArgs,
+    },
+    /// Check from outside that the broker matches the plan: every object exists, and a probe
+    /// sent through each delay queue comes back where the plan says. Deletes nothing; stop
+    /// the work queue's consumers for a conclusive check. Exits 1 on any mismatch.
+    Verify(VerifyArgs),
+}
+
+/// Runs a `topology` subcommand against the broker at `url` (`plan` does not connect).
+pub fn run(command: TopologyCommand, url: &str) -> Result<(), CliError> {
+    match command {
+        TopologyCommand::Plan { plan, json } => {
+            let plan = plan.plan()?;
+            if json {
+                let text = serde_json::to_string_pretty(&plan_json(&plan))
+                    .map_err(|e| CliError::failure_from("cannot write the plan as JSON", e))?;
+                outln!("{text}");
+            } else {
+                outln!("{}", plan_text(&plan).trim_end());
+            }
+            Ok(())
+        }
+        TopologyCommand::Apply { plan } => {
+            let plan = plan.plan()?;
+            block_on(apply(&plan, url))
+        }
+        TopologyCommand::Verify(args) => {
+            let plan = args.plan.plan()?;
+            block_on(verify::verify(&plan, &args, url))
+        }
+    }
+}
+
+/// Declares `plan` and prints, object by object, what was created and what was verified.
+async fn apply(plan: &TopologyPlan, url: &str) -> Result<(), CliError> {
+    let transport = broker::connect(url).await?;
+    outln!(
+        "applying the plan of work queue `{}` on {}",
+        plan.work_queue(),
+        transport.config().redacted_url()
+    );
+    let provisioned = transport.provision_inspected(plan).await;
+    let _ = transport.close().await;
+    let report = provisioned?;
+    let objects = plan
+        .exchanges()
+        .iter()
+        .map(|e| format!("exchange {}", e.name))
+        .chain(plan.queues().iter().map(|q| format!("queue {}", q.name)));
+    for object in objects {
+        let status = if report.created.contains(&object) {
+            "created"
+        } else if report.verified.contains(&object) {
+            "verified"
+        } else {
+            "declared"
+        };
+        outln!("  {status:<9} {object}");
+    }
+    outln!("  {:<9} {} bindings", "declared", plan.bindings().len());
+    outln!(
+        "{} created, {} verified",
+        report.created.len(),
+        report.verified.len()
+    );
+    Ok(())
+}
+
+/// What a queue is for, in words.
+pub fn role_text(role: QueueRole) -> String {
+    match role {
+        QueueRole::Work => "work queue".into(),
+        QueueRole::Delay { ttl } => format!("delay queue, {}", format_delay(ttl)),
+        QueueRole::Isolation => "isolation queue, where suspects run alone".into(),
+        QueueRole::CrashDelay { ttl } => format!("crash-delay queue, {}", format_delay(ttl)),
+        QueueRole::Parking => "parking queue".into(),
+        QueueRole::CascadeLevel { level, ttl } => {
+            format!("cascade level {level}, {}", format_delay(ttl))
+        }
+    }
+}
+
+/// The role's short name, as JSON gives it.
+fn role_name(role: QueueRole) -> &'static str {
+    match role {
+        QueueRole::Work => "work",
+        QueueRole::Delay { .. } => "delay",
+        QueueRole::Isolation => "isolation",
+        QueueRole::CrashDelay { .. } => "crash-delay",
+        QueueRole::Parking => "parking",
+        QueueRole::CascadeLevel { .. } => "cascade-level",
+    }
+}
+
+/// The TTL of a queue whose messages wait, if it is one.
+pub fn role_ttl(role: QueueRole) -> Option<std::time::Duration> {
+    match role {
+        QueueRole::Delay { ttl }
+        | QueueRole::CrashDelay { ttl }
+        | QueueRole::CascadeLevel { ttl, .. } => Some(ttl),
+        QueueRole::Work | QueueRole::Isolation | QueueRole::Parking => None,
+    }
+}
+
+/// The queues of `plan` that a message dead-lettered from `spec` reaches: through the default
+/// exchange, the queue named by the routing key; through another exchange of the plan, the
+/// queues bound to it with that key.
+pub fn dead_letter_destinations<'p>(plan: &'p TopologyPlan, spec: &'p QueueSpec) -> Vec<&'p str> {
+    let args = &spec.arguments;
+    let (Some(exchange), Some(key)) = (&args.dead_letter_exchange, &args.dead_letter_routing_key)
+    else {
+        return Vec::new();
+    };
+    if exchange.is_empty() {
+        return vec![key.as_str()];
+    }
+    plan.bindings()
+        .iter()
+        .filter(|b| &b.exchange == exchange && &b.routing_key == key)
+        .map(|b| b.queue.as_str())
+        .collect()
+}
+
+fn queue_type_name(t: QueueType) -> &'static str {
+    match t {
+        QueueType::Classic => "classic",
+        QueueType::Quorum => "quorum",
+    }
+}
+
+/// An argument's value as an operator reads it.
+fn argument_text(name: &str, value: &HeaderValue) -> String {
+    match value {
+        HeaderValue::Str(s) if s.is_empty() && name == "x-dead-letter-exchange" => {
+            "\"\" (the default exchange)".into()
+        }
+        HeaderValue::Str(s) => s.clone(),
+        HeaderValue::Int(ms) if name == "x-message-ttl" => {
+            let ttl = std::time::Duration::from_millis(u64::try_from(*ms).unwrap_or(0));
+            format!("{ms} ({})", format_delay(ttl))
+        }
+        HeaderValue::Int(n) => n.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The plan as text: exchanges, queues with their arguments, bindings.
+fn plan_text(plan: &TopologyPlan) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "plan for work queue `{}` ({} queues)",
+        plan.work_queue(),
+        queue_type_name(plan.queue_type())
+    );
+    let _ = writeln!(out, "\nexchanges");
+    let width = plan.exchanges().iter().map(|e| e.name.len()).max();
+    for e in plan.exchanges() {
+        let durable = if e.durable { ", durable" } else { "" };
+        let _ = writeln!(
+            out,
+            "  {:<w$}  {}{durable}",
+            e.name,
+            e.kind.as_str(),
+            w = width.unwrap_or(0)
+        );
+    }
+    let _ = writeln!(out, "\nqueues");
+    for q in plan.queues() {
+        let durable = if q.durable { ", durable" } else { "" };
+        let _ = write!(out, "  {}  ({}{durable}", q.name, role_text(q.role));
+        let destinations = dead_letter_destinations(plan, q);
+        if !destinations.is_empty() {
+            let verb = if role_ttl(q.role).is_some() {
+                "expires into"
+            } else {
+                "dead-letters into"
+            };
+            let _ = write!(out, "; {verb} {}", destinations.join(", "));
+        }
+        let _ = writeln!(out, ")");
+        let headers = q.arguments.to_headers();
+        let width = headers.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        for (name, value) in headers.iter() {
+            let _ = writeln!(out, "      {name:<width$}  {}", argument_text(name, value));
+        }
+    }
+    let _ = writeln!(out, "\nbindings");
+    for b in plan.bindings() {
+        let _ = writeln!(
+            out,
+            "  {} -> {}  (routing key {})",
+            b.exchange, b.queue, b.routing_key
+        );
+    }
+    out
+}
+
+/// A header value as JSON.
+fn header_json(value: &HeaderValue) -> Value {
+    match value {
+        HeaderValue::Null => Value::Null,
+        HeaderValue::Bool(b) => json!(b),
+        HeaderValue::Int(n) => json!(n),
+        HeaderValue::UInt(n) => json!(n),
+        HeaderValue::Float(x) => json!(x),
+        HeaderValue::Str(s) => json!(s),
+        HeaderValue::Bytes(b) => json!(String::from_utf8_lossy(b)),
+        HeaderValue::Timestamp(t) => json!(t.as_millis()),
+        HeaderValue::Array(items) => Value::Array(items.iter().map(header_json).collect()),
+        HeaderValue::Table(table) => Value::Object(
+            table
+                .iter()
+                .map(|(k, v)| (k.to_owned(), header_json(v)))
+                .collect(),
+        ),
+    }
+}
+
+/// The plan as JSON.
+fn plan_json(plan: &TopologyPlan) -> Value {
+    let exchanges: Vec<Value> = plan
+        .exchanges()
+        .iter()
+        .map(|e| json!({ "name": e.name, "type": e.kind.as_str(), "durable": e.durable }))
+        .collect();
+    let queues: Vec<Value> = plan
+        .queues()
+        .iter()
+        .map(|q| {
+            let arguments = Value::Object(
+                q.arguments
+                    .to_headers()
+                    .iter()
+                    .map(|(k, v)| (k.to_owned(), header_json(v)))
+                    .collect(),
+            );
+            json!({
+                "name": q.name,
+                "role": role_name(q.role),
+                "ttl_ms": role_ttl(q.role).map(|d| d.as_millis() as u64),
+                "durable": q.durable,
+                "arguments": arguments,
+                "dead_letters_to": dead_letter_destinations(plan, q),
+            })
+        })
+        .collect();
+    let bindings: Vec<Value> = plan
+        .bindings()
+        .iter()
+        .map(|b| json!({ "exchange": b.exchange, "queue": b.queue, "routing_key": b.routing_key }))
+        .collect();
+    json!({
+        "work_queue": plan.work_queue(),
+        "queue_type": queue_type_name(plan.queue_type()),
+        "exchanges": exchanges,
+        "queues": queues,
+        "bindings": bindings,
+    })
+}
