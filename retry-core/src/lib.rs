@@ -269,7 +269,9 @@ pub use topology::{
     QueueArguments, QueueRole, QueueSpec, QueueType, Route, TopologyBuilder, TopologyError,
     TopologyPlan,
 };
-pub use transport::{Capabilities, PublishResult, Subscription, Transport, TransportError};
+pub use transport::{
+    Capabilities, PublishResult, QueueWalk, Subscription, Transport, TransportError,
+};
 
 // The README's Rust examples are compiled and run with the doc tests.
 #[cfg(doctest)]

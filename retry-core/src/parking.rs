@@ -1,13 +1,14 @@
 //! The parking lot: read, replay and purge the messages a work queue parked, on any
 //! [`Transport`].
 //!
-//! A [`ParkingLot`] walks its parking queue one message at a time with
-//! [`Transport::fetch`]. A message it does not take stays unsettled with the broker until the
-//! walk ends and is then put back where it was ([`Settlement::Requeue`]), so no message is
-//! looked at twice in one walk and none is copied or rewritten to be left alone. A message it
-//! takes is replayed (a copy published with a confirm, then the original acknowledged) or
-//! purged (acknowledged). If the process dies at any point the broker puts back every
-//! delivery it had not seen acknowledged: a replay can be repeated, never lost.
+//! A [`ParkingLot`] walks its parking queue one message at a time with a
+//! [`QueueWalk`] ([`Transport::walk`]). A message it does not take stays unsettled with the
+//! broker until the walk ends and is then put back where it was, so no message is looked at
+//! twice in one walk and none is copied or rewritten to be left alone. A message it takes is
+//! replayed (a copy published with a confirm, then the original acknowledged) or purged
+//! (acknowledged). If the process dies at any point the broker puts back every delivery it
+//! had not seen acknowledged: a replay can be repeated, never lost. The lot holds one
+//! message at a time, whatever the length of the queue.
 //!
 //! The pure parts, usable on their own: [`ParkedFilter`] (which messages),
 //! [`ParkedReason`] (why, `unknown` or `malformed` included), [`replay_headers`] (what a
@@ -18,13 +19,13 @@ use std::ops::ControlFlow;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::engine::{Confirm, Publish, Settlement};
+use crate::engine::{Confirm, Publish};
 use crate::facts::ParkedRecord;
 use crate::headers::{self, DeadLetterReason, EngineHeaders, HeaderValue, Headers};
 use crate::message::{Delivery, Message, MessageParts};
 use crate::time::Timestamp;
 use crate::topology::{Route, TopologyPlan};
-use crate::transport::{PublishResult, Transport, TransportError};
+use crate::transport::{PublishResult, QueueWalk, Transport, TransportError};
 
 /// Why a message is in the parking queue, as its headers tell.
 ///
@@ -542,16 +543,26 @@ impl<T: Transport> ParkingLot<T> {
         mut take: Take<'_>,
         progress: &mut (dyn FnMut(&ParkingReport) + Send),
     ) -> Result<ParkingReport, ParkingError> {
-        let mut walk = Walk {
+        let queue = &self.parking_queue;
+        let walk = self
+            .transport
+            .walk(queue)
+            .await
+            .map_err(|e| transport_error(queue, "reading", e))?;
+        let mut pass = Pass {
             lot: self,
-            held: Vec::new(),
+            walk,
             report: ParkingReport::default(),
             started: self.transport.now(),
         };
-        let result = walk.run(filter, &mut take, progress).await;
-        let released = walk.release().await;
-        let report = walk.report;
-        match (result, released) {
+        let result = pass.run(filter, &mut take, progress).await;
+        let ended = pass
+            .walk
+            .end()
+            .await
+            .map_err(|e| transport_error(queue, "putting back unmatched messages", e));
+        let report = pass.report;
+        match (result, ended) {
             (Ok(()), Ok(())) => Ok(report),
             (Err(e), _) | (Ok(()), Err(e)) if report == ParkingReport::default() => Err(e),
             (Err(e), _) | (Ok(()), Err(e)) => Err(ParkingError::Interrupted {
@@ -560,106 +571,11 @@ impl<T: Transport> ParkingLot<T> {
             }),
         }
     }
-}
 
-/// One walk of the parking queue: the deliveries it holds back, and its counts.
-struct Walk<'a, T: Transport> {
-    lot: &'a ParkingLot<T>,
-    /// Deliveries read and left: unsettled until the walk ends, so none is read twice.
-    held: Vec<T::Tag>,
-    report: ParkingReport,
-    started: Timestamp,
-}
-
-impl<T: Transport> Walk<'_, T> {
-    async fn run(
-        &mut self,
-        filter: &ParkedFilter,
-        take: &mut Take<'_>,
-        progress: &mut (dyn FnMut(&ParkingReport) + Send),
-    ) -> Result<(), ParkingError> {
-        let queue = &self.lot.parking_queue;
-        let mut paced = 0u32;
-        loop {
-            let delivery = match self.lot.transport.fetch(queue).await {
-                Ok(Some(delivery)) => delivery,
-                Ok(None) => return Ok(()),
-                Err(TransportError::MissingAddress { .. }) => {
-                    return Err(ParkingError::UnknownQueue {
-                        queue: queue.clone(),
-                    });
-                }
-                Err(source) => {
-                    return Err(ParkingError::Transport {
-                        operation: "reading",
-                        queue: queue.clone(),
-                        source,
-                    });
-                }
-            };
-            let Delivery { tag, message, .. } = delivery;
-            self.report.seen += 1;
-            let replayed_in_this_walk = matches!(take, Take::Replay(_))
-                && message
-                    .headers()
-                    .get(headers::REPLAYED_AT)
-                    .and_then(HeaderValue::as_u64)
-                    .is_some_and(|at| at >= self.started.as_millis());
-            if replayed_in_this_walk || !filter.matches(&message) {
-                self.leave(tag);
-                progress(&self.report);
-                continue;
-            }
-            self.report.matched += 1;
-            match take {
-                Take::Browse(visit) => {
-                    self.leave(tag);
-                    if visit(ParkedMessage { message }).is_break() {
-                        return Ok(());
-                    }
-                }
-                Take::Purge => {
-                    self.settle(&tag, "purging").await?;
-                    self.report.purged += 1;
-                }
-                Take::Replay(options) if options.dry_run => self.leave(tag),
-                Take::Replay(options) => {
-                    if let Some(rate) = options.rate.filter(|r| *r > 0.0) {
-                        // Paced from the walk's start, so a slow confirm is caught up on.
-                        let due = self
-                            .started
-                            .saturating_add(Duration::from_secs_f64(f64::from(paced) / rate));
-                        let now = self.lot.transport.now();
-                        if due > now {
-                            self.lot
-                                .transport
-                                .sleep(due.saturating_duration_since(now))
-                                .await;
-                        }
-                        paced += 1;
-                    }
-                    if let Err(e) = self.replay_one(message).await {
-                        // Not confirmed: the original stays, put back with the others.
-                        self.leave(tag);
-                        return Err(e);
-                    }
-                    self.settle(&tag, "acknowledging a replayed message")
-                        .await?;
-                    self.report.replayed += 1;
-                }
-            }
-            progress(&self.report);
-        }
-    }
-
-    fn leave(&mut self, tag: T::Tag) {
-        self.held.push(tag);
-        self.report.left += 1;
-    }
-
+    /// Publishes the replayed copy of `parked` to the work queue and waits for its confirm.
     async fn replay_one(&self, parked: Message) -> Result<(), ParkingError> {
-        let work = &self.lot.work_queue;
-        let now = self.lot.transport.now();
+        let work = &self.work_queue;
+        let now = self.transport.now();
         let id = parked.properties().message_id.clone();
         let parts = parked.parts();
         let copy = Message::new(MessageParts {
@@ -687,7 +603,7 @@ impl<T: Transport> Walk<'_, T> {
                 delay: None,
             },
         };
-        let result = self.lot.transport.publish(&copy, &publish).await;
+        let result = self.transport.publish(&copy, &publish).await;
         let answer = result.confirm();
         match result {
             PublishResult::Confirmed => Ok(()),
@@ -702,35 +618,112 @@ impl<T: Transport> Walk<'_, T> {
             }),
         }
     }
+}
 
-    async fn settle(&self, tag: &T::Tag, operation: &'static str) -> Result<(), ParkingError> {
-        self.lot
-            .transport
-            .settle(tag, Settlement::Ack)
-            .await
-            .map_err(|source| ParkingError::Transport {
-                operation,
-                queue: self.lot.parking_queue.clone(),
-                source,
-            })
+/// A transport's error on the parking queue, as the parking lot reports it: a queue that is
+/// not there is [`ParkingError::UnknownQueue`].
+fn transport_error(queue: &str, operation: &'static str, source: TransportError) -> ParkingError {
+    match source {
+        TransportError::MissingAddress { .. } => ParkingError::UnknownQueue {
+            queue: queue.to_owned(),
+        },
+        source => ParkingError::Transport {
+            operation,
+            queue: queue.to_owned(),
+            source,
+        },
     }
+}
 
-    /// Puts back every delivery left, in the order read. One whose connection has gone is
-    /// back already.
-    async fn release(&mut self) -> Result<(), ParkingError> {
-        let mut first_error = None;
-        for tag in std::mem::take(&mut self.held) {
-            match self.lot.transport.settle(&tag, Settlement::Requeue).await {
-                Ok(()) | Err(TransportError::Connection { .. } | TransportError::Closed) => {}
-                Err(source) => {
-                    first_error.get_or_insert(ParkingError::Transport {
-                        operation: "putting back unmatched messages",
-                        queue: self.lot.parking_queue.clone(),
-                        source,
-                    });
+/// One walk of the parking queue, and its counts.
+struct Pass<'a, T: Transport> {
+    lot: &'a ParkingLot<T>,
+    walk: Box<dyn QueueWalk<T::Tag> + 'a>,
+    report: ParkingReport,
+    started: Timestamp,
+}
+
+impl<T: Transport> Pass<'_, T> {
+    async fn run(
+        &mut self,
+        filter: &ParkedFilter,
+        take: &mut Take<'_>,
+        progress: &mut (dyn FnMut(&ParkingReport) + Send),
+    ) -> Result<(), ParkingError> {
+        let queue = &self.lot.parking_queue;
+        let mut paced = 0u32;
+        loop {
+            let Some(delivery) = self
+                .walk
+                .next()
+                .await
+                .map_err(|e| transport_error(queue, "reading", e))?
+            else {
+                return Ok(());
+            };
+            let Delivery { tag, message, .. } = delivery;
+            self.report.seen += 1;
+            let replayed_in_this_walk = matches!(take, Take::Replay(_))
+                && message
+                    .headers()
+                    .get(headers::REPLAYED_AT)
+                    .and_then(HeaderValue::as_u64)
+                    .is_some_and(|at| at >= self.started.as_millis());
+            if replayed_in_this_walk || !filter.matches(&message) {
+                self.leave(tag);
+                progress(&self.report);
+                continue;
+            }
+            self.report.matched += 1;
+            match take {
+                Take::Browse(visit) => {
+                    self.leave(tag);
+                    if visit(ParkedMessage { message }).is_break() {
+                        return Ok(());
+                    }
+                }
+                Take::Purge => {
+                    self.ack(tag, "purging").await?;
+                    self.report.purged += 1;
+                }
+                Take::Replay(options) if options.dry_run => self.leave(tag),
+                Take::Replay(options) => {
+                    if let Some(rate) = options.rate.filter(|r| *r > 0.0) {
+                        // Paced from the walk's start, so a slow confirm is caught up on.
+                        let due = self
+                            .started
+                            .saturating_add(Duration::from_secs_f64(f64::from(paced) / rate));
+                        let now = self.lot.transport.now();
+                        if due > now {
+                            self.lot
+                                .transport
+                                .sleep(due.saturating_duration_since(now))
+                                .await;
+                        }
+                        paced += 1;
+                    }
+                    if let Err(e) = self.lot.replay_one(message).await {
+                        // Not confirmed: the original stays, put back with the others.
+                        self.leave(tag);
+                        return Err(e);
+                    }
+                    self.ack(tag, "acknowledging a replayed message").await?;
+                    self.report.replayed += 1;
                 }
             }
+            progress(&self.report);
         }
-        first_error.map_or(Ok(()), Err)
+    }
+
+    fn leave(&mut self, tag: T::Tag) {
+        self.walk.leave(tag);
+        self.report.left += 1;
+    }
+
+    async fn ack(&mut self, tag: T::Tag, operation: &'static str) -> Result<(), ParkingError> {
+        self.walk
+            .ack(tag)
+            .await
+            .map_err(|e| transport_error(&self.lot.parking_queue, operation, e))
     }
 }

@@ -304,6 +304,25 @@ pub trait Transport: Send + Sync + 'static {
     /// [`TransportError::Connection`]: the broker has that delivery back.
     async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError>;
 
+    /// Starts a [`QueueWalk`] of `queue`: its messages read one at a time, each at most once,
+    /// and those the walk leaves put back when it ends. The [`ParkingLot`](crate::ParkingLot)
+    /// reads its parking queue this way.
+    ///
+    /// The default reads with [`fetch`](Self::fetch), keeps the tag of each delivery left and
+    /// requeues them one by one at the end, so it holds one tag per message left. A transport
+    /// that can put back every delivery of a walk at once overrides it: the AMQP 0-9-1
+    /// transport walks on a channel of its own and keeps only the last delivery tag left.
+    async fn walk<'a>(
+        &'a self,
+        queue: &str,
+    ) -> Result<Box<dyn QueueWalk<Self::Tag> + 'a>, TransportError> {
+        Ok(Box::new(FetchWalk {
+            transport: self,
+            queue: queue.to_owned(),
+            left: Vec::new(),
+        }))
+    }
+
     /// The current time.
     fn now(&self) -> Timestamp {
         Timestamp::from_system_time(SystemTime::now())
@@ -312,6 +331,85 @@ pub trait Transport: Send + Sync + 'static {
     /// A future that resolves after `duration`.
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         Box::pin(futures_timer::Delay::new(duration))
+    }
+}
+
+/// A walk of one queue, made by [`Transport::walk`]: its ready messages read one at a time
+/// in queue order, each at most once, and every delivery the walk
+/// [leaves](Self::leave) put back where it was when it [ends](Self::end).
+///
+/// A delivery left stays unsettled with the broker until the walk ends: that is what keeps
+/// the walk from reading it again, and what puts it back in its place. The broker therefore
+/// holds every message left, unacknowledged, for the length of the walk (a broker's
+/// `consumer_timeout` applies); the caller holds one message at a time, since it settles or
+/// leaves each delivery before it reads the next. If the connection goes away, the broker
+/// puts back everything the walk held.
+///
+/// ```
+/// # use retry_core::*;
+/// # async fn demo<T: Transport>(transport: &T) -> Result<(), TransportError> {
+/// // Count a queue's messages that carry a header, and leave them all in place.
+/// let mut walk = transport.walk("comments.parking").await?;
+/// let mut tenants = 0;
+/// while let Some(delivery) = walk.next().await? {
+///     tenants += usize::from(delivery.message.headers().get("tenant").is_some());
+///     walk.leave(delivery.tag);
+/// }
+/// walk.end().await?;
+/// # Ok(()) }
+/// ```
+#[async_trait]
+pub trait QueueWalk<Tag>: Send {
+    /// The next message, or `Ok(None)` when the queue has no more ready for this walk.
+    /// Settle or [leave](Self::leave) each delivery before reading the next.
+    async fn next(&mut self) -> Result<Option<Delivery<Tag>>, TransportError>;
+
+    /// Leaves a delivery of this walk where it was: unsettled until [`end`](Self::end), so
+    /// the walk does not read it again.
+    fn leave(&mut self, tag: Tag);
+
+    /// Acknowledges (removes) a delivery of this walk, at once. A tag whose connection has
+    /// gone fails with [`TransportError::Connection`]: the broker has that delivery back.
+    async fn ack(&mut self, tag: Tag) -> Result<(), TransportError>;
+
+    /// Puts back every delivery left, in the order read, and ends the walk. Deliveries whose
+    /// connection has gone are back already, and are no error. Calling it again does
+    /// nothing.
+    async fn end(&mut self) -> Result<(), TransportError>;
+}
+
+/// [`Transport::walk`]'s default: [`Transport::fetch`], and a requeue of each tag left.
+struct FetchWalk<'a, T: Transport + ?Sized> {
+    transport: &'a T,
+    queue: String,
+    left: Vec<T::Tag>,
+}
+
+#[async_trait]
+impl<T: Transport + ?Sized> QueueWalk<T::Tag> for FetchWalk<'_, T> {
+    async fn next(&mut self) -> Result<Option<Delivery<T::Tag>>, TransportError> {
+        self.transport.fetch(&self.queue).await
+    }
+
+    fn leave(&mut self, tag: T::Tag) {
+        self.left.push(tag);
+    }
+
+    async fn ack(&mut self, tag: T::Tag) -> Result<(), TransportError> {
+        self.transport.settle(&tag, Settlement::Ack).await
+    }
+
+    async fn end(&mut self) -> Result<(), TransportError> {
+        let mut first_error = None;
+        for tag in std::mem::take(&mut self.left) {
+            match self.transport.settle(&tag, Settlement::Requeue).await {
+                Ok(()) | Err(TransportError::Connection { .. } | TransportError::Closed) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 }
 
@@ -380,6 +478,13 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
 
     async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError> {
         (**self).settle(tag, settlement).await
+    }
+
+    async fn walk<'a>(
+        &'a self,
+        queue: &str,
+    ) -> Result<Box<dyn QueueWalk<Self::Tag> + 'a>, TransportError> {
+        (**self).walk(queue).await
     }
 
     fn now(&self) -> Timestamp {

@@ -41,6 +41,17 @@ pub(crate) fn short(name: &str) -> Result<ShortString, TransportError> {
     })
 }
 
+/// A lapin error on a request about `queue`: NOT_FOUND names the queue.
+pub(crate) fn queue_error(queue: &str, e: lapin::Error) -> TransportError {
+    match amqp_code(&e) {
+        Some(404) => TransportError::MissingAddress {
+            address: format!("queue {queue:?}"),
+            hint: "provision the topology first (Transport::provision)".into(),
+        },
+        _ => connection_error(e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::closes_only_a_channel;

@@ -40,11 +40,14 @@ pub mod embed;
 mod error;
 mod provision;
 mod subscription;
+mod tag;
 pub mod testing;
 mod transport;
+mod walk;
 
 pub use config::AmqpConfig;
 pub use convert::{headers_from_table, table_from_headers};
 pub use provision::ProvisionReport;
 pub use subscription::AmqpSubscription;
-pub use transport::{AmqpTag, AmqpTransport};
+pub use tag::AmqpTag;
+pub use transport::AmqpTransport;

@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use crate::acks::Acks;
 use crate::convert::received;
 use crate::error::{connection_error, short};
-use crate::transport::AmqpTag;
+use crate::tag::AmqpTag;
 
 /// A subscription to one queue, made by
 /// [`AmqpTransport::consume`](retry_core::Transport::consume): a channel with its own

@@ -7,68 +7,26 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
-    BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Acker, Channel, Confirmation, Connection, ConnectionProperties, Event};
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties, Event};
 use retry_core::{
-    Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, Settlement, TopologyPlan,
-    Transport, TransportError,
+    Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement,
+    TopologyPlan, Transport, TransportError,
 };
 use tokio::sync::Mutex;
 use tracing::{debug, info, warn};
 
-use crate::acks::{Acks, Refusal};
+use crate::acks::Acks;
 use crate::config::AmqpConfig;
 use crate::convert::{properties_to_amqp, received};
-use crate::error::{closes_only_a_channel, connection_error, short};
+use crate::error::{closes_only_a_channel, connection_error, queue_error, short};
 use crate::provision::{self, ProvisionReport};
 use crate::subscription::AmqpSubscription;
-
-/// Settles one delivery: where it came from and its delivery tag there.
-///
-/// A delivery from a subscription is acknowledged through that subscription's batcher,
-/// for the channel incarnation (epoch) it came on; one from a fetch is settled at once
-/// through its own acker. After a reconnection, neither settles on the new channel: the
-/// broker has already put the delivery back.
-#[derive(Clone)]
-pub struct AmqpTag {
-    settler: Settler,
-    delivery_tag: u64,
-}
-
-#[derive(Clone)]
-enum Settler {
-    Batched { acks: Arc<Acks>, epoch: u64 },
-    Direct(Acker),
-}
-
-impl AmqpTag {
-    pub(crate) fn batched(acks: Arc<Acks>, epoch: u64, delivery_tag: u64) -> Self {
-        AmqpTag {
-            settler: Settler::Batched { acks, epoch },
-            delivery_tag,
-        }
-    }
-
-    /// The broker's delivery tag.
-    pub fn delivery_tag(&self) -> u64 {
-        self.delivery_tag
-    }
-}
-
-impl std::fmt::Debug for AmqpTag {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut d = f.debug_struct("AmqpTag");
-        d.field("delivery_tag", &self.delivery_tag);
-        match &self.settler {
-            Settler::Batched { epoch, .. } => d.field("epoch", epoch),
-            Settler::Direct(_) => d.field("fetched", &true),
-        };
-        d.finish()
-    }
-}
+use crate::tag::AmqpTag;
+use crate::walk::ChannelWalk;
 
 /// A RabbitMQ (AMQP 0-9-1) transport: one connection, a publishing channel in confirm mode,
 /// a channel per subscription, one for fetching and one for looking at queues.
@@ -350,17 +308,6 @@ impl AmqpTransport {
     }
 }
 
-/// A lapin error on a request about `queue`: NOT_FOUND names the queue.
-fn queue_error(queue: &str, e: lapin::Error) -> TransportError {
-    match crate::error::amqp_code(&e) {
-        Some(404) => TransportError::MissingAddress {
-            address: format!("queue {queue:?}"),
-            hint: "provision the topology first (Transport::provision)".into(),
-        },
-        _ => connection_error(e),
-    }
-}
-
 async fn confirm_channel(connection: &Connection) -> Result<Channel, TransportError> {
     let channel = connection
         .create_channel()
@@ -492,9 +439,8 @@ impl Transport for AmqpTransport {
             .await
             .map_err(|e| queue_error(queue, e))?;
         Ok(got.map(|got| {
-            received(got.delivery, queue, |delivery_tag, acker| AmqpTag {
-                settler: Settler::Direct(acker),
-                delivery_tag,
+            received(got.delivery, queue, |delivery_tag, acker| {
+                AmqpTag::fetched(acker, delivery_tag)
             })
         }))
     }
@@ -545,41 +491,21 @@ impl Transport for AmqpTransport {
     }
 
     async fn settle(&self, tag: &AmqpTag, settlement: Settlement) -> Result<(), TransportError> {
-        let sent = match &tag.settler {
-            Settler::Batched { acks, epoch } => match settlement {
-                Settlement::Ack => acks.done(*epoch, tag.delivery_tag).await,
-                Settlement::Requeue => acks
-                    .refuse(*epoch, tag.delivery_tag, Refusal::Requeue)
-                    .await
-                    .map_err(connection_error)?,
-                Settlement::Reject => acks
-                    .refuse(*epoch, tag.delivery_tag, Refusal::Reject)
-                    .await
-                    .map_err(connection_error)?,
-            },
-            Settler::Direct(acker) => match settlement {
-                Settlement::Ack => acker.ack(BasicAckOptions::default()).await,
-                Settlement::Requeue => {
-                    acker
-                        .nack(BasicNackOptions {
-                            multiple: false,
-                            requeue: true,
-                        })
-                        .await
-                }
-                Settlement::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
-            }
-            .map_err(connection_error)?,
-        };
-        if !sent {
-            // The delivery belongs to a channel that has since been recovered or closed: the
-            // broker has it back and will redeliver it. Never settle it on the new channel.
-            return Err(TransportError::connection_lost(format!(
-                "delivery {} was on a channel that is gone; the broker has it back",
-                tag.delivery_tag
-            )));
-        }
-        Ok(())
+        tag.settle(settlement).await
+    }
+
+    /// A walk on a channel of its own: a delivery left costs nothing but its delivery tag,
+    /// and the end puts back every one left with one `basic.nack` (`multiple`, `requeue`)
+    /// before the channel closes. A running consumer's fetches from the isolation queue
+    /// never share the walk's channel, so the end cannot put back a suspect. A reconnection
+    /// during the walk ends it with [`TransportError::Connection`]: the broker put back what
+    /// the walk held, and reading on would see those messages twice.
+    async fn walk<'a>(
+        &'a self,
+        queue: &str,
+    ) -> Result<Box<dyn QueueWalk<AmqpTag> + 'a>, TransportError> {
+        let walk = ChannelWalk::open(&self.connection, queue, Arc::clone(&self.recoveries)).await?;
+        Ok(Box::new(walk))
     }
 
     /// tokio's timer wheel: far cheaper per handler run than the default's timer thread.
