@@ -37,7 +37,7 @@ pub struct BrokerSignals {
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Malformed(u16);
 
-const KNOWN: [&str; 12] = [
+const KNOWN: [&str; 16] = [
     headers::ATTEMPTS,
     headers::CRASHES,
     headers::FIRST_FAILURE,
@@ -50,6 +50,10 @@ const KNOWN: [&str; 12] = [
     headers::DELAY,
     "x-death",
     "x-delivery-count",
+    headers::REPLAYS,
+    headers::REPLAYED_AT,
+    headers::PREVIOUS_REASON,
+    headers::PREVIOUS_ERROR,
 ];
 
 impl Malformed {
@@ -204,6 +208,15 @@ pub struct ParkedRecord<'a> {
     pub origin_routing_key: Option<&'a str>,
     /// The delay of the copy, for delayed copies.
     pub delay: Option<Duration>,
+    /// Times it was replayed from a parking queue (`x-retry-replays`).
+    pub replays: u32,
+    /// When it was last replayed (`x-retry-replayed-at`).
+    pub replayed_at: Option<Timestamp>,
+    /// Why it had been parked before its latest replay (`x-retry-previous-reason`).
+    pub previous_reason: Option<&'a str>,
+    /// The last error it had been parked with before its latest replay
+    /// (`x-retry-previous-error`).
+    pub previous_error: Option<&'a str>,
     /// Headers that were present but unusable.
     pub malformed: Malformed,
 }
@@ -231,6 +244,10 @@ impl<'a> ParkedRecord<'a> {
             origin_routing_key: string(headers, headers::ORIGIN_ROUTING_KEY, &mut malformed),
             delay: time(headers, headers::DELAY, &mut malformed)
                 .map(|t| Duration::from_millis(t.as_millis())),
+            replays: counter(headers, headers::REPLAYS, &mut malformed).unwrap_or(0),
+            replayed_at: time(headers, headers::REPLAYED_AT, &mut malformed),
+            previous_reason: string(headers, headers::PREVIOUS_REASON, &mut malformed),
+            previous_error: string(headers, headers::PREVIOUS_ERROR, &mut malformed),
             malformed,
         }
     }

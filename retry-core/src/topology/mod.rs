@@ -409,6 +409,17 @@ impl TopologyPlan {
         &self.parking_queue
     }
 
+    /// The name of `work_queue`'s parking queue, whatever the policy: `Q.parking`.
+    ///
+    /// ```
+    /// use retry_core::TopologyPlan;
+    ///
+    /// assert_eq!(TopologyPlan::parking_queue_of("comments"), "comments.parking");
+    /// ```
+    pub fn parking_queue_of(work_queue: &str) -> String {
+        format!("{work_queue}.parking")
+    }
+
     /// The route parked clones are published to.
     pub fn parking_route(&self) -> &Route {
         &self.parking_route
@@ -580,7 +591,7 @@ impl TopologyBuilder<'_> {
         let quorum = self.queue_type == QueueType::Quorum;
         let retry_exchange = format!("{q}.retry");
         let dead_letter_exchange = format!("{q}.dead-letter");
-        let parking_queue = format!("{q}.parking");
+        let parking_queue = TopologyPlan::parking_queue_of(q);
         let isolation_queue = format!("{q}.suspect");
 
         let args = |ttl: Option<Duration>, dlx: Option<&str>| QueueArguments {

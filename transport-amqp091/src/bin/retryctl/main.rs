@@ -26,7 +26,9 @@
 
 mod broker;
 mod error;
+mod parked;
 mod policy;
+mod render;
 mod topology;
 mod verify;
 
@@ -65,6 +67,9 @@ struct Cli {
 /// The command groups.
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// List, show, replay and purge a work queue's parked messages.
+    #[command(subcommand)]
+    Parked(parked::ParkedCommand),
     /// Plan, apply and verify a work queue's exchanges, queues and bindings.
     #[command(subcommand)]
     Topology(topology::TopologyCommand),
@@ -92,6 +97,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
+        Command::Parked(command) => parked::run(command, &cli.url),
         Command::Topology(command) => topology::run(command, &cli.url),
     }
 }

@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use crate::error::CliError;
 use crate::policy::PlanArgs;
+use crate::render::header_json;
 use crate::verify::{self, VerifyArgs};
 use crate::{block_on, broker, outln};
 
@@ -224,27 +225,6 @@ fn plan_text(plan: &TopologyPlan) -> String {
         );
     }
     out
-}
-
-/// A header value as JSON.
-fn header_json(value: &HeaderValue) -> Value {
-    match value {
-        HeaderValue::Null => Value::Null,
-        HeaderValue::Bool(b) => json!(b),
-        HeaderValue::Int(n) => json!(n),
-        HeaderValue::UInt(n) => json!(n),
-        HeaderValue::Float(x) => json!(x),
-        HeaderValue::Str(s) => json!(s),
-        HeaderValue::Bytes(b) => json!(String::from_utf8_lossy(b)),
-        HeaderValue::Timestamp(t) => json!(t.as_millis()),
-        HeaderValue::Array(items) => Value::Array(items.iter().map(header_json).collect()),
-        HeaderValue::Table(table) => Value::Object(
-            table
-                .iter()
-                .map(|(k, v)| (k.to_owned(), header_json(v)))
-                .collect(),
-        ),
-    }
 }
 
 /// The plan as JSON.

@@ -1,0 +1,660 @@
+//! `retryctl parked`: list, show, replay and purge a work queue's parked messages.
+//!
+//! Every command walks the parking queue with [`ParkingLot`]: messages it does not take stay
+//! where they are, unchanged, and one message at a time is held in memory, whatever the
+//! length of the queue.
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::{ArgGroup, Args, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use retry_core::headers::{self, PREVIOUS_ERROR, PREVIOUS_REASON, REPLAYED_AT, REPLAYS};
+use retry_core::{
+    Headers, ParkedFilter, ParkedMessage, ParkedReason, ParkedRecord, ParkingError, ParkingLot,
+    ParkingReport, Properties, ReplayOptions, Timestamp, TopologyPlan,
+};
+use serde_json::{Value, json};
+use transport_amqp091::AmqpTransport;
+
+use crate::error::CliError;
+use crate::render::{header_json, hex};
+use crate::{block_on, broker, outln};
+
+/// The `parked` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ParkedCommand {
+    /// One line per parked message: id, reason, attempts, crashes, when it was parked and
+    /// the last error. Takes nothing from the queue.
+    List {
+        #[command(flatten)]
+        queue: QueueArgs,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Lists at most this many.
+        #[arg(long, value_name = "N")]
+        limit: Option<u64>,
+        /// One JSON object per line, with every diagnostic field.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One parked message in full: its record, properties, headers, and body (as text when
+    /// it is UTF-8, in hex otherwise). Takes nothing from the queue.
+    Show {
+        #[command(flatten)]
+        queue: QueueArgs,
+        /// The message id.
+        #[arg(long, value_name = "ID")]
+        id: String,
+        /// The message as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replays the selected messages to the work queue: each copy with its counters reset
+    /// and its history kept, published with a confirm before the parked original is
+    /// removed. Prints how many were replayed and how many left.
+    Replay {
+        #[command(flatten)]
+        queue: QueueArgs,
+        #[command(flatten)]
+        select: Selection,
+        /// At most this many replays per second.
+        #[arg(long, value_name = "N", value_parser = parse_rate)]
+        rate: Option<f64>,
+        /// Counts what would be replayed, and replays nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Removes the selected messages for good. Refuses to run without --yes.
+    Purge {
+        #[command(flatten)]
+        queue: QueueArgs,
+        #[command(flatten)]
+        select: Selection,
+        /// Confirms that the selected messages are to be removed for good.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// The work queue, and the parking queue when it is not the plan's.
+#[derive(Debug, Args)]
+pub struct QueueArgs {
+    /// The work queue, e.g. `comments`; its parking queue is `QUEUE.parking`.
+    #[arg(value_name = "QUEUE")]
+    queue: String,
+    /// The parking queue, when it is not `QUEUE.parking`.
+    #[arg(long, value_name = "NAME")]
+    parking: Option<String>,
+}
+
+impl QueueArgs {
+    fn parking_queue(&self) -> String {
+        self.parking
+            .clone()
+            .unwrap_or_else(|| TopologyPlan::parking_queue_of(&self.queue))
+    }
+}
+
+/// Conditions that narrow which parked messages a command takes; every one given must
+/// hold.
+#[derive(Debug, Args)]
+pub struct FilterArgs {
+    /// Only messages with this message id (repeat it for several).
+    #[arg(long = "id", value_name = "ID")]
+    ids: Vec<String>,
+    /// Only messages parked for this reason: attempts-exhausted, max-elapsed, permanent,
+    /// crash-loop, unknown (no engine headers) or malformed.
+    #[arg(long, value_name = "R")]
+    reason: Option<ParkedReason>,
+    /// Only messages parked before this time: an RFC 3339 time
+    /// (`2026-12-01T09:30:00Z`) or a duration ago (`2h`).
+    #[arg(long, value_name = "WHEN", value_parser = parse_when)]
+    parked_before: Option<Timestamp>,
+    /// Only messages parked at or after this time: an RFC 3339 time or a duration ago.
+    #[arg(long, value_name = "WHEN", value_parser = parse_when)]
+    parked_after: Option<Timestamp>,
+}
+
+impl FilterArgs {
+    fn filter(&self) -> ParkedFilter {
+        let mut filter = if self.ids.is_empty() {
+            ParkedFilter::all()
+        } else {
+            ParkedFilter::ids(self.ids.iter().cloned())
+        };
+        if let Some(reason) = self.reason {
+            filter = filter.with_reason(reason);
+        }
+        if let Some(t) = self.parked_before {
+            filter = filter.parked_before(t);
+        }
+        if let Some(t) = self.parked_after {
+            filter = filter.parked_after(t);
+        }
+        filter
+    }
+}
+
+/// Which messages a replay or a purge takes: some, by filter, or `--all`.
+#[derive(Debug, Args)]
+#[command(group(
+    ArgGroup::new("selection")
+        .required(true)
+        .multiple(true)
+        .args(["ids", "reason", "parked_before", "parked_after", "all"]),
+))]
+pub struct Selection {
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// Every parked message.
+    #[arg(long, conflicts_with_all = ["ids", "reason", "parked_before", "parked_after"])]
+    all: bool,
+}
+
+fn parse_rate(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(rate) if rate.is_finite() && rate > 0.0 => Ok(rate),
+        _ => Err("must be a number of messages per second above 0".into()),
+    }
+}
+
+/// An RFC 3339 time, or a duration before now.
+fn parse_when(text: &str) -> Result<Timestamp, String> {
+    if let Ok(t) = humantime::parse_rfc3339_weak(text) {
+        return Ok(Timestamp::from_system_time(t));
+    }
+    match humantime::parse_duration(text) {
+        Ok(ago) => Ok(Timestamp::from_system_time(
+            SystemTime::now().checked_sub(ago).unwrap_or(UNIX_EPOCH),
+        )),
+        Err(_) => Err(
+            "expected an RFC 3339 time (2026-12-01T09:30:00Z) or a duration ago (2h, 30m)".into(),
+        ),
+    }
+}
+
+/// Runs a `parked` subcommand against the broker at `url`.
+pub fn run(command: ParkedCommand, url: &str) -> Result<(), CliError> {
+    if let ParkedCommand::Purge { yes: false, .. } = command {
+        return Err(CliError::usage(
+            "purge removes the selected messages for good: add --yes to confirm",
+        ));
+    }
+    block_on(async {
+        let transport = Arc::new(broker::connect(url).await?);
+        let result = run_on(command, &transport).await;
+        let _ = transport.close().await;
+        result
+    })
+}
+
+async fn run_on(command: ParkedCommand, transport: &Arc<AmqpTransport>) -> Result<(), CliError> {
+    match command {
+        ParkedCommand::List {
+            queue,
+            filter,
+            limit,
+            json,
+        } => {
+            let (lot, total) = open(transport, &queue, false).await?;
+            list(&lot, &filter.filter(), limit, json, total).await
+        }
+        ParkedCommand::Show { queue, id, json } => {
+            let (lot, _) = open(transport, &queue, false).await?;
+            show(&lot, &id, json).await
+        }
+        ParkedCommand::Replay {
+            queue,
+            select,
+            rate,
+            dry_run,
+        } => {
+            let (lot, total) = open(transport, &queue, true).await?;
+            let mut options = ReplayOptions::default().with_dry_run(dry_run);
+            if let Some(rate) = rate {
+                options = options.with_rate(rate);
+            }
+            let progress = progress_bar(total);
+            let result = lot
+                .replay(&select.filter.filter(), options, |r| {
+                    progress.set_position(r.seen)
+                })
+                .await;
+            progress.finish_and_clear();
+            let report = result.map_err(|e| walk_error("replay", e))?;
+            if dry_run {
+                outln!(
+                    "dry run: {} would be replayed to {}; replayed 0, left {} in {}",
+                    report.matched,
+                    lot.work_queue(),
+                    report.left,
+                    lot.parking_queue()
+                );
+            } else {
+                outln!(
+                    "replayed {} to {}, left {} in {}",
+                    report.replayed,
+                    lot.work_queue(),
+                    report.left,
+                    lot.parking_queue()
+                );
+            }
+            Ok(())
+        }
+        ParkedCommand::Purge { queue, select, .. } => {
+            let (lot, total) = open(transport, &queue, false).await?;
+            let progress = progress_bar(total);
+            let result = lot
+                .purge(&select.filter.filter(), |r| progress.set_position(r.seen))
+                .await;
+            progress.finish_and_clear();
+            let report = result.map_err(|e| walk_error("purge", e))?;
+            outln!(
+                "purged {}, left {} in {}",
+                report.purged,
+                report.left,
+                lot.parking_queue()
+            );
+            Ok(())
+        }
+    }
+}
+
+/// The parking lot of `queue`, and how many messages its parking queue has ready. Fails,
+/// naming the queue, when the parking queue (or, for a replay, the work queue) does not
+/// exist.
+async fn open(
+    transport: &Arc<AmqpTransport>,
+    queue: &QueueArgs,
+    replays: bool,
+) -> Result<(ParkingLot<Arc<AmqpTransport>>, u64), CliError> {
+    let parking = queue.parking_queue();
+    let conn = transport.connection();
+    let Some(state) = broker::queue_state(conn, &parking).await? else {
+        let hint = if queue.parking.is_some() {
+            String::new()
+        } else {
+            format!(
+                " (the parking queue of work queue {:?}; --parking names another)",
+                queue.queue
+            )
+        };
+        return Err(CliError::failure(format!(
+            "parking queue {parking:?} does not exist{hint}"
+        )));
+    };
+    if replays && broker::queue_state(conn, &queue.queue).await?.is_none() {
+        return Err(CliError::failure(format!(
+            "work queue {:?} does not exist: replays go to it",
+            queue.queue
+        )));
+    }
+    let lot = ParkingLot::with_queues(Arc::clone(transport), queue.queue.as_str(), parking);
+    Ok((lot, u64::from(state.messages)))
+}
+
+/// A parking-lot error as the command reports it.
+fn walk_error(what: &str, e: ParkingError) -> CliError {
+    let done = e.report();
+    let text = if done == ParkingReport::default() {
+        format!("{what} failed")
+    } else {
+        format!(
+            "{what} stopped after {} replayed and {} purged; every other message is still parked",
+            done.replayed, done.purged
+        )
+    };
+    CliError::failure_from(text, e)
+}
+
+/// A progress bar on standard error, hidden when that is not a terminal.
+fn progress_bar(total: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} read ({per_sec}, {eta} left)")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+async fn list(
+    lot: &ParkingLot<Arc<AmqpTransport>>,
+    filter: &ParkedFilter,
+    limit: Option<u64>,
+    json: bool,
+    total: u64,
+) -> Result<(), CliError> {
+    if !json {
+        outln!(
+            "{:<24} {:<18} {:>8} {:>7}  {:<24}  LAST ERROR",
+            "ID",
+            "REASON",
+            "ATTEMPTS",
+            "CRASHES",
+            "PARKED AT"
+        );
+    }
+    let mut listed = 0u64;
+    let report = lot
+        .browse(filter, |parked| {
+            if limit.is_some_and(|n| listed >= n) {
+                return ControlFlow::Break(());
+            }
+            listed += 1;
+            if json {
+                outln!("{}", record_json(&parked));
+            } else {
+                outln!("{}", record_line(&parked));
+            }
+            if limit.is_some_and(|n| listed >= n) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .await
+        .map_err(|e| walk_error("listing", e))?;
+    if !json {
+        let seen = if report.seen < total {
+            format!(", {} of them read", report.seen)
+        } else {
+            String::new()
+        };
+        outln!(
+            "{listed} listed; {total} parked in {}{seen}",
+            lot.parking_queue()
+        );
+    }
+    Ok(())
+}
+
+async fn show(lot: &ParkingLot<Arc<AmqpTransport>>, id: &str, json: bool) -> Result<(), CliError> {
+    let mut found = None;
+    lot.browse(&ParkedFilter::ids([id]), |parked| {
+        found = Some(parked);
+        ControlFlow::Break(())
+    })
+    .await
+    .map_err(|e| walk_error("reading", e))?;
+    let Some(parked) = found else {
+        return Err(CliError::failure(format!(
+            "no message with id {id:?} in {}",
+            lot.parking_queue()
+        )));
+    };
+    if json {
+        let text = serde_json::to_string_pretty(&message_json(&parked))
+            .map_err(|e| CliError::failure_from("cannot write the message as JSON", e))?;
+        outln!("{text}");
+    } else {
+        outln!("{}", message_text(&parked, lot.parking_queue()).trim_end());
+    }
+    Ok(())
+}
+
+/// A time as RFC 3339, to the millisecond, in UTC.
+fn time_text(t: Timestamp) -> String {
+    let system = UNIX_EPOCH.checked_add(Duration::from_millis(t.as_millis()));
+    match system {
+        Some(t) => humantime::format_rfc3339_millis(t).to_string(),
+        None => format!("{} ms", t.as_millis()),
+    }
+}
+
+/// Text cut to its first line, with control characters shown as spaces and `…` where
+/// something was cut.
+fn one_line(text: &str, max_chars: usize) -> String {
+    let first = text.lines().next().unwrap_or("");
+    let mut out: String = first
+        .chars()
+        .take(max_chars)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if first.chars().count() > max_chars || first.len() < text.trim_end().len() {
+        out.push('…');
+    }
+    out
+}
+
+/// A field of the engine's record as a list shows it: `malformed` when its header is
+/// unusable, `-` when it is absent.
+fn field(headers: &Headers, record: &ParkedRecord<'_>, name: &str, value: String) -> String {
+    if record.malformed.contains(name) {
+        "malformed".into()
+    } else if headers.get(name).is_none() {
+        "-".into()
+    } else {
+        value
+    }
+}
+
+fn record_line(parked: &ParkedMessage) -> String {
+    let headers = parked.message().headers();
+    let record = parked.record();
+    let attempts = field(
+        headers,
+        &record,
+        headers::ATTEMPTS,
+        record.attempts.to_string(),
+    );
+    let crashes = field(
+        headers,
+        &record,
+        headers::CRASHES,
+        record.crashes.to_string(),
+    );
+    let parked_at = match parked.parked_at() {
+        Some(t) => time_text(t),
+        None if record.malformed.contains(headers::LAST_FAILURE) => "malformed".into(),
+        None => "-".into(),
+    };
+    let error = match record.last_error {
+        Some(e) => one_line(e, 120),
+        None if record.malformed.contains(headers::LAST_ERROR) => "malformed".into(),
+        None => "-".into(),
+    };
+    format!(
+        "{:<24} {:<18} {:>8} {:>7}  {:<24}  {error}",
+        id_text(parked),
+        parked.reason().as_str(),
+        attempts,
+        crashes,
+        parked_at
+    )
+}
+
+fn id_text(parked: &ParkedMessage) -> String {
+    parked
+        .id()
+        .map_or_else(|| "(no id)".to_owned(), |id| one_line(id, 64))
+}
+
+/// A field as JSON: `"malformed"` when its header is unusable, `null` when absent.
+fn json_field(headers: &Headers, record: &ParkedRecord<'_>, name: &str, value: Value) -> Value {
+    if record.malformed.contains(name) {
+        json!("malformed")
+    } else if headers.get(name).is_none() {
+        Value::Null
+    } else {
+        value
+    }
+}
+
+/// Every diagnostic field of a parked message.
+fn record_json(parked: &ParkedMessage) -> Value {
+    let headers = parked.message().headers();
+    let r = parked.record();
+    let time = |t: Option<Timestamp>| t.map_or(Value::Null, |t| json!(time_text(t)));
+    let f = |name: &str, value: Value| json_field(headers, &r, name, value);
+    json!({
+        "id": parked.id(),
+        "reason": parked.reason().as_str(),
+        "attempts": f(headers::ATTEMPTS, json!(r.attempts)),
+        "crashes": f(headers::CRASHES, json!(r.crashes)),
+        "parked_at": time(parked.parked_at()),
+        "first_failure": f(headers::FIRST_FAILURE, time(r.first_failure)),
+        "last_failure": f(headers::LAST_FAILURE, time(r.last_failure)),
+        "last_error": f(headers::LAST_ERROR, json!(r.last_error)),
+        "origin_queue": f(headers::ORIGIN_QUEUE, json!(r.origin_queue)),
+        "origin_exchange": f(headers::ORIGIN_EXCHANGE, json!(r.origin_exchange)),
+        "origin_routing_key": f(headers::ORIGIN_ROUTING_KEY, json!(r.origin_routing_key)),
+        "replays": f(REPLAYS, json!(r.replays)),
+        "replayed_at": f(REPLAYED_AT, time(r.replayed_at)),
+        "previous_reason": f(PREVIOUS_REASON, json!(r.previous_reason)),
+        "previous_error": f(PREVIOUS_ERROR, json!(r.previous_error)),
+        "malformed": r.malformed.names().collect::<Vec<_>>(),
+    })
+}
+
+fn properties_json(p: &Properties) -> Value {
+    json!({
+        "content_type": p.content_type,
+        "content_encoding": p.content_encoding,
+        "message_id": p.message_id,
+        "correlation_id": p.correlation_id,
+        "reply_to": p.reply_to,
+        "timestamp": p.timestamp.map(time_text),
+        "priority": p.priority,
+        "type": p.kind,
+        "app_id": p.app_id,
+        "persistent": p.persistent,
+    })
+}
+
+/// The body as JSON: text when it is UTF-8, hex otherwise.
+fn body_json(body: &[u8]) -> Value {
+    match std::str::from_utf8(body) {
+        Ok(text) => json!({ "length": body.len(), "text": text }),
+        Err(_) => json!({ "length": body.len(), "hex": hex(body) }),
+    }
+}
+
+fn message_json(parked: &ParkedMessage) -> Value {
+    let message = parked.message();
+    json!({
+        "record": record_json(parked),
+        "properties": properties_json(message.properties()),
+        "headers": Value::Object(
+            message
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_owned(), header_json(v)))
+                .collect(),
+        ),
+        "body": body_json(message.body()),
+    })
+}
+
+/// A message in full, as text.
+fn message_text(parked: &ParkedMessage, parking: &str) -> String {
+    use std::fmt::Write as _;
+    let message = parked.message();
+    let mut out = String::new();
+    let _ = writeln!(out, "message {} in {parking}", id_text(parked));
+    let _ = writeln!(out, "\nrecord");
+    if let Value::Object(fields) = record_json(parked) {
+        for (name, value) in fields {
+            if !value.is_null() && value != json!([]) {
+                let _ = writeln!(out, "  {name:<19} {}", value_text(&value));
+            }
+        }
+    }
+    let _ = writeln!(out, "\nproperties");
+    if let Value::Object(fields) = properties_json(message.properties()) {
+        for (name, value) in fields {
+            if !value.is_null() {
+                let _ = writeln!(out, "  {name:<19} {}", value_text(&value));
+            }
+        }
+    }
+    let _ = writeln!(out, "\nheaders");
+    let width = message.headers().iter().map(|(k, _)| k.len()).max();
+    for (name, value) in message.headers().iter() {
+        let mut text = value_text(&header_json(value));
+        if [headers::FIRST_FAILURE, headers::LAST_FAILURE, REPLAYED_AT].contains(&name)
+            && let Some(ms) = value.as_u64()
+        {
+            text = format!("{text} ({})", time_text(Timestamp::from_millis(ms)));
+        }
+        let _ = writeln!(out, "  {name:<w$}  {text}", w = width.unwrap_or(0));
+    }
+    let body = message.body();
+    match std::str::from_utf8(body) {
+        Ok(text) => {
+            let _ = writeln!(out, "\nbody ({} bytes, UTF-8)", body.len());
+            for line in text.lines() {
+                let _ = writeln!(out, "  {line}");
+            }
+        }
+        Err(_) => {
+            let _ = writeln!(out, "\nbody ({} bytes, not UTF-8, in hex)", body.len());
+            for (i, chunk) in body.chunks(16).enumerate() {
+                let _ = writeln!(out, "  {:08x}  {}", i * 16, hex(chunk));
+            }
+        }
+    }
+    out
+}
+
+/// A JSON value as a line of text: strings without their quotes, but for the empty one.
+fn value_text(value: &Value) -> String {
+    match value {
+        Value::String(s) if s.is_empty() => "\"\"".into(),
+        Value::String(s) => one_line(s, 200),
+        Value::Array(items) if items.iter().all(Value::is_string) => items
+            .iter()
+            .filter_map(Value::as_str)
+            .collect::<Vec<_>>()
+            .join(", "),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_line_cuts_at_the_first_line_and_marks_the_cut() {
+        assert_eq!(one_line("timeout", 120), "timeout");
+        assert_eq!(one_line("first\nsecond", 120), "first…");
+        assert_eq!(one_line("tab\there", 120), "tab here");
+        assert_eq!(one_line("abcdef", 3), "abc…");
+        assert_eq!(one_line("", 3), "");
+        assert_eq!(one_line("trailing newline\n", 120), "trailing newline");
+    }
+
+    #[test]
+    fn when_reads_a_time_or_a_duration_ago() {
+        assert_eq!(
+            parse_when("2026-12-01T09:30:00Z"),
+            Ok(Timestamp::from_millis(1_796_117_400_000))
+        );
+        let two_hours_ago = parse_when("2h").unwrap();
+        let now = Timestamp::from_system_time(SystemTime::now());
+        let ago = now.saturating_duration_since(two_hours_ago);
+        assert!(
+            ago >= Duration::from_secs(7199) && ago <= Duration::from_secs(7201),
+            "{ago:?}"
+        );
+        assert!(parse_when("yesterday").is_err());
+    }
+
+    #[test]
+    fn a_rate_must_be_above_zero() {
+        assert_eq!(parse_rate("2.5"), Ok(2.5));
+        for bad in ["0", "-1", "NaN", "inf", "fast"] {
+            assert!(parse_rate(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn time_text_is_rfc3339_in_utc() {
+        assert_eq!(
+            time_text(Timestamp::from_millis(1_796_117_400_123)),
+            "2026-12-01T09:30:00.123Z"
+        );
+    }
+}
