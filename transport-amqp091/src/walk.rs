@@ -26,6 +26,10 @@ pub(crate) struct ChannelWalk {
     name: ShortString,
     /// The highest delivery tag left.
     last_left: Option<u64>,
+    /// The highest delivery tag read: a recovered channel numbers from 1 again.
+    last_read: u64,
+    /// Set once the walk saw its channel recovered.
+    broken: bool,
     recoveries: Arc<AtomicU64>,
     recoveries_at_start: u64,
 }
@@ -49,6 +53,8 @@ impl ChannelWalk {
             queue: queue.to_owned(),
             name,
             last_left: None,
+            last_read: 0,
+            broken: false,
             recoveries,
             recoveries_at_start,
         })
@@ -57,7 +63,14 @@ impl ChannelWalk {
     /// Whether the connection was re-established since the walk started: the broker then
     /// put back everything the walk held, and tags on the recovered channel start again.
     fn recovered(&self) -> bool {
-        self.recoveries.load(Ordering::Relaxed) != self.recoveries_at_start
+        self.broken || self.recoveries.load(Ordering::Relaxed) != self.recoveries_at_start
+    }
+
+    fn ended_by_recovery(&self) -> TransportError {
+        TransportError::connection_lost(format!(
+            "the walk of {:?} ended: the connection was re-established and the broker put back every message the walk held",
+            self.queue
+        ))
     }
 }
 
@@ -65,20 +78,25 @@ impl ChannelWalk {
 impl QueueWalk<AmqpTag> for ChannelWalk {
     async fn next(&mut self) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
         let Some(channel) = self.channel.as_ref().filter(|_| !self.recovered()) else {
-            return Err(TransportError::connection_lost(format!(
-                "the walk of {:?} ended: the connection was re-established and the broker put back every message the walk held",
-                self.queue
-            )));
+            return Err(self.ended_by_recovery());
         };
         let got = channel
             .basic_get(self.name.clone(), BasicGetOptions { no_ack: false })
             .await
             .map_err(|e| queue_error(&self.queue, e))?;
-        Ok(got.map(|got| {
-            received(got.delivery, &self.queue, |delivery_tag, acker| {
-                AmqpTag::fetched(acker, delivery_tag)
-            })
-        }))
+        let Some(got) = got else { return Ok(None) };
+        // The recovery counter can lag behind lapin's recovery; a tag that does not grow
+        // cannot.
+        if got.delivery.delivery_tag <= self.last_read || self.recovered() {
+            self.broken = true;
+            return Err(self.ended_by_recovery());
+        }
+        self.last_read = got.delivery.delivery_tag;
+        Ok(Some(received(
+            got.delivery,
+            &self.queue,
+            |delivery_tag, acker| AmqpTag::fetched(acker, delivery_tag),
+        )))
     }
 
     fn leave(&mut self, tag: AmqpTag) {

@@ -1,16 +1,16 @@
 //! `retryctl topology` end to end: the built binary, run as an operator would, against the
 //! local broker. Every test uses queue names of its own and deletes what it created.
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
+use cli::{PolicyFile, Run, retryctl, retryctl_with_env};
 use lapin::types::{AMQPValue, FieldTable};
 use retry_core::{RetryPolicy, TopologyPlan};
 use transport_amqp091::AmqpConfig;
-
-const RETRYCTL: &str = env!("CARGO_BIN_EXE_retryctl");
 
 /// Short delays, so that `verify`'s probes come back within a second: two delay queues and
 /// a crash-delay queue.
@@ -30,60 +30,6 @@ fn plan(queue: &str) -> TopologyPlan {
         .build()
         .unwrap();
     TopologyPlan::new(queue, &policy).unwrap()
-}
-
-/// A policy file with `text`, deleted when dropped.
-struct PolicyFile(PathBuf);
-
-impl PolicyFile {
-    fn new(text: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("{}.toml", common::unique("retryctl")));
-        std::fs::write(&path, text).unwrap();
-        PolicyFile(path)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for PolicyFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// What a run of `retryctl` printed, and its exit code.
-#[derive(Debug)]
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    fn all(&self) -> String {
-        format!("{}\n{}", self.stdout, self.stderr)
-    }
-}
-
-/// Runs `retryctl args` with `AMQP_URL` set to the test broker's URL.
-async fn retryctl(args: &[&str]) -> Run {
-    retryctl_with_env(args, &common::url()).await
-}
-
-async fn retryctl_with_env(args: &[&str], amqp_url: &str) -> Run {
-    let out = tokio::process::Command::new(RETRYCTL)
-        .args(args)
-        .env("AMQP_URL", amqp_url)
-        .output()
-        .await
-        .expect("retryctl runs");
-    Run {
-        code: out.status.code().expect("retryctl exited"),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
 }
 
 /// Deletes `plan`'s queues and exchanges.
