@@ -372,7 +372,7 @@ pub trait QueueWalk<Tag>: Send {
     /// gone fails with [`TransportError::Connection`]: the broker has that delivery back.
     async fn ack(&mut self, tag: Tag) -> Result<(), TransportError>;
 
-    /// Puts back every delivery left, in the order read, and ends the walk. Deliveries whose
+    /// Puts back every delivery left, each in its place, and ends the walk. Deliveries whose
     /// connection has gone are back already, and are no error. Calling it again does
     /// nothing.
     async fn end(&mut self) -> Result<(), TransportError>;
@@ -401,7 +401,9 @@ impl<T: Transport + ?Sized> QueueWalk<T::Tag> for FetchWalk<'_, T> {
 
     async fn end(&mut self) -> Result<(), TransportError> {
         let mut first_error = None;
-        for tag in std::mem::take(&mut self.left) {
+        // Last read first: a broker that puts a requeued message back in its place (RabbitMQ)
+        // finds each place at the head, and one that puts it at the head restores the order.
+        for tag in std::mem::take(&mut self.left).into_iter().rev() {
             match self.transport.settle(&tag, Settlement::Requeue).await {
                 Ok(()) | Err(TransportError::Connection { .. } | TransportError::Closed) => {}
                 Err(e) => {

@@ -1,7 +1,7 @@
 //! Client connections: their consumers with prefetch, and the deliveries the broker waits to
 //! hear about.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::task::Waker;
 use std::time::Duration;
@@ -23,6 +23,9 @@ pub(crate) struct Connections {
     consumer_timeout: Option<Duration>,
     /// Deliveries so far, redeliveries included.
     deliveries: u64,
+    /// The connection and tag of each delivery a client holds, by [`Held::address`]: a
+    /// clone's publish looks its original up here, however many deliveries are unsettled.
+    held_at: HashMap<usize, (usize, u64)>,
 }
 
 /// A client connection with one channel.
@@ -160,6 +163,7 @@ impl Connections {
             open: BTreeSet::new(),
             consumer_timeout,
             deliveries: 0,
+            held_at: HashMap::new(),
         }
     }
 
@@ -277,6 +281,7 @@ impl Connections {
         unacked: Unacked,
         held: Box<dyn Held>,
     ) {
+        self.held_at.insert(held.address(), (conn, tag));
         self.track(conn, tag, unacked, ClientCopy::Held(held));
     }
 
@@ -298,6 +303,7 @@ impl Connections {
                 let (r, held) = receive(handout);
                 // A delivery settled before it was received is not in flight any more.
                 if let Some(in_flight) = connection.unacked.get_mut(&tag) {
+                    self.held_at.insert(held.address(), (conn, tag));
                     in_flight.copy = ClientCopy::Held(held);
                 }
                 Recv::Delivery(r)
@@ -319,6 +325,9 @@ impl Connections {
         let in_flight = connection.unacked.remove(&tag)?;
         if let Some(ci) = in_flight.unacked.consumer {
             connection.consumers[ci].unacked -= 1;
+        }
+        if let ClientCopy::Held(held) = &in_flight.copy {
+            self.held_at.remove(&held.address());
         }
         Some(Taken { tag, in_flight })
     }
@@ -359,12 +368,16 @@ impl Connections {
         for c in &mut connection.consumers {
             waiting.extend(c.inbox.drain(..).map(|h| (h.tag, h)));
         }
+        let held_at = &mut self.held_at;
         let returned = unacked
             .into_iter()
             .map(|(tag, InFlight { unacked, copy })| {
                 let q = unacked.queue;
                 let m = match copy {
-                    ClientCopy::Held(held) => unacked.restore_held(held.as_ref()),
+                    ClientCopy::Held(held) => {
+                        held_at.remove(&held.address());
+                        unacked.restore_held(held.as_ref())
+                    }
                     ClientCopy::InInbox => {
                         let h = waiting
                             .remove(&tag)
@@ -414,28 +427,11 @@ impl Connections {
             .map(|f| &f.unacked.label)
     }
 
-    /// The identity of the message a client holds that `is` recognises, looking on `conn`
-    /// first, then on the other open connections.
-    pub(crate) fn find_held(
-        &self,
-        conn: usize,
-        is: impl Fn(&dyn Held) -> bool,
-    ) -> Option<(MessageKey, Arc<str>)> {
-        let found = |c: usize| {
-            self.all.get(c).and_then(|connection| {
-                connection.unacked.values().find_map(|f| match &f.copy {
-                    ClientCopy::Held(held) if is(held.as_ref()) => {
-                        Some((f.unacked.key, f.unacked.label.clone()))
-                    }
-                    _ => None,
-                })
-            })
-        };
-        found(conn).or_else(|| {
-            self.open
-                .iter()
-                .filter(|&&c| c != conn)
-                .find_map(|&c| found(c))
-        })
+    /// The identity of the message a client holds at `address` ([`Held::address`]), on
+    /// whichever connection holds it.
+    pub(crate) fn find_held(&self, address: usize) -> Option<(MessageKey, Arc<str>)> {
+        let &(conn, tag) = self.held_at.get(&address)?;
+        let f = self.all.get(conn)?.unacked.get(&tag)?;
+        Some((f.unacked.key, f.unacked.label.clone()))
     }
 }

@@ -1,6 +1,5 @@
 //! Messages going into the broker, held inside it, and handed out of it to clients.
 
-use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -215,12 +214,14 @@ pub(crate) struct Handout {
 /// unacknowledged. Handing a message out moves its content to the client instead of copying
 /// it: most deliveries are acknowledged and never needed again, and when one does come back
 /// to its queue (a requeue, a rejection, a closed connection) the broker reads its content
-/// back from here. `Any`, so the client can recognise what it holds.
-pub(crate) trait Held: Any + Send {
+/// back from here.
+pub(crate) trait Held: Send {
     /// The body.
     fn body(&self) -> &[u8];
     /// The properties.
     fn properties(&self) -> &Properties;
     /// The headers, as handed out.
     fn headers(&self) -> &Headers;
+    /// What the client recognises this copy by: no two copies held at once share it.
+    fn address(&self) -> usize;
 }

@@ -277,8 +277,7 @@ impl Transport for MemoryTransport {
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
         let headers = publish.clone_headers(original);
-        let conn = self.id();
-        let identity = identity_of(&self.broker.shared.lock(), conn, original);
+        let identity = identity_of(&self.broker.shared.lock(), original);
         self.publish_inner(Publishing {
             identity,
             exchange: publish.route.exchange.clone(),

@@ -66,23 +66,19 @@ impl Held for Message {
     fn headers(&self) -> &Headers {
         Message::headers(self)
     }
+
+    /// Where its shared parts are: every clone of one delivery's message shares them.
+    fn address(&self) -> usize {
+        std::ptr::from_ref(self.parts()).addr()
+    }
 }
 
 /// The broker's identity of `original`, a message delivered to a client and still
 /// unacknowledged, so a clone published from it keeps it; `None` for any other message.
-/// `conn` is the connection it most likely came on.
 ///
 /// The engine hands back the very [`Message`] it received, and a `Message` has no room for
 /// the broker's id, so the delivery is recognised by the message it holds: the same shared
 /// parts, not equal ones (two deliveries can carry equal content with different ids).
-pub(crate) fn identity_of(
-    state: &State,
-    conn: usize,
-    original: &Message,
-) -> Option<(MessageKey, Arc<str>)> {
-    state.connections().find_held(conn, |held| {
-        let held: &dyn std::any::Any = held;
-        held.downcast_ref::<Message>()
-            .is_some_and(|m| std::ptr::eq(m.parts(), original.parts()))
-    })
+pub(crate) fn identity_of(state: &State, original: &Message) -> Option<(MessageKey, Arc<str>)> {
+    state.connections().find_held(original.address())
 }
