@@ -6,14 +6,21 @@
 
 use crate::amqp10_sections::{
     APP_PROPERTIES_HEADER, PROPERTIES_HEADER, SectionError, decode_application_properties,
-    decode_message_id,
+    decode_message_id, encode_application_properties,
 };
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
-use retry_core::headers::MAX_DEPTH;
+use retry_core::headers::{BROKER_OWNED, MAX_DEPTH};
 use retry_core::{HeaderValue, Headers, Properties, Timestamp};
 use std::time::Duration;
 use tracing::warn;
+
+/// Set (to `true`) on a message whose headers were read from an AMQP 1.0
+/// `application-properties` section: one published over AMQP 1.0, read over AMQP 0-9-1 on
+/// RabbitMQ 3.x. A clone or a replayed copy of it is written with its headers in that
+/// section too, beside the AMQP 0-9-1 headers, so that an AMQP 1.0 consumer of the queue it
+/// goes to sees them: RabbitMQ 3.x does not show AMQP 0-9-1 headers to AMQP 1.0 clients.
+pub const FROM_AMQP10: &str = "x-retry-from-amqp10";
 
 /// Reads an AMQP field table. Tables and arrays nested deeper than
 /// [`MAX_DEPTH`](retry_core::headers::MAX_DEPTH) are read as [`HeaderValue::Null`], with a
@@ -155,7 +162,7 @@ pub fn properties_to_amqp(
     headers: &Headers,
     expiration: Option<Duration>,
 ) -> BasicProperties {
-    let mut out = BasicProperties::default().with_headers(table_from_headers(headers));
+    let mut out = BasicProperties::default().with_headers(headers_to_table(headers));
     if let Some(v) = short(&p.content_type) {
         out = out.with_content_type(v);
     }
@@ -192,6 +199,34 @@ pub fn properties_to_amqp(
     out
 }
 
+/// A message's headers as a field table; for a message read from AMQP 1.0 ([`FROM_AMQP10`]),
+/// with its headers also encoded in the `application-properties` section, which RabbitMQ
+/// 3.x gives to AMQP 1.0 consumers. The broker's own headers and the AMQP 1.0 sections stay
+/// out of it.
+fn headers_to_table(headers: &Headers) -> FieldTable {
+    if headers.get(FROM_AMQP10).is_none() {
+        return table_from_headers(headers);
+    }
+    let mut plain = headers.clone();
+    plain.remove(FROM_AMQP10);
+    let mut table = table_from_headers(&plain);
+    let entries = headers.iter().filter(|(name, _)| {
+        *name != FROM_AMQP10 && !BROKER_OWNED.contains(name) && !name.starts_with("x-amqp-1.0-")
+    });
+    let (section, left_out) = encode_application_properties(entries);
+    if !left_out.is_empty() {
+        warn!(
+            headers = %left_out.join(", "),
+            "arrays and tables cannot be AMQP 1.0 application properties; AMQP 1.0 consumers will not see these headers"
+        );
+    }
+    table.insert(
+        APP_PROPERTIES_HEADER.into(),
+        AMQPValue::LongString(section.into()),
+    );
+    table
+}
+
 /// The bytes of a header that holds an encoded AMQP 1.0 section. RabbitMQ writes it as a
 /// long string, read as bytes, or as text when the encoding happens to be valid UTF-8.
 fn section_bytes(value: &HeaderValue) -> Result<&[u8], SectionError> {
@@ -208,7 +243,8 @@ fn section_bytes(value: &HeaderValue) -> Result<&[u8], SectionError> {
 ///   arrive encoded in one header, `x-amqp-1.0-app-properties`: they are decoded into
 ///   headers of their own and that header is removed. A header already present wins over an
 ///   application property of the same name, since the broker writes its own (`x-death`, ...)
-///   in AMQP 0-9-1.
+///   in AMQP 0-9-1. [`FROM_AMQP10`] marks the message, so that a clone of it is written
+///   back with its headers in that section ([`properties_to_amqp`]).
 /// * Its `properties` section arrives encoded in `x-amqp-1.0-properties`, which is kept (the
 ///   broker gives it back to AMQP 1.0 readers of a copy). Its message id fills
 ///   [`Properties::message_id`] when that is empty, and replaces it when the id is not a
@@ -230,6 +266,7 @@ pub(crate) fn lift_amqp10_sections(
                         headers.insert(name, value);
                     }
                 }
+                headers.insert(FROM_AMQP10, HeaderValue::Bool(true));
                 if decoded.dropped > 0 {
                     problems.push(format!(
                         "{APP_PROPERTIES_HEADER}: {} entries without a string key left out",
@@ -556,8 +593,64 @@ mod tests {
             matches!(headers.get("x-death"), Some(HeaderValue::Array(_))),
             "the broker's own header wins: {headers:?}"
         );
-        assert_eq!(headers.len(), 4);
+        assert_eq!(headers.get(FROM_AMQP10), Some(&HeaderValue::Bool(true)));
+        assert_eq!(headers.len(), 5);
         assert_eq!(properties, Properties::default());
+    }
+
+    #[test]
+    fn a_clone_of_a_message_from_amqp10_carries_its_headers_in_the_section_too() {
+        let mut death = FieldTable::default();
+        death.insert("count".into(), AMQPValue::LongLongInt(1));
+        let table = table_with(vec![
+            (
+                APP_PROPERTIES_HEADER,
+                AMQPValue::LongString(app_properties_section().into()),
+            ),
+            (
+                "x-death",
+                AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+            ),
+            (PROPERTIES_HEADER, AMQPValue::LongString(vec![0x00].into())),
+        ]);
+        let mut headers = headers_from_table(&table);
+        lift_amqp10_sections(&mut headers, &mut Properties::default(), "q");
+        // The engine resets a counter and adds one of its own.
+        headers.insert("x-retry-attempts", HeaderValue::Int(0));
+        headers.insert("x-retry-replays", HeaderValue::Int(1));
+        let written = properties_to_amqp(&Properties::default(), &headers, None);
+        let written = written.headers().as_ref().unwrap();
+        let plain = headers_from_table(written);
+        assert_eq!(plain.get(FROM_AMQP10), None, "the mark is not sent");
+        assert_eq!(plain.get("x-retry-replays"), Some(&HeaderValue::Int(1)));
+        let Some(HeaderValue::Bytes(section)) = plain.get(APP_PROPERTIES_HEADER) else {
+            panic!("no section: {plain:?}");
+        };
+        let decoded = decode_application_properties(section).unwrap().headers;
+        let want: Headers = [
+            ("tenant", HeaderValue::from("acme")),
+            ("x-retry-attempts", HeaderValue::Int(0)),
+            ("x-retry-reason", HeaderValue::from("permanent")),
+            ("x-retry-replays", HeaderValue::Int(1)),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(decoded, want, "no x-death, no AMQP 1.0 section, no mark");
+        // Read back over AMQP 0-9-1, it is the same message again.
+        let mut again = plain.clone();
+        lift_amqp10_sections(&mut again, &mut Properties::default(), "q");
+        let mut expected = headers.clone();
+        expected.remove("x-death");
+        again.remove("x-death");
+        assert_eq!(again, expected);
+    }
+
+    #[test]
+    fn a_message_not_from_amqp10_gets_no_section() {
+        let headers: Headers = [("tenant", "acme")].into_iter().collect();
+        let written = properties_to_amqp(&Properties::default(), &headers, None);
+        let plain = headers_from_table(written.headers().as_ref().unwrap());
+        assert_eq!(plain, headers);
     }
 
     #[test]
@@ -573,7 +666,10 @@ mod tests {
             Some(HeaderValue::Str(_))
         ));
         lift_amqp10_sections(&mut headers, &mut Properties::default(), "q");
-        assert!(headers.is_empty(), "{headers:?}");
+        let marked: Headers = [(FROM_AMQP10, HeaderValue::Bool(true))]
+            .into_iter()
+            .collect();
+        assert_eq!(headers, marked);
     }
 
     #[test]

@@ -46,7 +46,7 @@ mod transport;
 mod walk;
 
 pub use config::AmqpConfig;
-pub use convert::{headers_from_table, table_from_headers};
+pub use convert::{FROM_AMQP10, headers_from_table, table_from_headers};
 pub use provision::ProvisionReport;
 pub use subscription::AmqpSubscription;
 pub use tag::AmqpTag;

@@ -1,12 +1,15 @@
-//! A message parked by the AMQP 1.0 consumer, read from the parking queue over AMQP 0-9-1.
+//! A message parked by the AMQP 1.0 consumer, read from the parking queue and replayed over
+//! AMQP 0-9-1 (as `retryctl` does), then handled by the AMQP 1.0 consumer again.
 //!
 //! RabbitMQ 3.x hands an AMQP 0-9-1 reader the application properties of a message published
 //! over AMQP 1.0 only as one opaque header, `x-amqp-1.0-app-properties`, holding the
 //! section's AMQP 1.0 encoding. The engine's record on a parked message lives there, so the
-//! AMQP 0-9-1 transport decodes it into headers.
+//! AMQP 0-9-1 transport decodes it into headers. And AMQP 0-9-1 headers are not shown to
+//! AMQP 1.0 clients, so the replayed copy carries its headers in that section again.
 
 mod common;
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,8 +19,8 @@ use fe2o3_amqp::types::messaging::{
 use fe2o3_amqp::types::primitives::{Binary, Value};
 use fe2o3_amqp::{Connection, Sender, Session};
 use retry_core::{
-    Consumer, DeadLetterReason, HandlerError, HeaderValue, Message, ParkedRecord, RetryPolicy,
-    Settlement, Terminal, TopologyPlan, Transport,
+    Consumer, DeadLetterReason, HandlerError, HeaderValue, Message, ParkedFilter, ParkedRecord,
+    ParkingLot, ReplayOptions, RetryPolicy, Terminal, TopologyPlan,
 };
 use tokio::sync::Notify;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
@@ -72,7 +75,7 @@ async fn a_message_parked_over_amqp10_reads_back_over_amqp091_with_the_engine_re
     let consumer = Consumer::builder(
         transport().await,
         q.as_str(),
-        policy,
+        policy.clone(),
         |_msg: Message| async { Err::<(), _>(HandlerError::permanent("order 17 is unreadable")) },
     )
     .with_on_terminal({
@@ -100,21 +103,22 @@ async fn a_message_parked_over_amqp10_reads_back_over_amqp091_with_the_engine_re
         "parked"
     );
 
-    let reader = AmqpTransport::connect(AmqpConfig::new(url091()))
-        .await
-        .expect("AMQP 0-9-1 connect");
-    let parked = reader
-        .fetch(&parking)
-        .await
-        .expect("fetch")
-        .expect("a parked message");
-    reader
-        .settle(&parked.tag, Settlement::Ack)
-        .await
-        .expect("ack");
-    reader.close().await.expect("close");
-
-    let msg = &parked.message;
+    // Over AMQP 0-9-1: the parked message lists with the engine's record.
+    let reader = Arc::new(
+        AmqpTransport::connect(AmqpConfig::new(url091()))
+            .await
+            .expect("AMQP 0-9-1 connect"),
+    );
+    let lot = ParkingLot::new(Arc::clone(&reader), &plan);
+    let mut seen = Vec::new();
+    lot.browse(&ParkedFilter::all(), |parked| {
+        seen.push(parked);
+        ControlFlow::Continue(())
+    })
+    .await
+    .expect("browse");
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let msg = seen[0].message();
     let headers = msg.headers();
     assert_eq!(
         headers.get("x-amqp-1.0-app-properties"),
@@ -136,4 +140,60 @@ async fn a_message_parked_over_amqp10_reads_back_over_amqp091_with_the_engine_re
     assert_eq!(msg.properties().message_id.as_deref(), Some("order-17"));
     assert_eq!(msg.body(), b"order 17");
     assert_eq!(msg.queue(), parking);
+
+    // Replayed over AMQP 0-9-1, the copy reaches the AMQP 1.0 consumer with reset counters,
+    // its history and the producer's own application property; it is handled at once.
+    let replayed = lot
+        .replay(&ParkedFilter::all(), ReplayOptions::default(), |_| {})
+        .await
+        .expect("replay");
+    assert_eq!(replayed.replayed, 1, "{replayed:?}");
+    reader.close().await.expect("close");
+    let seen_headers = Arc::new(std::sync::Mutex::new(None));
+    let done = Arc::new(Notify::new());
+    let consumer = Consumer::builder(transport().await, q.as_str(), policy, {
+        let seen_headers = Arc::clone(&seen_headers);
+        move |msg: Message| {
+            *seen_headers.lock().unwrap() = Some(msg.headers().clone());
+            async { Ok::<(), HandlerError>(()) }
+        }
+    })
+    .with_on_terminal({
+        let done = Arc::clone(&done);
+        move |_, terminal| {
+            assert_eq!(*terminal, Terminal::Handled { attempt: 1 });
+            done.notify_one();
+        }
+    })
+    .build()
+    .expect("consumer");
+    let shutdown = async move {
+        let _ = tokio::time::timeout(Duration::from_secs(20), done.notified()).await;
+    };
+    let report = consumer.run(shutdown).await.expect("run");
+    assert_eq!(report.handled, 1, "{report:?}");
+    let handled = seen_headers.lock().unwrap().take().expect("handled");
+    assert_eq!(
+        handled.get("tenant"),
+        Some(&HeaderValue::from("acme")),
+        "{handled:?}"
+    );
+    assert_eq!(
+        handled.get("x-retry-replays"),
+        Some(&HeaderValue::Int(1)),
+        "{handled:?}"
+    );
+    assert_eq!(
+        handled.get("x-retry-previous-reason"),
+        Some(&HeaderValue::from("permanent")),
+        "{handled:?}"
+    );
+    for reset in [
+        "x-retry-reason",
+        "x-retry-last-error",
+        "x-retry-last-failure",
+    ] {
+        assert_eq!(handled.get(reset), None, "{reset} kept: {handled:?}");
+    }
+    assert_eq!(b.ready(&parking).await, 0);
 }
