@@ -18,8 +18,8 @@ use retry_core::{
     Cascade, CascadePlan, DelayStrategy, Message, MessageParts, Properties, Publish, PublishResult,
     RetryPolicy, Route, TopologyPlan, Transport, TransportError,
 };
+use transport_amqp091::AmqpTransport;
 use transport_amqp091::testing::LogRecorder;
-use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -48,75 +48,6 @@ fn logs() -> &'static LogRecorder {
         tracing::subscriber::set_global_default(recorder.clone()).expect("the only subscriber");
         recorder
     })
-}
-
-/// Deletes the plans and cascades a test made when it is dropped, whether the test passed
-/// or panicked: from a thread of its own with a runtime of its own, since drop is
-/// synchronous and may run inside the test's runtime.
-struct Cleanup {
-    config: AmqpConfig,
-    plans: Vec<TopologyPlan>,
-    cascades: Vec<CascadePlan>,
-    queues: Vec<String>,
-}
-
-impl Cleanup {
-    fn new(config: &AmqpConfig) -> Self {
-        Cleanup {
-            config: config.clone(),
-            plans: Vec::new(),
-            cascades: Vec::new(),
-            queues: Vec::new(),
-        }
-    }
-
-    /// Deletes `plan` and its cascade on drop.
-    fn plan(&mut self, plan: &TopologyPlan) {
-        self.plans.push(plan.clone());
-        if let Some(cascade) = plan.cascade() {
-            self.cascades.push(cascade.clone());
-        }
-    }
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let config = self.config.clone();
-        let plans = std::mem::take(&mut self.plans);
-        let cascades = std::mem::take(&mut self.cascades);
-        let queues = std::mem::take(&mut self.queues);
-        let deleting = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let connecting = AmqpTransport::connect(config);
-                let Ok(Ok(t)) = tokio::time::timeout(Duration::from_secs(10), connecting).await
-                else {
-                    return;
-                };
-                let within = Duration::from_secs(10);
-                for plan in &plans {
-                    let _ = tokio::time::timeout(within, t.teardown(plan)).await;
-                }
-                for cascade in &cascades {
-                    let _ = tokio::time::timeout(within, t.teardown_cascade(cascade)).await;
-                }
-                if let Ok(channel) = t.connection().create_channel().await {
-                    for queue in &queues {
-                        let _ = channel
-                            .queue_delete(queue.as_str().into(), Default::default())
-                            .await;
-                    }
-                }
-                let _ = t.close().await;
-            });
-        });
-        let _ = deleting.join();
-    }
 }
 
 /// `rabbitmqctl list_exchanges` names that start with `prefix`, sorted.

@@ -71,6 +71,8 @@ async fn a_walk_puts_back_what_it_leaves_in_place_while_its_connection_stays_ope
     };
     let queue = common::unique("parking-walk");
     let plan = plan(&queue);
+    let mut cleanup = common::Cleanup::new(&config);
+    cleanup.plan(&plan);
     let transport = Arc::new(common::transport(&config).await);
     transport.provision(&plan).await.unwrap();
     let (conn, ch) = common::raw().await;
@@ -113,7 +115,6 @@ async fn a_walk_puts_back_what_it_leaves_in_place_while_its_connection_stays_ope
     assert_eq!(drain(&ch, parking).await, kept);
 
     let _ = conn.close(200, "done".into()).await;
-    transport.teardown(&plan).await.unwrap();
     transport.close().await.unwrap();
 }
 
@@ -138,6 +139,8 @@ async fn killed_part_way(resume_after_recovery: bool) {
     let name = config.connection_name().unwrap().to_owned();
     let queue = common::unique("parking-killed");
     let plan = plan(&queue);
+    let mut cleanup = common::Cleanup::new(&config);
+    cleanup.plan(&plan);
     let transport = Arc::new(AmqpTransport::connect(config.clone()).await.unwrap());
     transport.provision(&plan).await.unwrap();
     let (conn, ch) = common::raw().await;
@@ -231,7 +234,4 @@ async fn killed_part_way(resume_after_recovery: bool) {
     );
 
     let _ = conn.close(200, "done".into()).await;
-    let cleanup = common::transport(&config).await;
-    cleanup.teardown(&plan).await.unwrap();
-    cleanup.close().await.unwrap();
 }

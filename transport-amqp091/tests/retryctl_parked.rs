@@ -69,6 +69,8 @@ async fn list_show_replay_and_purge_parked_messages() {
         .build()
         .unwrap();
     let plan = TopologyPlan::new(&queue, &policy).unwrap();
+    let mut cleanup = common::Cleanup::new(&config);
+    cleanup.plan(&plan);
     let transport = common::transport(&config).await;
     transport.provision(&plan).await.unwrap();
     let (conn, ch) = common::raw().await;
@@ -286,6 +288,5 @@ async fn list_show_replay_and_purge_parked_messages() {
         "bad input changed the queue"
     );
     let _ = conn.close(200, "done".into()).await;
-    transport.teardown(&plan).await.unwrap();
     transport.close().await.unwrap();
 }
