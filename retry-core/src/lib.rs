@@ -44,6 +44,12 @@
 //!   (see below), and shuts down gracefully, sending every acknowledgement it owes and
 //!   leaving unfinished deliveries to the broker. Settings that could hold a delivery past
 //!   the broker's `consumer_timeout` are refused when it is built.
+//! * [`ParkingLot`]: the operator's side of the parking queue, on any transport: browse the
+//!   [`ParkedRecord`] of each parked message, replay the ones a [`ParkedFilter`] matches to
+//!   the work queue with their counters reset and their history kept ([`replay_headers`]),
+//!   or purge them. It reads the queue through a [`QueueWalk`] ([`Transport::walk`]), which
+//!   leaves what it does not take in place, and holds one message at a time.
+//!   `retryctl parked` (transport-amqp091's `cli` feature) is this API on RabbitMQ.
 //!
 //! ## The run loop
 //!

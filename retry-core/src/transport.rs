@@ -311,7 +311,8 @@ pub trait Transport: Send + Sync + 'static {
     /// The default reads with [`fetch`](Self::fetch), keeps the tag of each delivery left and
     /// requeues them one by one at the end, so it holds one tag per message left. A transport
     /// that can put back every delivery of a walk at once overrides it: the AMQP 0-9-1
-    /// transport walks on a channel of its own and keeps only the last delivery tag left.
+    /// transport walks on a channel of its own, keeps nothing per message left, and closes
+    /// the channel at the end.
     async fn walk<'a>(
         &'a self,
         queue: &str,

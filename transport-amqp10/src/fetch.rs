@@ -1,5 +1,7 @@
-//! The fetch link of one queue: takes at most one message at a time, for
-//! [`Transport::fetch`](retry_core::Transport::fetch).
+//! The fetch link of one queue: takes at most one message per fetch, for
+//! [`Transport::fetch`](retry_core::Transport::fetch) and for a walk of the queue
+//! ([`Transport::walk`](retry_core::Transport::walk)), which holds every message it leaves
+//! unsettled on the link until it closes it.
 //!
 //! A task owns a connection of its own and, on it, a session with one receiver in manual
 //! credit. A fetch grants a credit of exactly 1 and waits for the transfer. If none comes
@@ -42,7 +44,7 @@ use fe2o3_amqp::types::messaging::Body;
 use fe2o3_amqp::types::primitives::Value;
 use futures::FutureExt;
 use retry_core::{Delivery, DeliveryFacts, Message, Settlement, TransportError};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
@@ -367,6 +369,32 @@ impl FetchTask {
         }
         self.close_connection().await;
         info!(queue = %self.queue, "fetch link closed");
+    }
+}
+
+/// Asks the fetch link task `link` for one message, and waits for its answer.
+pub(crate) async fn ask(link: &mpsc::Sender<Command>, config: &Amqp10Config) -> Fetched {
+    let (done, answer) = oneshot::channel();
+    link.send(Command::Fetch { done })
+        .await
+        .map_err(|_| TransportError::Closed)?;
+    let after = answer_within(config);
+    match timeout(after, answer).await {
+        Ok(Ok(fetched)) => fetched,
+        Ok(Err(_)) => Err(TransportError::Closed),
+        Err(_) => Err(TransportError::Timeout {
+            operation: "fetching a message",
+            after,
+        }),
+    }
+}
+
+/// Closes the fetch link task `link`: detaches its link and closes its connection, which
+/// puts back every delivery it still holds. Waits at most `after` for it.
+pub(crate) async fn close(link: &mpsc::Sender<Command>, after: Duration) {
+    let (done, closed) = oneshot::channel();
+    if link.send(Command::Close { done }).await.is_ok() {
+        let _ = timeout(after, closed).await;
     }
 }
 

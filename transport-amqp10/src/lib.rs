@@ -160,6 +160,7 @@ mod receiver;
 mod subscription;
 mod transport;
 mod verification;
+mod walk;
 
 pub use codec::NATIVE_HEADER;
 pub use config::{Amqp10Config, ConfigError};

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use retry_core::{
-    Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, QueueRole, Route,
-    Settlement, TopologyPlan, Transport, TransportError,
+    Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, QueueRole, QueueWalk,
+    Route, Settlement, TopologyPlan, Transport, TransportError,
 };
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info};
@@ -21,6 +21,7 @@ use crate::profile::BrokerProfile;
 use crate::publisher::Publisher;
 use crate::receiver::{self, Amqp10Tag, Command};
 use crate::subscription::Amqp10Subscription;
+use crate::walk::LinkWalk;
 
 /// A [`Transport`] over AMQP 1.0, through fe2o3-amqp.
 ///
@@ -509,9 +510,9 @@ impl Transport for Amqp10Transport {
 
     /// Takes at most one message with a credit of exactly 1 on the queue's fetch link. If
     /// nothing arrives within [`Amqp10Config::with_fetch_wait`], the credit is taken back by
-    /// detaching the link, and the answer is `Ok(None)`. No further credit is granted on the
-    /// queue while a fetched delivery is unsettled (such a fetch fails). A queue that does
-    /// not exist fails with [`TransportError::MissingAddress`].
+    /// detaching the link, and the answer is `Ok(None)`; the link's session then ends, which
+    /// puts back any fetched delivery still unsettled. A queue that does not exist fails
+    /// with [`TransportError::MissingAddress`].
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Amqp10Tag>>, TransportError> {
         let link = {
             let mut fetchers = self
@@ -532,19 +533,7 @@ impl Transport for Amqp10Transport {
                 .or_insert_with(|| fetch::spawn(&self.shared.endpoint, &self.shared.config, queue))
                 .clone()
         };
-        let (done, answer) = oneshot::channel();
-        link.send(Command::Fetch { done })
-            .await
-            .map_err(|_| TransportError::Closed)?;
-        let after = fetch::answer_within(&self.shared.config);
-        match tokio::time::timeout(after, answer).await {
-            Ok(Ok(fetched)) => fetched,
-            Ok(Err(_)) => Err(TransportError::Closed),
-            Err(_) => Err(TransportError::Timeout {
-                operation: "fetching a message",
-                after,
-            }),
-        }
+        fetch::ask(&link, &self.shared.config).await
     }
 
     /// Sleeps `poll`, then resolves: RabbitMQ 3.x's AMQP 1.0 plugin cannot count a queue's
@@ -592,6 +581,25 @@ impl Transport for Amqp10Transport {
 
     async fn settle(&self, tag: &Amqp10Tag, settlement: Settlement) -> Result<(), TransportError> {
         receiver::settle(tag, settlement, self.shared.config.operation_timeout()).await
+    }
+
+    /// A walk on a fetch link and connection of its own: a delivery left stays unsettled on
+    /// that link, and the end closes the connection, which puts back every one left at once.
+    /// Releasing them one by one instead would take RabbitMQ quadratic time, as a requeue of
+    /// many single deliveries does. A fetch that waits past
+    /// [`Amqp10Config::with_fetch_wait`] ends the walk as if the queue were empty.
+    async fn walk<'a>(
+        &'a self,
+        queue: &str,
+    ) -> Result<Box<dyn QueueWalk<Amqp10Tag> + 'a>, TransportError> {
+        if self.shared.is_closed() {
+            return Err(TransportError::Closed);
+        }
+        Ok(Box::new(LinkWalk::open(
+            &self.shared.endpoint,
+            &self.shared.config,
+            queue,
+        )))
     }
 }
 
