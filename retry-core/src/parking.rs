@@ -326,7 +326,15 @@ impl ParkedMessage {
     }
 }
 
-/// How to replay.
+/// How to replay: as fast as confirms come back, by default.
+///
+/// ```
+/// use retry_core::ReplayOptions;
+///
+/// let careful = ReplayOptions::default().with_rate(20.0).with_dry_run(true);
+/// assert_eq!((careful.rate, careful.dry_run), (Some(20.0), true));
+/// assert_eq!(ReplayOptions::default().rate, None);
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[non_exhaustive]
 pub struct ReplayOptions {
@@ -372,6 +380,12 @@ pub struct ParkingReport {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ParkingError {
+    /// A replay rate ([`ReplayOptions::rate`]) that is not a finite number above zero.
+    #[error("replay rate {rate} is not a number of messages per second above 0")]
+    InvalidRate {
+        /// The rate given.
+        rate: f64,
+    },
     /// The parking queue does not exist.
     #[error("queue {queue:?} does not exist")]
     UnknownQueue {
@@ -516,13 +530,17 @@ impl<T: Transport> ParkingLot<T> {
     /// [`replay_headers`], the body and properties unchanged, is published with a confirm,
     /// and only then is the parked original acknowledged. A message is replayed at most
     /// once per call: a copy parked again while the call runs is left. `progress` sees the
-    /// report after each message.
+    /// report after each message. A rate that is not a finite number above zero is refused
+    /// with [`ParkingError::InvalidRate`] before anything is read.
     pub async fn replay(
         &self,
         filter: &ParkedFilter,
         options: ReplayOptions,
         mut progress: impl FnMut(&ParkingReport) + Send,
     ) -> Result<ParkingReport, ParkingError> {
+        if let Some(rate) = options.rate.filter(|r| !(r.is_finite() && *r > 0.0)) {
+            return Err(ParkingError::InvalidRate { rate });
+        }
         self.walk(filter, Take::Replay(options), &mut progress)
             .await
     }
@@ -688,7 +706,7 @@ impl<T: Transport> Pass<'_, T> {
                 }
                 Take::Replay(options) if options.dry_run => self.leave(tag),
                 Take::Replay(options) => {
-                    if let Some(rate) = options.rate.filter(|r| *r > 0.0) {
+                    if let Some(rate) = options.rate {
                         // Paced from the walk's start, so a slow confirm is caught up on.
                         let due = self
                             .started

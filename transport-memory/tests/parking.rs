@@ -286,6 +286,26 @@ fn a_connection_lost_part_way_loses_nothing() {
 }
 
 #[test]
+fn a_rate_that_is_not_above_zero_is_refused_before_anything_is_read() {
+    let (broker, plan) = broker("rates");
+    park(&broker, &plan, "a", "permanent", 0);
+    let lot = ParkingLot::new(broker.connect(), &plan);
+    for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let options = ReplayOptions::default().with_rate(rate);
+        let err = broker
+            .block_on(lot.replay(&ParkedFilter::all(), options, |_| {}))
+            .unwrap_err();
+        assert!(
+            matches!(err, ParkingError::InvalidRate { .. }),
+            "{rate}: {err:?}"
+        );
+        assert!(err.to_string().contains("replay rate"), "{err}");
+    }
+    assert_eq!(ids(&broker, plan.parking_queue()), ["a"]);
+    assert_eq!(broker.stats(plan.parking_queue()).unwrap().unacked, 0);
+}
+
+#[test]
 fn an_unknown_parking_queue_is_an_error_naming_it() {
     let broker = Broker::new();
     let lot = ParkingLot::with_queues(broker.connect(), "nowhere", "nowhere.parking");
