@@ -561,11 +561,12 @@ mod tests {
         t
     }
 
-    #[test]
-    fn application_properties_from_amqp10_become_headers() {
+    /// The headers of a message from AMQP 1.0 as RabbitMQ 3.10 hands it over AMQP 0-9-1
+    /// after one dead-lettering: the section, an `x-death` of its own, and `extra`.
+    fn from_amqp10(extra: Vec<(&str, AMQPValue)>) -> FieldTable {
         let mut death = FieldTable::default();
         death.insert("count".into(), AMQPValue::LongLongInt(1));
-        let table = table_with(vec![
+        let mut entries = vec![
             (
                 APP_PROPERTIES_HEADER,
                 AMQPValue::LongString(app_properties_section().into()),
@@ -574,8 +575,14 @@ mod tests {
                 "x-death",
                 AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
             ),
-        ]);
-        let mut headers = headers_from_table(&table);
+        ];
+        entries.extend(extra);
+        table_with(entries)
+    }
+
+    #[test]
+    fn application_properties_from_amqp10_become_headers() {
+        let mut headers = headers_from_table(&from_amqp10(vec![]));
         assert!(matches!(
             headers.get(APP_PROPERTIES_HEADER),
             Some(HeaderValue::Bytes(_))
@@ -600,19 +607,10 @@ mod tests {
 
     #[test]
     fn a_clone_of_a_message_from_amqp10_carries_its_headers_in_the_section_too() {
-        let mut death = FieldTable::default();
-        death.insert("count".into(), AMQPValue::LongLongInt(1));
-        let table = table_with(vec![
-            (
-                APP_PROPERTIES_HEADER,
-                AMQPValue::LongString(app_properties_section().into()),
-            ),
-            (
-                "x-death",
-                AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
-            ),
-            (PROPERTIES_HEADER, AMQPValue::LongString(vec![0x00].into())),
-        ]);
+        let table = from_amqp10(vec![(
+            PROPERTIES_HEADER,
+            AMQPValue::LongString(vec![0x00].into()),
+        )]);
         let mut headers = headers_from_table(&table);
         lift_amqp10_sections(&mut headers, &mut Properties::default(), "q");
         // The engine resets a counter and adds one of its own.
