@@ -1,11 +1,20 @@
-//! `retryctl`: the retry engine's topology on a RabbitMQ broker, for operators.
+//! `retryctl`: the retry engine's parking lot and topology on a RabbitMQ broker, for
+//! operators.
 //!
 //! ```text
+//! retryctl parked list     QUEUE [--json] [--limit N] [--reason R] [--id ID]... [--parked-before WHEN] [--parked-after WHEN]
+//! retryctl parked show     QUEUE --id ID [--json]
+//! retryctl parked replay   QUEUE (--id ID ... | --reason R | --parked-before/--parked-after WHEN | --all) [--rate N] [--dry-run]
+//! retryctl parked purge    QUEUE (--id ID ... | --reason R | --parked-before/--parked-after WHEN | --all) --yes
 //! retryctl topology plan   QUEUE --policy FILE [--quorum] [--json]
 //! retryctl topology apply  QUEUE --policy FILE [--quorum]
 //! retryctl topology verify QUEUE --policy FILE [--quorum] [--max-probe-ttl 10s]
 //! ```
 //!
+//! * `parked` walks the work queue's parking queue (`QUEUE.parking`, or `--parking NAME`)
+//!   with `retry_core::ParkingLot`: `list` and `show` take nothing, `replay` copies the
+//!   selected messages to the work queue with their counters reset (confirmed before the
+//!   parked original is removed), `purge` removes them and refuses to run without `--yes`.
 //! * `plan` prints the exchanges, queues (with their arguments) and bindings that
 //!   `retry_core::TopologyPlan` computes for a work queue and a policy file (the TOML format
 //!   of `retry-core`'s `serde` feature). It needs no broker.
@@ -18,8 +27,9 @@
 //! The broker is `--url`, or `AMQP_URL`, or `amqp://guest:guest@127.0.0.1:5672/%2f`. Its
 //! password is never printed: not by `--help`, not in errors, not in reports.
 //!
-//! Exit codes: 0 success; 1 failure, a mismatch found by `verify` included; 2 bad usage or
-//! bad input (an unknown option, a policy file that does not parse or has an unknown key).
+//! Exit codes: 0 success; 1 failure, a mismatch found by `verify` or an unknown queue
+//! included; 2 bad usage or bad input (an unknown option, a `purge` without `--yes`, a
+//! policy file that does not parse or has an unknown key).
 //!
 //! Built with the `cli` feature: `cargo run -p transport-amqp091 --features cli --bin
 //! retryctl -- --help`.
@@ -41,7 +51,7 @@ use crate::error::CliError;
 /// The broker when neither `--url` nor `AMQP_URL` says otherwise.
 const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// Operate the retry engine's topology on RabbitMQ.
+/// Operate the retry engine's parking lot and topology on RabbitMQ.
 #[derive(Debug, Parser)]
 #[command(name = "retryctl", version)]
 struct Cli {
