@@ -1,0 +1,179 @@
+//! What a walk of a large parking queue costs on RabbitMQ: time and this process's memory.
+//!
+//! ```sh
+//! cargo run --release -p transport-amqp091 --example parking_walk -- 10000 100000 1000000
+//! ```
+//!
+//! For each size N it parks N persistent 1 KiB messages in a parking queue of its own, then,
+//! in the same run:
+//!
+//! * **baseline**, the strongest plain lapin a user would write to look at every message
+//!   and leave it: `basic.get` each one without acknowledging it, then close the channel,
+//!   which puts them all back at once (a `basic.nack` with `multiple` would take RabbitMQ
+//!   3.10 quadratic time: 33 s for 10,000);
+//! * **browse**, `ParkingLot::browse` over every message (the `retryctl parked list` path);
+//! * **replay by filter**, `ParkingLot::replay` of the one message in a thousand parked for
+//!   another reason, which walks the whole queue and leaves the rest.
+//!
+//! Each size runs the three `ROUNDS` times (default 2), interleaved. It prints each run's rate and the growth of
+//! the process's peak resident memory (`VmHWM`) over the runs so far, then deletes its
+//! queues. `AMQP_URL` names the broker.
+
+// Only the broker URL and the load reading are used here.
+#[allow(dead_code)]
+#[path = "paced/mod.rs"]
+mod paced;
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use paced::{BoxError, load1, url};
+use retry_core::{
+    DeadLetterReason, ParkedFilter, ParkedReason, ParkingLot, ReplayOptions, RetryPolicy,
+    TopologyPlan, Transport,
+};
+use transport_amqp091::{AmqpConfig, AmqpTransport};
+
+/// Peak resident memory of this process so far, in bytes.
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Parks `n` messages in `queue`, one in a thousand for reason `permanent`, pipelined with
+/// confirms in batches.
+async fn park(conn: &Connection, queue: &str, n: u64) -> Result<(), BoxError> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let body = vec![b'x'; 1024];
+    for i in 0..n {
+        let reason = if i % 1000 == 0 {
+            "permanent"
+        } else {
+            "attempts-exhausted"
+        };
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-retry-reason".into(),
+            AMQPValue::LongString(LongString::from(reason)),
+        );
+        headers.insert("x-retry-attempts".into(), AMQPValue::LongLongInt(3));
+        drop(
+            ch.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                &body,
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(format!("m{i}").into())
+                    .with_headers(headers),
+            )
+            .await?,
+        );
+        if i % 5000 == 4999 {
+            ch.wait_for_confirms().await?;
+        }
+    }
+    ch.wait_for_confirms().await?;
+    ch.close(200, "parked".into()).await?;
+    Ok(())
+}
+
+/// The plain-lapin baseline: get every message unacknowledged, then close the channel,
+/// which puts them all back.
+async fn plain_walk(conn: &Connection, queue: &str) -> Result<u64, BoxError> {
+    let ch = conn.create_channel().await?;
+    let mut n = 0;
+    while ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await?
+        .is_some()
+    {
+        n += 1;
+    }
+    ch.close(200, "walked".into()).await?;
+    Ok(n)
+}
+
+fn line(what: &str, n: u64, took: Duration, base_rss: u64) {
+    println!(
+        "  {what:<18} {n:>8} messages in {:>7.2} s: {:>7.0} msg/s; peak RSS +{:.1} MB",
+        took.as_secs_f64(),
+        n as f64 / took.as_secs_f64(),
+        peak_rss().saturating_sub(base_rss) as f64 / 1e6
+    );
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let sizes: Vec<u64> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse())
+        .collect::<Result<_, _>>()?;
+    let sizes = if sizes.is_empty() {
+        vec![10_000]
+    } else {
+        sizes
+    };
+    let rounds: u32 = std::env::var("ROUNDS").map_or(Ok(2), |r| r.parse())?;
+    let conn = Connection::connect(&url(), ConnectionProperties::default()).await?;
+    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(url())).await?);
+    let policy = RetryPolicy::delays([Duration::from_secs(1)]).build()?;
+    println!("load {} at start", load1());
+    for n in sizes {
+        let plan = TopologyPlan::new(&format!("parking-walk-{n}"), &policy)?;
+        transport.provision(&plan).await?;
+        let queue = plan.parking_queue();
+        park(&conn, queue, n).await?;
+        let base = peak_rss();
+        println!(
+            "{n} parked messages of 1 KiB in {queue} (peak RSS {:.1} MB before the walks)",
+            base as f64 / 1e6
+        );
+
+        let lot = ParkingLot::new(Arc::clone(&transport), &plan);
+        let filter = ParkedFilter::reason(ParkedReason::Known(DeadLetterReason::Permanent));
+        for _round in 0..rounds {
+            let t = Instant::now();
+            let seen = plain_walk(&conn, queue).await?;
+            line("plain lapin", seen, t.elapsed(), base);
+
+            let t = Instant::now();
+            let mut listed = 0;
+            lot.browse(&ParkedFilter::all(), |_| {
+                listed += 1;
+                ControlFlow::Continue(())
+            })
+            .await?;
+            line("browse", listed, t.elapsed(), base);
+
+            let t = Instant::now();
+            let report = lot
+                .replay(&filter, ReplayOptions::default(), |_| {})
+                .await?;
+            line("replay by filter", report.seen, t.elapsed(), base);
+            println!(
+                "  replayed {}, left {}; load {}",
+                report.replayed,
+                report.left,
+                load1()
+            );
+        }
+        transport.teardown(&plan).await?;
+    }
+    transport.close().await?;
+    conn.close(200, "done".into()).await?;
+    Ok(())
+}
