@@ -339,18 +339,28 @@ fn a_running_consumer_acknowledges_probes_without_running_its_handler() {
     broker
         .publish(Outgoing::to_queue(plan.work_queue(), b"work".to_vec()))
         .unwrap();
+    // The crash-delay queue's probe comes back to the isolation queue, where suspects run
+    // alone.
+    broker
+        .publish(
+            Outgoing::to_queue(plan.isolation_queue(), b"probe".to_vec())
+                .with_header(headers::PROBE, "p-2"),
+        )
+        .unwrap();
     let consumer = Consumer::builder(broker.connect(), plan.work_queue(), policy(), handler)
         .build()
         .unwrap();
     let report = broker
         .block_on(consumer.run(broker.sleep(Duration::from_secs(1))))
         .unwrap();
-    assert_eq!((report.probes, report.received, report.handled), (1, 1, 1));
+    assert_eq!((report.probes, report.received, report.handled), (2, 1, 1));
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
-        "the handler ran for the probe"
+        "the handler ran for a probe"
     );
-    let stats = broker.stats(plan.work_queue()).unwrap();
-    assert_eq!((stats.ready, stats.unacked), (0, 0));
+    for queue in [plan.work_queue(), plan.isolation_queue()] {
+        let stats = broker.stats(queue).unwrap();
+        assert_eq!((stats.ready, stats.unacked), (0, 0), "{queue}");
+    }
 }
