@@ -585,8 +585,8 @@ impl Transport for Amqp10Transport {
 
     /// A walk on a fetch link and connection of its own: a delivery left stays unsettled on
     /// that link, and the end closes the connection, which puts back every one left at once.
-    /// Releasing them one by one instead would take RabbitMQ quadratic time, as a requeue of
-    /// many single deliveries does. A fetch that waits past
+    /// Releasing them one by one instead would requeue one message at a time, which RabbitMQ
+    /// 3.10 does in worse than linear time. A fetch that waits past
     /// [`Amqp10Config::with_fetch_wait`] ends the walk as if the queue were empty.
     async fn walk<'a>(
         &'a self,
