@@ -259,7 +259,7 @@ pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedReco
 pub use handler::{FailureKind, Handler, HandlerError};
 pub use headers::{DeadLetterReason, HeaderValue, Headers};
 pub use jitter::{Jitter, message_identity, splitmix64};
-pub use message::{Delivery, Message, MessageParts, Properties};
+pub use message::{Delivery, Message, MessageParts, NativeParts, Properties};
 pub use parking::{
     ParkedFilter, ParkedMessage, ParkedReason, ParkingError, ParkingLot, ParkingReport,
     ParseReasonError, ReplayOptions, parked_at, replay_headers,

@@ -1,5 +1,7 @@
 //! `Message` and `Delivery`: what a transport receives and a handler sees.
 
+use std::any::Any;
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,6 +51,64 @@ pub struct MessageParts {
     pub properties: Properties,
     /// Its headers, converted from the transport's native form.
     pub headers: Headers,
+    /// The transport's own form of what the message came with, where these parts cannot
+    /// say it exactly (see [`NativeParts`]).
+    pub native: NativeParts,
+}
+
+/// A transport's own form of what a message came with, kept beside [`MessageParts`] so that
+/// a copy of the message (a retry's clone, a replay from the parking lot) carries what it
+/// did not change exactly as it arrived.
+///
+/// [`Headers`] reads every integer as 64 bits and every float as a double: a header that
+/// came as an AMQP 0-9-1 `short-int`, an unsigned `long-uint`, a `float` or a decimal would
+/// otherwise be written back with another type, and a
+/// reader that expects the type it published (a Java consumer casting to `Integer`, say)
+/// would fail on the copy. The AMQP 0-9-1 transport keeps its field table here when some
+/// header would change type; on publishing a copy, a header whose value is still the one
+/// read from that table is written with its original encoding, and the rest (the engine's
+/// own headers) is encoded afresh. Nothing else reads it: the engine and handlers see the
+/// neutral parts only, and a transport finds only the type it put here.
+///
+/// It takes no part in comparisons: two [`MessageParts`] are equal when their neutral parts
+/// are, whatever their transports kept.
+///
+/// ```
+/// use retry_core::NativeParts;
+///
+/// let native = NativeParts::new(vec![("count", 7u16)]);
+/// assert_eq!(native.get::<Vec<(&str, u16)>>(), Some(&vec![("count", 7u16)]));
+/// assert!(native.get::<String>().is_none(), "another transport's type is not there");
+/// assert!(NativeParts::default().get::<Vec<(&str, u16)>>().is_none());
+/// ```
+#[derive(Clone, Default)]
+pub struct NativeParts(Option<Arc<dyn Any + Send + Sync>>);
+
+impl NativeParts {
+    /// Keeps `native`, a transport's own form of what a message came with.
+    pub fn new<T: Any + Send + Sync>(native: T) -> Self {
+        NativeParts(Some(Arc::new(native)))
+    }
+
+    /// What was kept, if something was and it is a `T`.
+    pub fn get<T: Any>(&self) -> Option<&T> {
+        self.0.as_deref().and_then(|a| a.downcast_ref())
+    }
+}
+
+impl fmt::Debug for NativeParts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            Some(_) => "NativeParts(kept)",
+            None => "NativeParts(none)",
+        })
+    }
+}
+
+impl PartialEq for NativeParts {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// A received message as a handler sees it: cheap to clone, immutable.

@@ -603,6 +603,8 @@ impl<T: Transport> ParkingLot<T> {
             body: parts.body.clone(),
             properties: parts.properties.clone(),
             headers: replay_headers(&parts.headers, now),
+            // The user's headers go out as they came, whatever types the model reads them as.
+            native: parts.native.clone(),
         });
         drop(parked);
         let publish = Publish {

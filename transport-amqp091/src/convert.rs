@@ -1,8 +1,11 @@
 //! Conversions between lapin's AMQP 0-9-1 types and retry-core's neutral ones.
 //!
-//! Integers of every width read as 64-bit and are written back as 64-bit (`l`), floats as
-//! doubles, short strings as long strings; decimals are kept as their text. Long strings
-//! that are not UTF-8 become bytes. Nothing here panics on what the broker sends.
+//! Integers of every width read as 64-bit, floats as doubles; decimals are read as their
+//! text, and long strings that are not UTF-8 as bytes. Written afresh, they go out as
+//! 64-bit integers (`l`), doubles, long strings and byte arrays. A received message whose
+//! headers would change type that way keeps its field table ([`NativeParts`]), and a copy
+//! of it (a retry's clone, a replay) writes every header it did not change with its
+//! original encoding. Nothing here panics on what the broker sends.
 
 use crate::amqp10_sections::{
     APP_PROPERTIES_HEADER, PROPERTIES_HEADER, SectionError, decode_application_properties,
@@ -11,7 +14,7 @@ use crate::amqp10_sections::{
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use retry_core::headers::{BROKER_OWNED, MAX_DEPTH};
-use retry_core::{HeaderValue, Headers, Properties, Timestamp};
+use retry_core::{HeaderValue, Headers, NativeParts, Properties, Timestamp};
 use std::time::Duration;
 use tracing::warn;
 
@@ -48,11 +51,20 @@ fn table_at(table: &FieldTable, depth: usize, too_deep: &mut bool) -> Headers {
 /// Writes an AMQP field table. Keys longer than a short string allows are left out with a
 /// warning: the broker could not carry them.
 pub fn table_from_headers(headers: &Headers) -> FieldTable {
+    table_keeping(headers, None)
+}
+
+/// Writes `headers` as a field table, each header that still has the value it was read with
+/// from `native` in its encoding there.
+fn table_keeping(headers: &Headers, native: Option<&FieldTable>) -> FieldTable {
     let mut table = FieldTable::default();
     for (k, v) in headers.iter() {
         match ShortString::try_new(k) {
             Ok(key) => {
-                table.insert(key, value_to_amqp(v));
+                let kept = native
+                    .and_then(|t| t.inner().get(k))
+                    .filter(|raw| value_at(raw, 0, &mut false) == *v);
+                table.insert(key, kept.cloned().unwrap_or_else(|| value_to_amqp(v)));
             }
             Err(_) => {
                 warn!(header = %&k[..k.floor_char_boundary(64)], "header name longer than 255 bytes left out")
@@ -60,6 +72,33 @@ pub fn table_from_headers(headers: &Headers) -> FieldTable {
         }
     }
     table
+}
+
+/// Whether `v` is written back with the type it came with when it is read into a
+/// [`HeaderValue`] and written afresh.
+fn keeps_its_type(v: &AMQPValue) -> bool {
+    match v {
+        AMQPValue::Boolean(_)
+        | AMQPValue::LongLongInt(_)
+        | AMQPValue::Double(_)
+        | AMQPValue::ByteArray(_)
+        | AMQPValue::Void => true,
+        // Read as milliseconds, which saturate past this.
+        AMQPValue::Timestamp(secs) => secs.checked_mul(1000).is_some(),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).is_ok(),
+        AMQPValue::FieldArray(a) => a.as_slice().iter().all(keeps_its_type),
+        AMQPValue::FieldTable(t) => t.inner().values().all(keeps_its_type),
+        _ => false,
+    }
+}
+
+/// What a received message keeps of its field table: the table itself when a header in it
+/// would be written back with another type, nothing otherwise.
+fn native_of(table: Option<&FieldTable>) -> NativeParts {
+    match table {
+        Some(t) if !t.inner().values().all(keeps_its_type) => NativeParts::new(t.clone()),
+        _ => NativeParts::default(),
+    }
 }
 
 fn long_string(s: &LongString) -> HeaderValue {
@@ -155,14 +194,17 @@ fn short(s: &Option<String>) -> Option<ShortString> {
         .and_then(|s| ShortString::try_new(s.as_str()).ok())
 }
 
-/// Writes basic properties for a clone: the original's, these headers, and a per-message
-/// TTL if one is given. Clones are always persistent when the original was.
+/// Writes basic properties for a clone: the original's, these headers (those the original
+/// came with in their original encoding, from `native`), and a per-message TTL if one is
+/// given. Clones are always persistent when the original was.
 pub fn properties_to_amqp(
     p: &Properties,
     headers: &Headers,
+    native: &NativeParts,
     expiration: Option<Duration>,
 ) -> BasicProperties {
-    let mut out = BasicProperties::default().with_headers(headers_to_table(headers));
+    let native = native.get::<FieldTable>();
+    let mut out = BasicProperties::default().with_headers(headers_to_table(headers, native));
     if let Some(v) = short(&p.content_type) {
         out = out.with_content_type(v);
     }
@@ -203,13 +245,13 @@ pub fn properties_to_amqp(
 /// with its headers also encoded in the `application-properties` section, which RabbitMQ
 /// 3.x gives to AMQP 1.0 consumers. The broker's own headers and the AMQP 1.0 sections stay
 /// out of it.
-fn headers_to_table(headers: &Headers) -> FieldTable {
+fn headers_to_table(headers: &Headers, native: Option<&FieldTable>) -> FieldTable {
     if headers.get(FROM_AMQP10).is_none() {
-        return table_from_headers(headers);
+        return table_keeping(headers, native);
     }
     let mut plain = headers.clone();
     plain.remove(FROM_AMQP10);
-    let mut table = table_from_headers(&plain);
+    let mut table = table_keeping(&plain, native);
     let entries = headers.iter().filter(|(name, _)| {
         *name != FROM_AMQP10 && !BROKER_OWNED.contains(name) && !name.starts_with("x-amqp-1.0-")
     });
@@ -305,12 +347,9 @@ pub(crate) fn received<T>(
     queue: &str,
     tag: impl FnOnce(u64, lapin::Acker) -> T,
 ) -> retry_core::Delivery<T> {
-    let mut headers = delivery
-        .properties
-        .headers()
-        .as_ref()
-        .map(headers_from_table)
-        .unwrap_or_default();
+    let table = delivery.properties.headers().as_ref();
+    let mut headers = table.map(headers_from_table).unwrap_or_default();
+    let native = native_of(table);
     let mut properties = properties_from_amqp(&delivery.properties);
     lift_amqp10_sections(&mut headers, &mut properties, queue);
     let parts = retry_core::MessageParts {
@@ -320,6 +359,7 @@ pub(crate) fn received<T>(
         properties,
         body: delivery.data,
         headers,
+        native,
     };
     let signals = retry_core::BrokerSignals {
         redelivered: delivery.redelivered,
@@ -616,7 +656,12 @@ mod tests {
         // The engine resets a counter and adds one of its own.
         headers.insert("x-retry-attempts", HeaderValue::Int(0));
         headers.insert("x-retry-replays", HeaderValue::Int(1));
-        let written = properties_to_amqp(&Properties::default(), &headers, None);
+        let written = properties_to_amqp(
+            &Properties::default(),
+            &headers,
+            &NativeParts::default(),
+            None,
+        );
         let written = written.headers().as_ref().unwrap();
         let plain = headers_from_table(written);
         assert_eq!(plain.get(FROM_AMQP10), None, "the mark is not sent");
@@ -646,7 +691,12 @@ mod tests {
     #[test]
     fn a_message_not_from_amqp10_gets_no_section() {
         let headers: Headers = [("tenant", "acme")].into_iter().collect();
-        let written = properties_to_amqp(&Properties::default(), &headers, None);
+        let written = properties_to_amqp(
+            &Properties::default(),
+            &headers,
+            &NativeParts::default(),
+            None,
+        );
         let plain = headers_from_table(written.headers().as_ref().unwrap());
         assert_eq!(plain, headers);
     }
@@ -668,6 +718,97 @@ mod tests {
             .into_iter()
             .collect();
         assert_eq!(headers, marked);
+    }
+
+    /// A user's headers of every type the model reads with another, as a Java or .NET
+    /// publisher would send them.
+    fn narrow_types() -> FieldTable {
+        let mut nested = FieldTable::default();
+        nested.insert("n".into(), AMQPValue::LongInt(-5));
+        table_with(vec![
+            ("i8", AMQPValue::ShortShortInt(-3)),
+            ("u8", AMQPValue::ShortShortUInt(200)),
+            ("i16", AMQPValue::ShortInt(-300)),
+            ("u16", AMQPValue::ShortUInt(60_000)),
+            ("i32", AMQPValue::LongInt(7)),
+            ("u32", AMQPValue::LongUInt(4_000_000_000)),
+            ("f32", AMQPValue::Float(1.5)),
+            (
+                "decimal",
+                AMQPValue::DecimalValue(DecimalValue {
+                    scale: 2,
+                    value: 1234,
+                }),
+            ),
+            (
+                "latin1",
+                AMQPValue::LongString(LongString::from(b"caf\xe9".to_vec())),
+            ),
+            (
+                "array",
+                AMQPValue::FieldArray(vec![AMQPValue::ShortInt(1)].into()),
+            ),
+            ("table", AMQPValue::FieldTable(nested)),
+            ("far", AMQPValue::Timestamp(u64::MAX)),
+        ])
+    }
+
+    #[test]
+    fn a_copy_writes_the_headers_it_did_not_change_with_their_original_types() {
+        let mut table = narrow_types();
+        table.insert("x-retry-attempts".into(), AMQPValue::LongInt(2));
+        let native = native_of(Some(&table));
+        let mut headers = headers_from_table(&table);
+        headers.insert("x-retry-attempts", 3i64);
+        let written = properties_to_amqp(&Properties::default(), &headers, &native, None);
+        let written = written.headers().as_ref().unwrap().inner();
+        for (name, value) in narrow_types().inner() {
+            assert_eq!(written.get(name), Some(value), "{name}");
+        }
+        assert_eq!(
+            written.get("x-retry-attempts"),
+            Some(&AMQPValue::LongLongInt(3)),
+            "a header the copy changed is written afresh"
+        );
+        // Without the table, every one of them would change type.
+        let plain = properties_to_amqp(
+            &Properties::default(),
+            &headers,
+            &NativeParts::default(),
+            None,
+        );
+        let plain = plain.headers().as_ref().unwrap().inner();
+        for (name, value) in narrow_types().inner() {
+            assert_ne!(plain.get(name), Some(value), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_table_whose_types_come_back_unchanged_is_not_kept() {
+        let table = table_with(vec![
+            ("b", AMQPValue::Boolean(true)),
+            ("l", AMQPValue::LongLongInt(-1)),
+            ("d", AMQPValue::Double(0.25)),
+            ("s", AMQPValue::LongString("text".into())),
+            ("x", AMQPValue::ByteArray(vec![0xff].into())),
+            ("t", AMQPValue::Timestamp(1_700_000_000)),
+            ("v", AMQPValue::Void),
+            (
+                "a",
+                AMQPValue::FieldArray(vec![AMQPValue::LongLongInt(1)].into()),
+            ),
+        ]);
+        assert!(native_of(Some(&table)).get::<FieldTable>().is_none());
+        assert!(native_of(None).get::<FieldTable>().is_none());
+        let back = table_from_headers(&headers_from_table(&table));
+        assert_eq!(back, table, "these types round-trip without the table");
+        for (name, value) in narrow_types().inner() {
+            let one = table_with(vec![(name.as_str(), value.clone())]);
+            assert!(
+                native_of(Some(&one)).get::<FieldTable>().is_some(),
+                "{name} changes type, so its table is kept"
+            );
+        }
     }
 
     #[test]
@@ -751,7 +892,12 @@ mod tests {
             persistent: true,
             ..Properties::default()
         };
-        let out = properties_to_amqp(&p, &Headers::new(), Some(Duration::from_millis(1500)));
+        let out = properties_to_amqp(
+            &p,
+            &Headers::new(),
+            &NativeParts::default(),
+            Some(Duration::from_millis(1500)),
+        );
         assert_eq!(out.message_id(), &None);
         assert_eq!(
             out.content_type().as_ref().map(|s| s.as_str()),

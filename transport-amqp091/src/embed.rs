@@ -89,7 +89,12 @@ pub fn delivery(delivery: lapin::message::Delivery, queue: &str) -> Delivery<u64
 /// ```
 pub fn clone_properties(original: &Message, publish: &Publish) -> BasicProperties {
     let headers = publish.clone_headers(original);
-    properties_to_amqp(original.properties(), &headers, publish.expiration)
+    properties_to_amqp(
+        original.properties(),
+        &headers,
+        &original.parts().native,
+        publish.expiration,
+    )
 }
 
 /// The engine's reading of a publisher confirm, awaited on the `PublisherConfirm` that

@@ -287,7 +287,12 @@ impl AmqpTransport {
         publish: &Publish,
     ) -> Result<Confirmation, TransportError> {
         let headers = publish.clone_headers(original);
-        let properties = properties_to_amqp(original.properties(), &headers, publish.expiration);
+        let properties = properties_to_amqp(
+            original.properties(),
+            &headers,
+            &original.parts().native,
+            publish.expiration,
+        );
         let exchange = short(&publish.route.exchange)?;
         let routing_key = short(&publish.route.routing_key)?;
         let channel = self.channel_in(&self.publish_channel, true).await?;

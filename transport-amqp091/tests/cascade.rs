@@ -146,7 +146,7 @@ fn message(queue: &str, id: &str) -> Message {
             persistent: true,
             ..Properties::default()
         },
-        headers: Default::default(),
+        ..MessageParts::default()
     })
 }
 

@@ -1,6 +1,7 @@
 //! The parking lot on RabbitMQ, beyond the conformance suite's `parking_lot` scenario: a walk
-//! puts back what it leaves, in place, while its connection stays open; and a replay whose
-//! connection the broker closes part way loses nothing.
+//! puts back what it leaves, in place, while its connection stays open; a replayed copy
+//! keeps the user's headers in their AMQP types; and a replay whose connection the broker
+//! closes part way loses nothing.
 
 mod common;
 
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lapin::options::BasicPublishOptions;
+use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel};
 use retry_core::{
@@ -113,6 +114,92 @@ async fn a_walk_puts_back_what_it_leaves_in_place_while_its_connection_stays_ope
     assert_eq!(browsed, kept, "a walk moved what it left");
     assert_eq!(drain(&ch, &queue).await.len(), 5);
     assert_eq!(drain(&ch, parking).await, kept);
+
+    let _ = conn.close(200, "done".into()).await;
+    transport.close().await.unwrap();
+}
+
+/// A parked message as a Java or .NET publisher would have sent it: headers of the narrower
+/// AMQP types, which the engine's header model reads as 64-bit integers, doubles and long
+/// strings. Its replayed copy carries them with their own types, and its properties as
+/// they were; only the engine's headers are new.
+#[tokio::test]
+async fn a_replay_keeps_the_users_headers_and_properties_as_they_were_encoded() {
+    let Some(config) = common::broker("parking encodings").await else {
+        return;
+    };
+    let queue = common::unique("parking-types");
+    let plan = plan(&queue);
+    let mut cleanup = common::Cleanup::new(&config);
+    cleanup.plan(&plan);
+    let transport = Arc::new(common::transport(&config).await);
+    transport.provision(&plan).await.unwrap();
+    let (conn, ch) = common::raw().await;
+    let mut headers = FieldTable::default();
+    for (name, value) in common::narrow_headers() {
+        headers.insert(name.into(), value);
+    }
+    headers.insert(
+        "x-retry-reason".into(),
+        AMQPValue::LongString("permanent".into()),
+    );
+    headers.insert("x-retry-attempts".into(), AMQPValue::LongInt(3));
+    let properties = BasicProperties::default()
+        .with_message_id("typed".into())
+        .with_content_type("application/json".into())
+        .with_content_encoding("gzip".into())
+        .with_correlation_id("corr-1".into())
+        .with_reply_to("replies".into())
+        .with_timestamp(1_796_160_047)
+        .with_priority(4)
+        .with_type("comment.created".into())
+        .with_app_id("publisher".into())
+        .with_delivery_mode(2);
+    let body: &[u8] = b"\x00\xffnot text";
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            plan.parking_queue().into(),
+            BasicPublishOptions::default(),
+            body,
+            properties.clone().with_headers(headers),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack(), "{confirm:?}");
+
+    let lot = ParkingLot::new(Arc::clone(&transport), &plan);
+    let report = lot
+        .replay(&permanent(), ReplayOptions::default(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    let copy = ch
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the replayed copy");
+    let copy = copy.delivery;
+    assert_eq!(copy.data, body);
+    let written = copy.properties.headers().clone().expect("headers");
+    common::assert_narrow_headers_kept(&written);
+    let written = written.inner();
+    assert_eq!(
+        written.get("x-retry-attempts"),
+        Some(&AMQPValue::LongLongInt(0)),
+        "the engine's counters are reset"
+    );
+    assert_eq!(
+        written.get("x-retry-previous-reason"),
+        Some(&AMQPValue::LongString("permanent".into()))
+    );
+    assert_eq!(
+        copy.properties.with_headers(FieldTable::default()),
+        properties.with_headers(FieldTable::default()),
+        "the properties are the parked message's"
+    );
 
     let _ = conn.close(200, "done".into()).await;
     transport.close().await.unwrap();

@@ -33,6 +33,7 @@ fn clone_of(queue: &str, body: &[u8]) -> Message {
         headers: [("tenant", HeaderValue::from("acme"))]
             .into_iter()
             .collect(),
+        ..MessageParts::default()
     })
 }
 
@@ -439,6 +440,77 @@ async fn two_subscriptions_never_settle_each_others_deliveries() {
     for plan in &plans {
         t.teardown(plan).await.unwrap();
     }
+}
+
+/// A retry's clone of a received message carries the user's headers in the AMQP types they
+/// came with, not as the header model reads them.
+#[tokio::test]
+async fn a_clone_keeps_the_users_headers_in_their_types() {
+    let Some(config) = broker("clone types").await else {
+        return;
+    };
+    let q = unique("clone-types");
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let plan = TopologyPlan::new(&q, &policy).unwrap();
+    let t = transport(&config).await;
+    t.provision(&plan).await.unwrap();
+    let (_conn, ch) = raw().await;
+    let mut table = lapin::types::FieldTable::default();
+    for (name, value) in narrow_headers() {
+        table.insert(name.into(), value);
+    }
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            lapin::options::BasicPublishOptions::default(),
+            b"typed",
+            lapin::BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_headers(table),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack(), "{confirm:?}");
+    let original = t.fetch(&q).await.unwrap().expect("the message");
+    assert_eq!(
+        original.message.headers().get("i16"),
+        Some(&HeaderValue::Int(-300)),
+        "the handler reads the model's value"
+    );
+    let (route, _) = plan.route_for(secs(30)).unwrap();
+    let r = t
+        .publish(&original.message, &publish_to(route.clone()))
+        .await;
+    assert!(matches!(r, PublishResult::Confirmed), "{r:?}");
+    t.settle(&original.tag, Settlement::Ack).await.unwrap();
+    let clone = poll_until(
+        secs(5),
+        Duration::from_millis(20),
+        || async {
+            ch.basic_get(
+                format!("{q}.retry.30s").as_str().into(),
+                lapin::options::BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+        },
+        Option::is_some,
+    )
+    .await
+    .expect("the clone")
+    .delivery;
+    let headers = clone.properties.headers().clone().expect("headers");
+    assert_narrow_headers_kept(&headers);
+    assert_eq!(
+        headers.inner().get(headers::ATTEMPTS),
+        Some(&lapin::types::AMQPValue::LongLongInt(1)),
+        "the engine's headers are written afresh"
+    );
+
+    t.teardown(&plan).await.unwrap();
 }
 
 #[tokio::test]

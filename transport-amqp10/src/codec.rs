@@ -170,6 +170,7 @@ pub(crate) fn read_message<T>(
         body,
         properties: neutral,
         headers,
+        native: Default::default(),
     };
     Delivery::new(tag, parts, signals)
 }

@@ -68,6 +68,7 @@ async fn passwords_never_reach_the_logs() {
         body: b"x".to_vec(),
         properties: Properties::default(),
         headers: Default::default(),
+        native: Default::default(),
     });
     let park = Publish {
         route: plan.parking_route().clone(),

@@ -175,6 +175,7 @@ impl Transport for NullTransport {
             body: original.body().to_vec(),
             properties: original.properties().clone(),
             headers: clone_headers(original.headers(), origin, &publish.headers),
+            native: Default::default(),
         };
         if let Ok(mut inbox) = self.inbox.lock() {
             inbox.push_back(delivery(0, parts));

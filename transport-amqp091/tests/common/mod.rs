@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use retry_core::{CascadePlan, Headers, TopologyPlan};
 use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table};
@@ -85,6 +85,46 @@ pub async fn publish(ch: &Channel, routing_key: &str, body: &[u8], message_id: &
         .await
         .unwrap();
     assert!(confirm.is_ack(), "{confirm:?}");
+}
+
+/// A user's headers in every AMQP 0-9-1 type the engine's header model reads as another
+/// (64-bit integers, doubles, text, bytes), as a Java or .NET publisher sends them, nested
+/// ones included.
+pub fn narrow_headers() -> Vec<(&'static str, AMQPValue)> {
+    let mut nested = FieldTable::default();
+    nested.insert("n".into(), AMQPValue::LongInt(-5));
+    vec![
+        ("i8", AMQPValue::ShortShortInt(-3)),
+        ("u8", AMQPValue::ShortShortUInt(200)),
+        ("i16", AMQPValue::ShortInt(-300)),
+        ("u16", AMQPValue::ShortUInt(60_000)),
+        ("i32", AMQPValue::LongInt(7)),
+        ("u32", AMQPValue::LongUInt(4_000_000_000)),
+        ("f32", AMQPValue::Float(1.5)),
+        (
+            "decimal",
+            AMQPValue::DecimalValue(DecimalValue {
+                scale: 2,
+                value: 1234,
+            }),
+        ),
+        (
+            "latin1",
+            AMQPValue::LongString(LongString::from(b"caf\xe9".to_vec())),
+        ),
+        (
+            "array",
+            AMQPValue::FieldArray(vec![AMQPValue::ShortInt(1)].into()),
+        ),
+        ("table", AMQPValue::FieldTable(nested)),
+    ]
+}
+
+/// Checks that `table` holds every one of [`narrow_headers`] with its own type.
+pub fn assert_narrow_headers_kept(table: &FieldTable) {
+    for (name, value) in narrow_headers() {
+        assert_eq!(table.inner().get(name), Some(&value), "header {name}");
+    }
 }
 
 /// A message taken from a queue with basic.get (acked), as body, message id and headers.

@@ -40,6 +40,7 @@ pub(crate) fn receive(h: Handout) -> (Delivery<DeliveryTag>, Box<dyn Held>) {
         body,
         properties,
         headers,
+        native: Default::default(),
     };
     let signals = BrokerSignals {
         redelivered,
