@@ -720,17 +720,12 @@ mod tests {
         assert_eq!(headers, marked);
     }
 
-    /// A user's headers of every type the model reads with another, as a Java or .NET
-    /// publisher would send them.
+    /// Headers of types the model reads as others (the broker tests go through every one).
     fn narrow_types() -> FieldTable {
         let mut nested = FieldTable::default();
         nested.insert("n".into(), AMQPValue::LongInt(-5));
         table_with(vec![
-            ("i8", AMQPValue::ShortShortInt(-3)),
-            ("u8", AMQPValue::ShortShortUInt(200)),
             ("i16", AMQPValue::ShortInt(-300)),
-            ("u16", AMQPValue::ShortUInt(60_000)),
-            ("i32", AMQPValue::LongInt(7)),
             ("u32", AMQPValue::LongUInt(4_000_000_000)),
             ("f32", AMQPValue::Float(1.5)),
             (
@@ -739,14 +734,6 @@ mod tests {
                     scale: 2,
                     value: 1234,
                 }),
-            ),
-            (
-                "latin1",
-                AMQPValue::LongString(LongString::from(b"caf\xe9".to_vec())),
-            ),
-            (
-                "array",
-                AMQPValue::FieldArray(vec![AMQPValue::ShortInt(1)].into()),
             ),
             ("table", AMQPValue::FieldTable(nested)),
             ("far", AMQPValue::Timestamp(u64::MAX)),

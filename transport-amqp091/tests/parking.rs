@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lapin::options::{BasicGetOptions, BasicPublishOptions};
+use lapin::options::BasicGetOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel};
+use lapin::{BasicProperties, Channel, Connection};
 use retry_core::{
     DeadLetterReason, ParkedFilter, ParkedReason, ParkingError, ParkingLot, ParkingReport,
     ReplayOptions, RetryPolicy, TopologyPlan, Transport,
@@ -21,28 +21,55 @@ use transport_amqp091::AmqpTransport;
 
 /// Parks `id` in `queue` as the engine would have, for `reason`.
 async fn park(ch: &Channel, queue: &str, id: &str, reason: &str) {
-    let mut headers = FieldTable::default();
-    headers.insert(
-        "x-retry-reason".into(),
-        AMQPValue::LongString(LongString::from(reason)),
-    );
-    headers.insert("x-retry-attempts".into(), AMQPValue::LongLongInt(2));
-    let confirm = ch
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions::default(),
-            format!("body of {id}").as_bytes(),
-            BasicProperties::default()
-                .with_message_id(id.into())
-                .with_delivery_mode(2)
-                .with_headers(headers),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack(), "{confirm:?}");
+    let headers = common::table([
+        (
+            "x-retry-reason",
+            AMQPValue::LongString(LongString::from(reason)),
+        ),
+        ("x-retry-attempts", AMQPValue::LongLongInt(2)),
+    ]);
+    let properties = BasicProperties::default()
+        .with_message_id(id.into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    common::publish_with(ch, queue, format!("body of {id}").as_bytes(), properties).await;
+}
+
+/// What a test of the parking lot works with: a provisioned plan deleted at the end, the
+/// transport, and a raw connection for setting up and looking.
+struct Setup {
+    queue: String,
+    plan: TopologyPlan,
+    transport: Arc<AmqpTransport>,
+    conn: Connection,
+    ch: Channel,
+    _cleanup: common::Cleanup,
+}
+
+impl Setup {
+    async fn new(test: &str, prefix: &str) -> Option<Setup> {
+        let config = common::broker(test).await?;
+        let queue = common::unique(prefix);
+        let plan = plan(&queue);
+        let mut cleanup = common::Cleanup::new(&config);
+        cleanup.plan(&plan);
+        let transport = Arc::new(common::transport(&config).await);
+        transport.provision(&plan).await.unwrap();
+        let (conn, ch) = common::raw().await;
+        Some(Setup {
+            queue,
+            plan,
+            transport,
+            conn,
+            ch,
+            _cleanup: cleanup,
+        })
+    }
+
+    async fn close(self) {
+        let _ = self.conn.close(200, "done".into()).await;
+        self.transport.close().await.unwrap();
+    }
 }
 
 /// Takes every message from `queue`: their ids, in order.
@@ -67,16 +94,16 @@ fn permanent() -> ParkedFilter {
 
 #[tokio::test]
 async fn a_walk_puts_back_what_it_leaves_in_place_while_its_connection_stays_open() {
-    let Some(config) = common::broker("parking walk").await else {
+    let Some(setup) = Setup::new("parking walk", "parking-walk").await else {
         return;
     };
-    let queue = common::unique("parking-walk");
-    let plan = plan(&queue);
-    let mut cleanup = common::Cleanup::new(&config);
-    cleanup.plan(&plan);
-    let transport = Arc::new(common::transport(&config).await);
-    transport.provision(&plan).await.unwrap();
-    let (conn, ch) = common::raw().await;
+    let Setup {
+        queue,
+        plan,
+        transport,
+        ch,
+        ..
+    } = &setup;
     let parking = plan.parking_queue();
     let ids: Vec<String> = (0..20).map(|i| format!("m{i:02}")).collect();
     for (i, id) in ids.iter().enumerate() {
@@ -85,10 +112,10 @@ async fn a_walk_puts_back_what_it_leaves_in_place_while_its_connection_stays_ope
         } else {
             "attempts-exhausted"
         };
-        park(&ch, parking, id, reason).await;
+        park(ch, parking, id, reason).await;
     }
 
-    let lot = ParkingLot::new(Arc::clone(&transport), &plan);
+    let lot = ParkingLot::new(Arc::clone(transport), plan);
     let report = lot
         .replay(&permanent(), ReplayOptions::default(), |_| {})
         .await
@@ -112,11 +139,9 @@ async fn a_walk_puts_back_what_it_leaves_in_place_while_its_connection_stays_ope
     .await
     .unwrap();
     assert_eq!(browsed, kept, "a walk moved what it left");
-    assert_eq!(drain(&ch, &queue).await.len(), 5);
-    assert_eq!(drain(&ch, parking).await, kept);
-
-    let _ = conn.close(200, "done".into()).await;
-    transport.close().await.unwrap();
+    assert_eq!(drain(ch, queue).await.len(), 5);
+    assert_eq!(drain(ch, parking).await, kept);
+    setup.close().await;
 }
 
 /// A parked message as a Java or .NET publisher would have sent it: headers of the narrower
@@ -125,20 +150,17 @@ async fn a_walk_puts_back_what_it_leaves_in_place_while_its_connection_stays_ope
 /// they were; only the engine's headers are new.
 #[tokio::test]
 async fn a_replay_keeps_the_users_headers_and_properties_as_they_were_encoded() {
-    let Some(config) = common::broker("parking encodings").await else {
+    let Some(setup) = Setup::new("parking encodings", "parking-types").await else {
         return;
     };
-    let queue = common::unique("parking-types");
-    let plan = plan(&queue);
-    let mut cleanup = common::Cleanup::new(&config);
-    cleanup.plan(&plan);
-    let transport = Arc::new(common::transport(&config).await);
-    transport.provision(&plan).await.unwrap();
-    let (conn, ch) = common::raw().await;
-    let mut headers = FieldTable::default();
-    for (name, value) in common::narrow_headers() {
-        headers.insert(name.into(), value);
-    }
+    let Setup {
+        queue,
+        plan,
+        transport,
+        ch,
+        ..
+    } = &setup;
+    let mut headers = common::table(common::narrow_headers());
     headers.insert(
         "x-retry-reason".into(),
         AMQPValue::LongString("permanent".into()),
@@ -156,21 +178,10 @@ async fn a_replay_keeps_the_users_headers_and_properties_as_they_were_encoded() 
         .with_app_id("publisher".into())
         .with_delivery_mode(2);
     let body: &[u8] = b"\x00\xffnot text";
-    let confirm = ch
-        .basic_publish(
-            "".into(),
-            plan.parking_queue().into(),
-            BasicPublishOptions::default(),
-            body,
-            properties.clone().with_headers(headers),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack(), "{confirm:?}");
+    let parked = properties.clone().with_headers(headers);
+    common::publish_with(ch, plan.parking_queue(), body, parked).await;
 
-    let lot = ParkingLot::new(Arc::clone(&transport), &plan);
+    let lot = ParkingLot::new(Arc::clone(transport), plan);
     let report = lot
         .replay(&permanent(), ReplayOptions::default(), |_| {})
         .await
@@ -200,9 +211,7 @@ async fn a_replay_keeps_the_users_headers_and_properties_as_they_were_encoded() 
         properties.with_headers(FieldTable::default()),
         "the properties are the parked message's"
     );
-
-    let _ = conn.close(200, "done".into()).await;
-    transport.close().await.unwrap();
+    setup.close().await;
 }
 
 // Two workers: the replay blocks one of them while the broker closes its connection.

@@ -9,8 +9,7 @@ mod common;
 use std::time::Duration;
 
 use cli::{Run, retryctl};
-use lapin::options::BasicPublishOptions;
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, LongString};
 use lapin::{BasicProperties, Channel};
 use retry_core::{HeaderValue, RetryPolicy, TopologyPlan, Transport};
 use serde_json::Value;
@@ -19,27 +18,12 @@ const T0: i64 = 1_796_117_400_000;
 
 /// Publishes a message straight into `queue`, with these headers, and waits for the confirm.
 async fn park(ch: &Channel, queue: &str, id: &str, body: &[u8], headers: Vec<(&str, AMQPValue)>) {
-    let mut table = FieldTable::default();
-    for (k, v) in headers {
-        table.insert(k.into(), v);
-    }
-    let confirm = ch
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions::default(),
-            body,
-            BasicProperties::default()
-                .with_message_id(id.into())
-                .with_content_type("text/plain".into())
-                .with_delivery_mode(2)
-                .with_headers(table),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack(), "{confirm:?}");
+    let properties = BasicProperties::default()
+        .with_message_id(id.into())
+        .with_content_type("text/plain".into())
+        .with_delivery_mode(2)
+        .with_headers(common::table(headers));
+    common::publish_with(ch, queue, body, properties).await;
 }
 
 fn text(s: &str) -> AMQPValue {

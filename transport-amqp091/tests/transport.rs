@@ -455,25 +455,10 @@ async fn a_clone_keeps_the_users_headers_in_their_types() {
     let t = transport(&config).await;
     t.provision(&plan).await.unwrap();
     let (_conn, ch) = raw().await;
-    let mut table = lapin::types::FieldTable::default();
-    for (name, value) in narrow_headers() {
-        table.insert(name.into(), value);
-    }
-    let confirm = ch
-        .basic_publish(
-            "".into(),
-            q.as_str().into(),
-            lapin::options::BasicPublishOptions::default(),
-            b"typed",
-            lapin::BasicProperties::default()
-                .with_delivery_mode(2)
-                .with_headers(table),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack(), "{confirm:?}");
+    let properties = lapin::BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(table(narrow_headers()));
+    publish_with(&ch, &q, b"typed", properties).await;
     let original = t.fetch(&q).await.unwrap().expect("the message");
     assert_eq!(
         original.message.headers().get("i16"),

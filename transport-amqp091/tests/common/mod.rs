@@ -70,21 +70,42 @@ pub async fn raw() -> (Connection, Channel) {
 
 /// Publishes `body` to the default exchange with `routing_key`, waiting for the confirm.
 pub async fn publish(ch: &Channel, routing_key: &str, body: &[u8], message_id: &str) {
+    let properties = BasicProperties::default()
+        .with_message_id(message_id.into())
+        .with_delivery_mode(2);
+    publish_with(ch, routing_key, body, properties).await;
+}
+
+/// Publishes `body` with `properties` to the default exchange with `routing_key`, waiting
+/// for the confirm.
+pub async fn publish_with(
+    ch: &Channel,
+    routing_key: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) {
     let confirm = ch
         .basic_publish(
             "".into(),
             routing_key.into(),
             BasicPublishOptions::default(),
             body,
-            BasicProperties::default()
-                .with_message_id(message_id.into())
-                .with_delivery_mode(2),
+            properties,
         )
         .await
         .unwrap()
         .await
         .unwrap();
     assert!(confirm.is_ack(), "{confirm:?}");
+}
+
+/// A field table of these entries.
+pub fn table<'a>(entries: impl IntoIterator<Item = (&'a str, AMQPValue)>) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (name, value) in entries {
+        table.insert(name.into(), value);
+    }
+    table
 }
 
 /// A user's headers in every AMQP 0-9-1 type the engine's header model reads as another
