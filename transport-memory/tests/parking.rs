@@ -1,6 +1,7 @@
 //! The parking lot ([`ParkingLot`]) on the broker model, on virtual time: filters by time,
 //! reason and id, a replay paced by its rate, a dry run, a replay that meets its own copies
-//! parked again, a connection lost part way, and topology probes a running consumer
+//! parked again, a copy the broker does not confirm, a connection lost part way, and
+//! topology probes a running consumer
 //! acknowledges without its handler. The API's round trip (browse, replay by reason, purge
 //! by id, the consumer handling the copy on attempt 1) is the conformance suite's
 //! `parking_lot` scenario, which runs on this broker too.
@@ -283,6 +284,60 @@ fn a_connection_lost_part_way_loses_nothing() {
         "every message is parked or replayed: {all:?}"
     );
     assert_eq!(ids(&broker, plan.work_queue()).len(), 7);
+}
+
+/// A copy the broker refuses (a negative confirm) or never takes (a lost publish) stops the
+/// replay with the message named, and its original stays parked, unchanged: it is acked
+/// only after its copy is confirmed.
+#[test]
+fn a_copy_the_broker_does_not_confirm_leaves_its_original_parked() {
+    for lose in [false, true] {
+        let (broker, plan) = broker(if lose { "lost-copy" } else { "refused-copy" });
+        for i in 0..5 {
+            park(&broker, &plan, &format!("m{i}"), "permanent", 0);
+        }
+        let before = broker.messages(plan.parking_queue()).unwrap();
+        let lot = ParkingLot::new(broker.connect(), &plan);
+        let err = broker
+            .block_on(lot.replay(&ParkedFilter::all(), ReplayOptions::default(), |report| {
+                if report.replayed == 2 {
+                    if lose {
+                        broker.lose_publishes(1);
+                    } else {
+                        broker.refuse_publishes(1);
+                    }
+                }
+            }))
+            .unwrap_err();
+        let ParkingError::Interrupted { report, source } = &err else {
+            panic!("{err:?}");
+        };
+        assert_eq!(report.replayed, 2, "{err}");
+        match &**source {
+            ParkingError::CopyRefused {
+                message, source, ..
+            } => {
+                assert_eq!(message, "m2", "{err}");
+                assert_eq!(source.is_some(), lose, "{err:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(ids(&broker, plan.work_queue()), ["m0", "m1"]);
+        let after = broker.messages(plan.parking_queue()).unwrap();
+        assert_eq!(after.len(), 3, "m2 and the two after it stay parked");
+        for message in &after {
+            let was = before
+                .iter()
+                .find(|b| b.properties.message_id == message.properties.message_id)
+                .unwrap();
+            assert_eq!(
+                (&message.headers, &message.body),
+                (&was.headers, &was.body),
+                "{:?} changed",
+                message.properties.message_id
+            );
+        }
+    }
 }
 
 #[test]
