@@ -299,15 +299,17 @@ fn a_copy_the_broker_does_not_confirm_leaves_its_original_parked() {
         let before = broker.messages(plan.parking_queue()).unwrap();
         let lot = ParkingLot::new(broker.connect(), &plan);
         let err = broker
-            .block_on(lot.replay(&ParkedFilter::all(), ReplayOptions::default(), |report| {
-                if report.replayed == 2 {
-                    if lose {
-                        broker.lose_publishes(1);
-                    } else {
-                        broker.refuse_publishes(1);
+            .block_on(
+                lot.replay(&ParkedFilter::all(), ReplayOptions::default(), |report| {
+                    if report.replayed == 2 {
+                        if lose {
+                            broker.lose_publishes(1);
+                        } else {
+                            broker.refuse_publishes(1);
+                        }
                     }
-                }
-            }))
+                }),
+            )
             .unwrap_err();
         let ParkingError::Interrupted { report, source } = &err else {
             panic!("{err:?}");
