@@ -452,6 +452,9 @@ async fn a_clone_keeps_the_users_headers_in_their_types() {
     let q = unique("clone-types");
     let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
     let plan = TopologyPlan::new(&q, &policy).unwrap();
+    // Deleted even when an assertion below fails.
+    let mut cleanup = Cleanup::new(&config);
+    cleanup.plan(&plan);
     let t = transport(&config).await;
     t.provision(&plan).await.unwrap();
     let (_conn, ch) = raw().await;
@@ -494,8 +497,6 @@ async fn a_clone_keeps_the_users_headers_in_their_types() {
         Some(&lapin::types::AMQPValue::LongLongInt(1)),
         "the engine's headers are written afresh"
     );
-
-    t.teardown(&plan).await.unwrap();
 }
 
 #[tokio::test]
