@@ -1,6 +1,7 @@
 //! Support for tests that need a running broker: one reading of `REQUIRE_BROKER`, a skip
 //! notice the test harness cannot swallow, [`rabbitmqctl`] for faults and inspection,
 //! [`refusing`] queue arguments and [`redeclare`] to make a queue of a plan refuse publishes,
+//! [`delete_blocking`] for a guard that deletes a test's topology even when the test panics,
 //! and a [`LogRecorder`] to check what was logged.
 //! Every broker test in this workspace uses it, and a user's own broker tests can too.
 //!
@@ -27,6 +28,67 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
+
+/// Deletes what a test declared on the broker at `config`: `plans`, then their delay
+/// cascades, then `queues`. It runs on a thread of its own with a runtime of its own and
+/// returns when that is done, so a guard's `Drop`, which is synchronous and may run inside
+/// the test's runtime (or while it unwinds from a panic), can call it. Each step waits at
+/// most 10 s and its errors are ignored: cleaning up must not fail a test, and a cascade
+/// shared by two plans is simply found gone the second time.
+///
+/// ```no_run
+/// use retry_core::TopologyPlan;
+/// use transport_amqp091::AmqpConfig;
+///
+/// struct Cleanup(AmqpConfig, TopologyPlan);
+///
+/// impl Drop for Cleanup {
+///     fn drop(&mut self) {
+///         transport_amqp091::testing::delete_blocking(&self.0, std::slice::from_ref(&self.1), &[]);
+///     }
+/// }
+/// ```
+pub fn delete_blocking(
+    config: &crate::AmqpConfig,
+    plans: &[retry_core::TopologyPlan],
+    queues: &[String],
+) {
+    use std::time::Duration;
+    use tokio::time::timeout;
+    let within = Duration::from_secs(10);
+    let (config, plans, queues) = (config.clone(), plans.to_vec(), queues.to_vec());
+    let deleting = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            let Ok(Ok(t)) = timeout(within, crate::AmqpTransport::connect(config)).await else {
+                return;
+            };
+            // The plans first: a cascade may be shared by several of them.
+            for plan in &plans {
+                let _ = timeout(within, t.teardown(plan)).await;
+            }
+            for cascade in plans.iter().filter_map(|p| p.cascade()) {
+                let _ = timeout(within, t.teardown_cascade(cascade)).await;
+            }
+            if !queues.is_empty()
+                && let Ok(channel) = t.connection().create_channel().await
+            {
+                for queue in &queues {
+                    let _ = channel
+                        .queue_delete(queue.as_str().into(), Default::default())
+                        .await;
+                }
+            }
+            let _ = t.close().await;
+        });
+    });
+    let _ = deleting.join();
+}
 
 /// `args` plus a length limit of zero with `reject-publish`: a queue declared with them
 /// refuses every publish with a negative confirm, which is how tests make a clone's publish

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use retry_core::{CascadePlan, Headers, TopologyPlan};
+use retry_core::{Headers, TopologyPlan};
 use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table};
 
 pub fn url() -> String {
@@ -431,13 +431,11 @@ impl Running {
     }
 }
 
-/// Deletes the plans and cascades a test made when it is dropped, whether the test passed
-/// or panicked: from a thread of its own with a runtime of its own, since drop is
-/// synchronous and may run inside the test's runtime.
+/// Deletes the plans (with their cascades) and queues a test made when it is dropped,
+/// whether the test passed or panicked ([`transport_amqp091::testing::delete_blocking`]).
 pub struct Cleanup {
     config: AmqpConfig,
     plans: Vec<TopologyPlan>,
-    cascades: Vec<CascadePlan>,
     pub queues: Vec<String>,
 }
 
@@ -446,7 +444,6 @@ impl Cleanup {
         Cleanup {
             config: config.clone(),
             plans: Vec::new(),
-            cascades: Vec::new(),
             queues: Vec::new(),
         }
     }
@@ -454,48 +451,11 @@ impl Cleanup {
     /// Deletes `plan` and its cascade on drop.
     pub fn plan(&mut self, plan: &TopologyPlan) {
         self.plans.push(plan.clone());
-        if let Some(cascade) = plan.cascade() {
-            self.cascades.push(cascade.clone());
-        }
     }
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let config = self.config.clone();
-        let plans = std::mem::take(&mut self.plans);
-        let cascades = std::mem::take(&mut self.cascades);
-        let queues = std::mem::take(&mut self.queues);
-        let deleting = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let connecting = AmqpTransport::connect(config);
-                let Ok(Ok(t)) = tokio::time::timeout(Duration::from_secs(10), connecting).await
-                else {
-                    return;
-                };
-                let within = Duration::from_secs(10);
-                for plan in &plans {
-                    let _ = tokio::time::timeout(within, t.teardown(plan)).await;
-                }
-                for cascade in &cascades {
-                    let _ = tokio::time::timeout(within, t.teardown_cascade(cascade)).await;
-                }
-                if let Ok(channel) = t.connection().create_channel().await {
-                    for queue in &queues {
-                        let _ = channel
-                            .queue_delete(queue.as_str().into(), Default::default())
-                            .await;
-                    }
-                }
-                let _ = t.close().await;
-            });
-        });
-        let _ = deleting.join();
+        transport_amqp091::testing::delete_blocking(&self.config, &self.plans, &self.queues);
     }
 }

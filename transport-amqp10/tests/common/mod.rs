@@ -185,32 +185,9 @@ pub struct Cleanup {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let plan = self.plan.clone();
-        // Drop is synchronous and may run inside the test's runtime: tear down from a thread
-        // of its own with a runtime of its own.
-        let deleting = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let connecting = AmqpTransport::connect(AmqpConfig::new(url091()));
-                if let Ok(Ok(setup)) =
-                    tokio::time::timeout(Duration::from_secs(10), connecting).await
-                {
-                    let _ =
-                        tokio::time::timeout(Duration::from_secs(10), setup.teardown(&plan)).await;
-                    // A test's cascade has a prefix of its own: it goes with the plan.
-                    if let Some(cascade) = plan.cascade() {
-                        let deleting = setup.teardown_cascade(cascade);
-                        let _ = tokio::time::timeout(Duration::from_secs(10), deleting).await;
-                    }
-                }
-            });
-        });
-        let _ = deleting.join();
+        // A test's cascade has a prefix of its own: it goes with the plan.
+        let config = AmqpConfig::new(url091());
+        transport_amqp091::testing::delete_blocking(&config, std::slice::from_ref(&self.plan), &[]);
     }
 }
 
