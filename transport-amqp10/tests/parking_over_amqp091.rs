@@ -19,8 +19,8 @@ use fe2o3_amqp::types::messaging::{
 use fe2o3_amqp::types::primitives::{Binary, Value};
 use fe2o3_amqp::{Connection, Sender, Session};
 use retry_core::{
-    Consumer, DeadLetterReason, HandlerError, HeaderValue, Message, ParkedFilter, ParkedRecord,
-    ParkingLot, ReplayOptions, RetryPolicy, Terminal, TopologyPlan,
+    Consumer, DeadLetterReason, Handler, HandlerError, HeaderValue, Message, ParkedFilter,
+    ParkedRecord, ParkingLot, ReplayOptions, RetryPolicy, RunReport, Terminal, TopologyPlan,
 };
 use tokio::sync::Notify;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
@@ -42,6 +42,31 @@ async fn publish10(queue: &str, message: AmqpMessage<Body<Value>>) {
     let _ = sender.detach().await;
     let _ = session.end().await;
     let _ = connection.close().await;
+}
+
+/// Runs an AMQP 1.0 consumer of `queue` with `handler` until its one delivery ends, which
+/// must be with `expected`, or 20 s pass; returns its report.
+async fn run_until<H: Handler>(
+    queue: &str,
+    policy: &RetryPolicy,
+    handler: H,
+    expected: Terminal,
+) -> RunReport {
+    let done = Arc::new(Notify::new());
+    let consumer = Consumer::builder(transport().await, queue, policy.clone(), handler)
+        .with_on_terminal({
+            let done = Arc::clone(&done);
+            move |_, terminal| {
+                assert_eq!(*terminal, expected);
+                done.notify_one();
+            }
+        })
+        .build()
+        .expect("consumer");
+    let shutdown = async move {
+        let _ = tokio::time::timeout(Duration::from_secs(20), done.notified()).await;
+    };
+    consumer.run(shutdown).await.expect("run")
 }
 
 #[tokio::test]
@@ -71,31 +96,15 @@ async fn a_message_parked_over_amqp10_reads_back_over_amqp091_with_the_engine_re
         .build();
     publish10(&q, message).await;
 
-    let done = Arc::new(Notify::new());
-    let consumer = Consumer::builder(
-        transport().await,
-        q.as_str(),
-        policy.clone(),
+    let report = run_until(
+        &q,
+        &policy,
         |_msg: Message| async { Err::<(), _>(HandlerError::permanent("order 17 is unreadable")) },
+        Terminal::DeadLettered {
+            reason: DeadLetterReason::Permanent,
+        },
     )
-    .with_on_terminal({
-        let done = Arc::clone(&done);
-        move |_, terminal| {
-            assert_eq!(
-                *terminal,
-                Terminal::DeadLettered {
-                    reason: DeadLetterReason::Permanent
-                }
-            );
-            done.notify_one();
-        }
-    })
-    .build()
-    .expect("consumer");
-    let shutdown = async move {
-        let _ = tokio::time::timeout(Duration::from_secs(20), done.notified()).await;
-    };
-    let report = consumer.run(shutdown).await.expect("run");
+    .await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     assert_eq!(
         b.wait_ready(&parking, 1, Duration::from_secs(5)).await,
@@ -150,27 +159,14 @@ async fn a_message_parked_over_amqp10_reads_back_over_amqp091_with_the_engine_re
     assert_eq!(replayed.replayed, 1, "{replayed:?}");
     reader.close().await.expect("close");
     let seen_headers = Arc::new(std::sync::Mutex::new(None));
-    let done = Arc::new(Notify::new());
-    let consumer = Consumer::builder(transport().await, q.as_str(), policy, {
+    let handler = {
         let seen_headers = Arc::clone(&seen_headers);
         move |msg: Message| {
             *seen_headers.lock().unwrap() = Some(msg.headers().clone());
             async { Ok::<(), HandlerError>(()) }
         }
-    })
-    .with_on_terminal({
-        let done = Arc::clone(&done);
-        move |_, terminal| {
-            assert_eq!(*terminal, Terminal::Handled { attempt: 1 });
-            done.notify_one();
-        }
-    })
-    .build()
-    .expect("consumer");
-    let shutdown = async move {
-        let _ = tokio::time::timeout(Duration::from_secs(20), done.notified()).await;
     };
-    let report = consumer.run(shutdown).await.expect("run");
+    let report = run_until(&q, &policy, handler, Terminal::Handled { attempt: 1 }).await;
     assert_eq!(report.handled, 1, "{report:?}");
     let handled = seen_headers.lock().unwrap().take().expect("handled");
     assert_eq!(
