@@ -51,14 +51,17 @@ fn table_at(table: &FieldTable, depth: usize, too_deep: &mut bool) -> Headers {
 /// Writes an AMQP field table. Keys longer than a short string allows are left out with a
 /// warning: the broker could not carry them.
 pub fn table_from_headers(headers: &Headers) -> FieldTable {
-    table_keeping(headers, None)
+    table_keeping(headers.iter(), None)
 }
 
-/// Writes `headers` as a field table, each header that still has the value it was read with
-/// from `native` in its encoding there.
-fn table_keeping(headers: &Headers, native: Option<&FieldTable>) -> FieldTable {
+/// Writes these headers as a field table, each one that still has the value it was read
+/// with from `native` in its encoding there.
+fn table_keeping<'h>(
+    headers: impl Iterator<Item = (&'h str, &'h HeaderValue)>,
+    native: Option<&FieldTable>,
+) -> FieldTable {
     let mut table = FieldTable::default();
-    for (k, v) in headers.iter() {
+    for (k, v) in headers {
         match ShortString::try_new(k) {
             Ok(key) => {
                 let kept = native
@@ -247,11 +250,10 @@ pub fn properties_to_amqp(
 /// out of it.
 fn headers_to_table(headers: &Headers, native: Option<&FieldTable>) -> FieldTable {
     if headers.get(FROM_AMQP10).is_none() {
-        return table_keeping(headers, native);
+        return table_keeping(headers.iter(), native);
     }
-    let mut plain = headers.clone();
-    plain.remove(FROM_AMQP10);
-    let mut table = table_keeping(&plain, native);
+    let plain = headers.iter().filter(|(name, _)| *name != FROM_AMQP10);
+    let mut table = table_keeping(plain, native);
     let entries = headers.iter().filter(|(name, _)| {
         *name != FROM_AMQP10 && !BROKER_OWNED.contains(name) && !name.starts_with("x-amqp-1.0-")
     });

@@ -501,8 +501,9 @@ impl Transport for AmqpTransport {
 
     /// A walk on a channel of its own: a delivery left costs nothing, and the end closes the
     /// channel, which puts back every one left at once (RabbitMQ does that in linear time,
-    /// where a `basic.nack` with `multiple` takes quadratic time). A running consumer's fetches from the isolation queue
-    /// never share the walk's channel, so the end cannot put back a suspect. A reconnection
+    /// where a `basic.nack` with `multiple` takes quadratic time). A running consumer's
+    /// fetches from the isolation queue never share the walk's channel, so the end cannot
+    /// put back a suspect. A reconnection
     /// during the walk ends it with [`TransportError::Connection`]: the broker put back what
     /// the walk held, and reading on would see those messages twice.
     async fn walk<'a>(
