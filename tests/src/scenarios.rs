@@ -759,8 +759,15 @@ async fn crash_loop<H: Harness>(
     }
 
     // One crash beside the others (not counted), then one more solo crash than the limit.
-    assert_eq!(crashes, limit + 2);
-    assert_eq!(consumers, limit + 3);
+    let poison_story = || {
+        format!(
+            "the poison's terminals {:?}, its runs {:?}",
+            journal.terminals_of(&poison.id),
+            journal.runs_of(&poison.id)
+        )
+    };
+    assert_eq!(crashes, limit + 2, "{}", poison_story());
+    assert_eq!(consumers, limit + 3, "{}", poison_story());
     let delay = match s.policy.on_crash() {
         CrashAction::Divert => s.policy.crash_delay(),
         CrashAction::RunHandler => Duration::ZERO,
