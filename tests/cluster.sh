@@ -6,6 +6,7 @@
 #   tests/cluster.sh stop NODE     stop one gracefully (rabbitmqctl -n NODE stop)
 #   tests/cluster.sh kill NODE     kill -9 one node's Erlang VM
 #   tests/cluster.sh start NODE    start a stopped or killed node again; it rejoins by itself
+#   tests/cluster.sh start-all     start every stopped node at once (after all went down)
 #   tests/cluster.sh status        the cluster as rtest1 (or any running node) sees it
 #   tests/cluster.sh urls          the AMQP node list, comma-separated, for AMQP_CLUSTER_URLS
 #
@@ -82,7 +83,9 @@ EOF
 
 running() { ctl "$1" -q status >/dev/null 2>&1; }
 
-start_node() {
+# Starts a node's VM without waiting for it: after the whole cluster went down, each node
+# waits for its peers before it boots, so they are started together.
+launch_node() {
     local node="$1"
     prepare "$node"
     if running "$node"; then
@@ -90,7 +93,20 @@ start_node() {
     fi
     as_rabbitmq env RABBITMQ_CONF_ENV_FILE="$DIR/$node/rabbitmq-env.conf" \
         "$RMQ_BIN/rabbitmq-server" -detached
-    wait_node "$node"
+}
+
+start_node() {
+    launch_node "$1"
+    wait_node "$1"
+}
+
+start_all() {
+    for node in "${NODES[@]}"; do
+        launch_node "$node"
+    done
+    for node in "${NODES[@]}"; do
+        wait_node "$node"
+    done
 }
 
 wait_node() {
@@ -119,9 +135,7 @@ member() {
 up() {
     mkdir -p "$DIR"
     chown rabbitmq:rabbitmq "$DIR"
-    for node in "${NODES[@]}"; do
-        start_node "$node"
-    done
+    start_all
     for node in rtest2 rtest3; do
         if ! member "$node" rtest1; then
             {
@@ -180,6 +194,7 @@ case "$cmd" in
         node="$(short "${2:-}")"
         start_node "$node"
         ;;
+    start-all) start_all ;;
     status)
         for node in "${NODES[@]}"; do
             if running "$node"; then
@@ -190,5 +205,5 @@ case "$cmd" in
         die "no rtest node is running"
         ;;
     urls) urls ;;
-    *) sed -n '2,16p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,17p' "$0" >&2; exit 2 ;;
 esac

@@ -3,9 +3,20 @@
 use std::fmt;
 use std::time::Duration;
 
-/// How to reach the broker and how long to wait for it.
+use retry_core::QueueType;
+
+use crate::nodes::{self, Node, NodeListError, NodeOrder};
+
+/// How to reach the broker, or the nodes of a cluster, and how long to wait for it.
 ///
 /// `Debug` and [`redacted_url`](Self::redacted_url) never show the password.
+///
+/// A cluster is a list of nodes, from [`cluster`](Self::cluster) or a comma-separated URL
+/// string: the connection goes to the first node that answers (in
+/// [`NodeOrder`]), and when it drops, recovery moves it to any node that answers, each failed
+/// node waiting out a backoff between [`with_reconnect_delay`](Self::with_reconnect_delay)'s
+/// bounds before it is tried again. Every node is reached with the first URL's credentials,
+/// virtual host and options, so they must agree ([`NodeListError`] otherwise).
 ///
 /// ```
 /// use transport_amqp091::AmqpConfig;
@@ -16,10 +27,20 @@ use std::time::Duration;
 ///     .with_connection_name("orders-consumer");
 /// assert_eq!(config.redacted_url(), "amqp://app:****@127.0.0.1:5672/%2f");
 /// assert!(!format!("{config:?}").contains("s3cret"));
+///
+/// // Three nodes of one cluster, from one string (as in an AMQP_URL variable).
+/// let cluster = AmqpConfig::new(
+///     "amqp://app:s3cret@10.0.0.1:5672/%2f,amqp://app:s3cret@10.0.0.2:5672/%2f,amqp://app:s3cret@10.0.0.3:5672/%2f",
+/// );
+/// assert_eq!(cluster.nodes().unwrap().len(), 3);
+/// assert!(cluster.is_cluster());
 /// ```
 #[derive(Clone)]
 pub struct AmqpConfig {
     url: String,
+    nodes: Result<Vec<Node>, NodeListError>,
+    node_order: NodeOrder,
+    reconnect_delay: (Duration, Duration),
     confirm_timeout: Duration,
     connection_name: Option<String>,
     ack_flush_interval: Duration,
@@ -28,15 +49,116 @@ pub struct AmqpConfig {
 
 impl AmqpConfig {
     /// Settings for `url` (`amqp://` or `amqps://`), with the defaults: a 30 s confirm
-    /// timeout, acks flushed at least every 20 ms, automatic recovery on.
+    /// timeout, acks flushed at least every 20 ms, automatic recovery on, nodes in order,
+    /// reconnect delays from 100 ms to 5 s.
+    ///
+    /// `url` may list the nodes of a cluster separated by commas. A list that cannot be used
+    /// is reported by [`nodes`](Self::nodes) and refused by
+    /// [`AmqpTransport::connect`](crate::AmqpTransport::connect); [`cluster`](Self::cluster)
+    /// refuses it at once.
     pub fn new(url: impl Into<String>) -> Self {
+        let url = url.into();
         AmqpConfig {
-            url: url.into(),
+            nodes: nodes::parse(&nodes::split(&url)),
+            url,
+            node_order: NodeOrder::InOrder,
+            reconnect_delay: (Duration::from_millis(100), Duration::from_secs(5)),
             confirm_timeout: Duration::from_secs(30),
             connection_name: None,
             ack_flush_interval: Duration::from_millis(20),
             auto_recover: true,
         }
+    }
+
+    /// Settings for the nodes of one cluster, one URL each: refused with a [`NodeListError`]
+    /// naming the node when the list is empty, a URL does not parse, or a node differs from
+    /// the first in anything but host and port.
+    ///
+    /// ```
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// let config = AmqpConfig::cluster([
+    ///     "amqp://app:s3cret@10.0.0.1:5672/%2f",
+    ///     "amqp://app:s3cret@10.0.0.2:5672/%2f",
+    /// ])?;
+    /// assert_eq!(
+    ///     config.nodes()?,
+    ///     ["amqp://app:****@10.0.0.1:5672/%2f", "amqp://app:****@10.0.0.2:5672/%2f"]
+    /// );
+    /// # Ok::<(), transport_amqp091::NodeListError>(())
+    /// ```
+    pub fn cluster<I>(urls: I) -> Result<Self, NodeListError>
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        let urls: Vec<String> = urls.into_iter().map(Into::into).collect();
+        let config = AmqpConfig::new(urls.join(","));
+        // Parse the list as given, so that an empty URL in it is an error too.
+        nodes::parse(&urls)?;
+        Ok(config)
+    }
+
+    /// The order the nodes are tried in (in order by default).
+    pub fn with_node_order(mut self, order: NodeOrder) -> Self {
+        self.node_order = order;
+        self
+    }
+
+    /// The bounds of each node's reconnect backoff: a node that failed is tried again after
+    /// `min`, doubling with each further failure up to `max` (a `max` below `min` counts as
+    /// `min`). Also the pause before each new round over the nodes when none answers.
+    pub fn with_reconnect_delay(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_delay = (min, max.max(min));
+        self
+    }
+
+    /// The nodes, passwords redacted, in the order given; or why the list cannot be used.
+    pub fn nodes(&self) -> Result<Vec<String>, NodeListError> {
+        Ok(self.node_list()?.iter().map(|n| n.address.clone()).collect())
+    }
+
+    /// Whether the settings name more than one node.
+    pub fn is_cluster(&self) -> bool {
+        self.nodes.as_ref().is_ok_and(|n| n.len() > 1)
+    }
+
+    /// The queue type these settings call for: [`QueueType::Quorum`] for a cluster,
+    /// [`QueueType::Classic`] for one node. A classic queue lives on one node of a cluster:
+    /// while that node is down its messages cannot be reached, and they are lost with its
+    /// disk. A quorum queue is replicated to a majority of nodes and keeps serving while a
+    /// minority is down, and its dead-lettering can be at-least-once, which the retry
+    /// topology's delay queues use.
+    ///
+    /// ```
+    /// use retry_core::{QueueType, RetryPolicy, TopologyPlan};
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// let config = AmqpConfig::new("amqp://10.0.0.1:5672/%2f,amqp://10.0.0.2:5672/%2f");
+    /// let policy = RetryPolicy::default();
+    /// let plan = TopologyPlan::builder("orders", &policy)
+    ///     .with_queue_type(config.queue_type())
+    ///     .with_replication_factor(3)
+    ///     .build()?;
+    /// assert_eq!(plan.queue_type(), QueueType::Quorum);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn queue_type(&self) -> QueueType {
+        if self.is_cluster() {
+            QueueType::Quorum
+        } else {
+            QueueType::Classic
+        }
+    }
+
+    /// The node order.
+    pub fn node_order(&self) -> NodeOrder {
+        self.node_order
+    }
+
+    /// The reconnect backoff's bounds, `(min, max)`.
+    pub fn reconnect_delay(&self) -> (Duration, Duration) {
+        self.reconnect_delay
     }
 
     /// How long a publish may wait for the broker's confirm before it counts as failed (and
@@ -84,13 +206,24 @@ impl AmqpConfig {
         self.auto_recover
     }
 
-    /// The URL with its password replaced by `****`.
+    /// The URL with its password replaced by `****` (every node's, for a list).
     pub fn redacted_url(&self) -> String {
-        redact(&self.url)
+        match &self.nodes {
+            Ok(nodes) => nodes
+                .iter()
+                .map(|n| n.address.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            Err(_) => nodes::split(&self.url)
+                .iter()
+                .map(|u| redact(u))
+                .collect::<Vec<_>>()
+                .join(","),
+        }
     }
 
-    pub(crate) fn url(&self) -> &str {
-        &self.url
+    pub(crate) fn node_list(&self) -> Result<&[Node], NodeListError> {
+        self.nodes.as_deref().map_err(Clone::clone)
     }
 }
 
@@ -98,6 +231,8 @@ impl fmt::Debug for AmqpConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AmqpConfig")
             .field("url", &self.redacted_url())
+            .field("node_order", &self.node_order)
+            .field("reconnect_delay", &self.reconnect_delay)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connection_name", &self.connection_name)
             .field("ack_flush_interval", &self.ack_flush_interval)

@@ -23,6 +23,7 @@ use crate::acks::Acks;
 use crate::config::AmqpConfig;
 use crate::convert::{properties_to_amqp, received};
 use crate::error::{closes_only_a_channel, connection_error, queue_error, short};
+use crate::nodes::{self, NodeOrder, Nodes};
 use crate::provision::{self, ProvisionReport};
 use crate::subscription::AmqpSubscription;
 use crate::tag::AmqpTag;
@@ -62,6 +63,7 @@ use crate::walk::ChannelWalk;
 pub struct AmqpTransport {
     config: AmqpConfig,
     connection: Connection,
+    nodes: Arc<Nodes>,
     // Shared, not cloned, per use: a lapin `Channel` is a dozen reference counts to clone
     // and drop, and every publish takes the publishing channel.
     publish_channel: Mutex<Option<Arc<Channel>>>,
@@ -83,30 +85,84 @@ impl std::fmt::Debug for AmqpTransport {
 }
 
 impl AmqpTransport {
-    /// Connects and opens the publishing channel in confirm mode.
+    /// Connects to the first node that answers and opens the publishing channel in confirm
+    /// mode.
+    ///
+    /// Every node of the list is asked for its cluster name first: a list whose nodes answer
+    /// with different names is refused ([`NodeListError::DifferentClusters`], inside
+    /// [`TransportError::Other`]), as is a list that cannot be used at all. When no node
+    /// answers, the error names each node with why; when one refuses the login, the error
+    /// names that node. Passwords are never shown.
     pub async fn connect(config: AmqpConfig) -> Result<Self, TransportError> {
+        let list = config
+            .node_list()
+            .map_err(|e| TransportError::Other(Box::new(e)))?;
+        let order: Vec<usize> = match config.node_order() {
+            NodeOrder::InOrder => (0..list.len()).collect(),
+            NodeOrder::Shuffled => nodes::shuffled(list.len()),
+        };
+        let (min_delay, max_delay) = config.reconnect_delay();
+        let nodes = Arc::new(Nodes::new(
+            order.iter().map(|&i| list[i].clone()).collect(),
+            min_delay,
+            max_delay,
+        ));
+        let answers = nodes
+            .survey()
+            .await
+            .map_err(|e| TransportError::Other(Box::new(e)))?;
+        if answers.iter().all(Result::is_err) {
+            let why: Vec<String> = answers
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| a.as_ref().err().map(|e| format!("{}: {e}", nodes.address(i))))
+                .collect();
+            return Err(TransportError::connection_lost(format!(
+                "no node answers ({})",
+                why.join("; ")
+            )));
+        }
+
         let mut properties = ConnectionProperties::default();
         if config.auto_recover() {
-            properties = properties.enable_auto_recover();
+            properties = properties.enable_auto_recover().configure_backoff(|b| {
+                b.with_min_delay(min_delay)
+                    .with_max_delay(max_delay)
+                    .with_max_times(RECONNECT_ROUNDS)
+            });
         }
         if let Some(name) = config.connection_name() {
             properties = properties.with_connection_name(name.into());
         }
-        let connection = Connection::connect(config.url(), properties)
-            .await
-            .map_err(|e| {
-                TransportError::connection_failed(
-                    format!("cannot connect to {}", config.redacted_url()),
-                    e,
-                )
-            })?;
+        let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
+        let streams = Arc::clone(&nodes);
+        let connection = Connection::connector(
+            nodes.handshake_uri(),
+            runtime,
+            async move |_uri, runtime| streams.stream(&runtime).await,
+            properties,
+        )
+        .await
+        .map_err(|e| {
+            let node = nodes.current().map_or_else(
+                || config.redacted_url(),
+                |i| nodes.address(i).to_owned(),
+            );
+            TransportError::connection_failed(format!("cannot connect to {node}"), e)
+        })?;
         let publish_channel = confirm_channel(&connection).await?;
         let recoveries = Arc::new(AtomicU64::new(0));
-        watch_connection(&connection, Arc::clone(&recoveries));
-        info!(url = %config.redacted_url(), "connected");
+        let (_, reached) = nodes.established();
+        watch_connection(&connection, Arc::clone(&recoveries), Arc::clone(&nodes));
+        info!(
+            node = reached.map_or("", |i| nodes.address(i)),
+            nodes = list.len(),
+            "connected"
+        );
         Ok(AmqpTransport {
             config,
             connection,
+            nodes,
             publish_channel: Mutex::new(Some(Arc::new(publish_channel))),
             get_channel: Mutex::new(None),
             inspect_channel: Mutex::new(None),
@@ -114,6 +170,21 @@ impl AmqpTransport {
             recoveries,
             last_report: StdMutex::new(None),
         })
+    }
+
+    /// The node the connection is on (or is being recovered to), password redacted.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// use transport_amqp091::{AmqpConfig, AmqpTransport};
+    ///
+    /// let config = AmqpConfig::new("amqp://guest:guest@127.0.0.1:5681/%2f,amqp://guest:guest@127.0.0.1:5682/%2f");
+    /// let transport = AmqpTransport::connect(config).await?;
+    /// println!("on {}", transport.node().unwrap_or_default());
+    /// # Ok(()) }
+    /// ```
+    pub fn node(&self) -> Option<String> {
+        self.nodes.current().map(|i| self.nodes.address(i).to_owned())
     }
 
     /// The settings.
@@ -325,13 +396,17 @@ async fn confirm_channel(connection: &Connection) -> Result<Channel, TransportEr
     Ok(channel)
 }
 
+/// How many rounds over the nodes a recovery makes before it gives up, each after a pause
+/// that doubles up to the maximum reconnect delay: with the default 5 s, about a day.
+const RECONNECT_ROUNDS: usize = 17_280;
+
 /// Logs every loss and recovery of the connection, and counts the recoveries.
 ///
 /// lapin reports a channel the broker closed as an error event of the connection too. That
 /// is no connection loss: the operation that made the broker close the channel has failed
 /// with the broker's reply and reports it, and some closures are expected (a passive
 /// declare of a missing object, see the `provision` module). It is logged at DEBUG only.
-fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>) {
+fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>, nodes: Arc<Nodes>) {
     let mut events = connection.events_listener();
     tokio::spawn(async move {
         while let Some(event) = events.next().await {
@@ -339,16 +414,31 @@ fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>) {
                 Event::Error(e) if closes_only_a_channel(&e) => {
                     debug!(error = %e, "the broker closed a channel");
                 }
-                Event::Error(e) => warn!(error = %e, "connection lost; recovering"),
+                Event::Error(e) => {
+                    let node = nodes.current().map_or("", |i| nodes.address(i));
+                    warn!(node, error = %e, "connection lost; recovering");
+                }
                 // The listener was made after the first connect: every `Connected` it sees
                 // is a reconnection. A close the broker initiates is not always preceded by
                 // an `Error` event.
                 Event::Connected => {
                     let n = recoveries.fetch_add(1, Ordering::Relaxed) + 1;
-                    warn!(
-                        recoveries = n,
-                        "connection recovered; deliveries held across the drop will be redelivered"
-                    );
+                    let (left, reached) = nodes.established();
+                    let name = |i: Option<usize>| i.map_or("", |i| nodes.address(i));
+                    if left != reached {
+                        warn!(
+                            recoveries = n,
+                            left = name(left),
+                            reached = name(reached),
+                            "failed over to another node; deliveries held across the drop will be redelivered"
+                        );
+                    } else {
+                        warn!(
+                            recoveries = n,
+                            node = name(reached),
+                            "connection recovered; deliveries held across the drop will be redelivered"
+                        );
+                    }
                 }
                 Event::ConnectionBlocked(reason) => warn!(reason, "broker blocked publishing"),
                 Event::ConnectionUnblocked => info!("broker unblocked publishing"),

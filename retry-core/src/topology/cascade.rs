@@ -157,7 +157,7 @@ pub struct CascadePlan {
     unit: Duration,
     levels: u32,
     exchanges: Vec<ExchangeSpec>,
-    queues: Vec<QueueSpec>,
+    pub(super) queues: Vec<QueueSpec>,
     exchange_bindings: Vec<ExchangeBindingSpec>,
     bindings: Vec<BindingSpec>,
     entry: Arc<str>,
@@ -240,6 +240,7 @@ impl CascadePlan {
                     overflow: quorum.then_some(Overflow::RejectPublish),
                     at_least_once: quorum,
                     delivery_limit: None,
+                    initial_group_size: None,
                 },
             });
             bindings.push(BindingSpec {

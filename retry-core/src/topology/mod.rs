@@ -155,6 +155,9 @@ pub struct QueueArguments {
     pub at_least_once: bool,
     /// `x-delivery-limit` (quorum queues only).
     pub delivery_limit: Option<u32>,
+    /// `x-quorum-initial-group-size` (quorum queues only): on how many nodes of a cluster
+    /// the queue is replicated when it is created.
+    pub initial_group_size: Option<u32>,
 }
 
 impl QueueArguments {
@@ -202,6 +205,9 @@ impl QueueArguments {
         if let Some(n) = self.delivery_limit {
             h.insert("x-delivery-limit", i64::from(n));
         }
+        if let Some(n) = self.initial_group_size {
+            h.insert("x-quorum-initial-group-size", i64::from(n));
+        }
         h
     }
 }
@@ -246,6 +252,17 @@ pub enum TopologyError {
     /// The work queue name was empty.
     #[error("work queue name is empty")]
     EmptyQueueName,
+    /// A replication factor of 0.
+    #[error("a replication factor of 0 replicates to no node: give at least 1")]
+    ZeroReplicationFactor,
+    /// A replication factor for classic queues, which are never replicated.
+    #[error(
+        "a replication factor ({nodes}) needs quorum queues: classic queues live on one node (with_queue_type(QueueType::Quorum))"
+    )]
+    ReplicationNeedsQuorum {
+        /// The factor given.
+        nodes: u32,
+    },
     /// The broker reserves names starting with `amq.`.
     #[error("work queue name {name:?} starts with \"amq.\", which the broker reserves")]
     ReservedQueueName {
@@ -358,6 +375,7 @@ impl TopologyPlan {
             policy,
             queue_type: QueueType::Classic,
             delivery_limit: None,
+            replication_factor: None,
             strategy: DelayStrategy::PerDelayQueue,
         }
     }
@@ -548,6 +566,7 @@ pub struct TopologyBuilder<'a> {
     policy: &'a RetryPolicy,
     queue_type: QueueType,
     delivery_limit: Option<u32>,
+    replication_factor: Option<u32>,
     strategy: DelayStrategy,
 }
 
@@ -566,6 +585,31 @@ impl TopologyBuilder<'_> {
         self
     }
 
+    /// Quorum only: on how many nodes of a cluster every queue of the plan (work, delay
+    /// levels or cascade levels, isolation, crash delay and parking) is replicated when it
+    /// is created (`x-quorum-initial-group-size`). Without it the broker replicates to every
+    /// node (RabbitMQ 3.10 caps that with its `quorum_cluster_size` setting, 3 by default).
+    /// Refused at [`build`](Self::build) for classic queues and for 0.
+    ///
+    /// ```
+    /// use retry_core::{HeaderValue, QueueType, RetryPolicy, TopologyPlan};
+    ///
+    /// let policy = RetryPolicy::default();
+    /// let plan = TopologyPlan::builder("orders", &policy)
+    ///     .with_queue_type(QueueType::Quorum)
+    ///     .with_replication_factor(3)
+    ///     .build()?;
+    /// for queue in plan.queues() {
+    ///     let args = queue.arguments.to_headers();
+    ///     assert_eq!(args.get("x-quorum-initial-group-size"), Some(&HeaderValue::Int(3)));
+    /// }
+    /// # Ok::<(), retry_core::TopologyError>(())
+    /// ```
+    pub fn with_replication_factor(mut self, nodes: u32) -> Self {
+        self.replication_factor = Some(nodes);
+        self
+    }
+
     /// How delays are realised.
     pub fn with_strategy(mut self, strategy: DelayStrategy) -> Self {
         self.strategy = strategy;
@@ -581,11 +625,26 @@ impl TopologyBuilder<'_> {
         if q.starts_with("amq.") {
             return Err(TopologyError::ReservedQueueName { name: q.to_owned() });
         }
+        match self.replication_factor {
+            Some(0) => return Err(TopologyError::ZeroReplicationFactor),
+            Some(nodes) if self.queue_type != QueueType::Quorum => {
+                return Err(TopologyError::ReplicationNeedsQuorum { nodes });
+            }
+            _ => {}
+        }
+        let replicated = |mut queues: Vec<QueueSpec>| {
+            for queue in &mut queues {
+                queue.arguments.initial_group_size = self.replication_factor;
+            }
+            queues
+        };
         let cascade = match &self.strategy {
             DelayStrategy::PerDelayQueue => None,
             DelayStrategy::Cascade(settings) => {
                 let longest = self.policy.longest_broker_delay().unwrap_or_default();
-                Some(CascadePlan::new(settings, self.queue_type, longest)?)
+                let mut cascade = CascadePlan::new(settings, self.queue_type, longest)?;
+                cascade.queues = replicated(std::mem::take(&mut cascade.queues));
+                Some(cascade)
             }
         };
         let quorum = self.queue_type == QueueType::Quorum;
@@ -602,6 +661,7 @@ impl TopologyBuilder<'_> {
             overflow: (quorum && dlx.is_some()).then_some(Overflow::RejectPublish),
             at_least_once: quorum && dlx.is_some(),
             delivery_limit: None,
+            initial_group_size: None,
         };
 
         // A redelivered work delivery, or one rejected past a quorum delivery limit, is
@@ -740,7 +800,7 @@ impl TopologyBuilder<'_> {
         Ok(TopologyPlan {
             work_queue: q.to_owned(),
             exchanges,
-            queues,
+            queues: replicated(queues),
             bindings,
             delay_routes,
             isolation_queue,

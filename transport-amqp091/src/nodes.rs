@@ -1,0 +1,575 @@
+//! A cluster's node list: parsing it, the order its nodes are tried in, and which node the
+//! connection goes to next.
+//!
+//! lapin recovers a connection by calling back for a new TCP stream with the URI it was made
+//! with, then replays the handshake, the channels, their QoS, confirm mode and consumers on
+//! it. [`Nodes::stream`] is that callback: it opens the stream to a node of the list instead
+//! of the first URI, so lapin's own recovery switches node. Credentials, virtual host and
+//! options come from the first URL; every node must agree with them (checked when parsing).
+//!
+//! Each node keeps its own backoff: a node that failed is tried again only after its delay
+//! (doubling from the minimum reconnect delay to the maximum), unless every node is waiting,
+//! in which case the one due first is tried. A node list of one is the same code with one
+//! node.
+//!
+//! Before a stream of a list of several nodes is handed over, the node is asked for its
+//! cluster name (the `cluster_name` server property of `connection.start`, read on a
+//! separate TCP connection that is closed at once): a node of another cluster is left out
+//! for good.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_rs::Runtime;
+use async_rs::traits::{Reactor, RuntimeKit};
+use futures::io::{AsyncReadExt, AsyncWriteExt};
+use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, OwnedTLSConfig};
+use lapin::types::AMQPValue;
+use lapin::uri::AMQPUri;
+use tracing::{error, info, warn};
+
+use crate::config::redact;
+
+/// The order the nodes of a list are tried in.
+///
+/// ```
+/// use transport_amqp091::{AmqpConfig, NodeOrder};
+///
+/// let config = AmqpConfig::cluster([
+///     "amqp://app:s3cret@10.0.0.1:5672/%2f",
+///     "amqp://app:s3cret@10.0.0.2:5672/%2f",
+/// ])?
+/// .with_node_order(NodeOrder::Shuffled);
+/// assert_eq!(config.node_order(), NodeOrder::Shuffled);
+/// # Ok::<(), transport_amqp091::NodeListError>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NodeOrder {
+    /// In the order given: the first node that answers, the others only while it is down.
+    #[default]
+    InOrder,
+    /// Shuffled once per transport, so that many consumers with the same list spread over
+    /// the nodes.
+    Shuffled,
+}
+
+/// A node list that cannot be used, or nodes that are not one cluster. Every variant names
+/// the node by its address, with the password replaced by `****`.
+///
+/// ```
+/// use transport_amqp091::{AmqpConfig, NodeListError};
+///
+/// let err = AmqpConfig::cluster(Vec::<String>::new()).unwrap_err();
+/// assert_eq!(err, NodeListError::Empty);
+///
+/// let err = AmqpConfig::cluster([
+///     "amqp://app:s3cret@10.0.0.1:5672/orders",
+///     "amqp://app:s3cret@10.0.0.2:5672/billing",
+/// ])
+/// .unwrap_err();
+/// assert!(matches!(err, NodeListError::Differs { position: 2, field: "virtual host", .. }));
+/// assert!(!err.to_string().contains("s3cret"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeListError {
+    /// No node at all (an empty list, or a URL string with nothing between its commas).
+    #[error("the node list is empty: give at least one amqp:// or amqps:// URL")]
+    Empty,
+    /// A node that is not an AMQP URL.
+    #[error("node {position} of the list ({node}) is not an AMQP URL: {reason}")]
+    Invalid {
+        /// Its place in the list, from 1.
+        position: usize,
+        /// The node as given, password redacted.
+        node: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A node reached differently from the first: another scheme, user, password, virtual
+    /// host or URL option. One connection's recovery moves between the nodes with one
+    /// handshake, so they must agree.
+    #[error(
+        "node {position} of the list ({node}) has another {field} than node 1 ({first}): every node is reached with the same scheme, user, password, virtual host and options"
+    )]
+    Differs {
+        /// Its place in the list, from 1.
+        position: usize,
+        /// The node, password redacted.
+        node: String,
+        /// The first node, password redacted.
+        first: String,
+        /// What differs: `scheme`, `user`, `password`, `virtual host` or `options`.
+        field: &'static str,
+    },
+    /// The same node twice.
+    #[error("node {node} is in the list twice")]
+    Duplicate {
+        /// The node, password redacted.
+        node: String,
+    },
+    /// Two nodes that answered with different cluster names: the list mixes clusters.
+    #[error(
+        "{node} belongs to cluster {cluster:?} but {first} to {first_cluster:?}: a node list names the nodes of one cluster"
+    )]
+    DifferentClusters {
+        /// The node seen first, password redacted.
+        first: String,
+        /// Its cluster name.
+        first_cluster: String,
+        /// The node of the other cluster, password redacted.
+        node: String,
+        /// Its cluster name.
+        cluster: String,
+    },
+}
+
+/// One node: where to open the TCP stream, and how to name it in logs.
+#[derive(Clone, Debug)]
+pub(crate) struct Node {
+    pub(crate) uri: AMQPUri,
+    /// The URL as given, password redacted.
+    pub(crate) address: String,
+}
+
+/// Parses a node list: `urls` in order, every one agreeing with the first on everything but
+/// host and port.
+pub(crate) fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Vec<Node>, NodeListError> {
+    let mut nodes: Vec<Node> = Vec::with_capacity(urls.len());
+    for (i, url) in urls.iter().enumerate() {
+        let url = url.as_ref().trim();
+        let position = i + 1;
+        let address = redact(url);
+        let uri: AMQPUri = url.parse().map_err(|reason: String| NodeListError::Invalid {
+            position,
+            node: address.clone(),
+            reason,
+        })?;
+        if let Some(first) = nodes.first() {
+            let field = if uri.scheme != first.uri.scheme {
+                Some("scheme")
+            } else if uri.authority.userinfo.username != first.uri.authority.userinfo.username {
+                Some("user")
+            } else if uri.authority.userinfo.password != first.uri.authority.userinfo.password {
+                Some("password")
+            } else if uri.vhost != first.uri.vhost {
+                Some("virtual host")
+            } else if uri.query != first.uri.query {
+                Some("options")
+            } else {
+                None
+            };
+            if let Some(field) = field {
+                return Err(NodeListError::Differs {
+                    position,
+                    node: address,
+                    first: first.address.clone(),
+                    field,
+                });
+            }
+            if nodes.iter().any(|n| {
+                n.uri.authority.host == uri.authority.host
+                    && n.uri.authority.port == uri.authority.port
+            }) {
+                return Err(NodeListError::Duplicate { node: address });
+            }
+        }
+        nodes.push(Node { uri, address });
+    }
+    if nodes.is_empty() {
+        return Err(NodeListError::Empty);
+    }
+    Ok(nodes)
+}
+
+/// Splits a comma-separated URL string into its nodes, dropping empty pieces.
+pub(crate) fn split(urls: &str) -> Vec<String> {
+    urls.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A permutation of `0..n` from the process's random hasher keys (no random-number crate).
+pub(crate) fn shuffled(n: usize) -> Vec<usize> {
+    use std::hash::{BuildHasher, Hasher};
+    let mut order: Vec<usize> = (0..n).collect();
+    let seed = std::collections::hash_map::RandomState::new();
+    for i in (1..n).rev() {
+        let mut h = seed.build_hasher();
+        h.write_usize(i);
+        let j = (h.finish() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+#[derive(Clone, Copy, Default)]
+struct Health {
+    failures: u32,
+    retry_at: Option<Instant>,
+    /// Of another cluster: never tried again.
+    excluded: bool,
+}
+
+#[derive(Default)]
+struct State {
+    health: Vec<Health>,
+    /// The node the latest stream was opened to.
+    current: Option<usize>,
+    /// The node of the latest established connection.
+    connected: Option<usize>,
+    /// The cluster name the first node that told it answered with, and that node.
+    cluster: Option<(usize, String)>,
+}
+
+/// The node list of one transport, with each node's health.
+pub(crate) struct Nodes {
+    nodes: Vec<Node>,
+    min_delay: Duration,
+    max_delay: Duration,
+    state: Mutex<State>,
+}
+
+/// How long a probe of one node (TCP connect and `connection.start`) may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Nodes {
+    /// `nodes` in the order they are tried in.
+    pub(crate) fn new(nodes: Vec<Node>, min_delay: Duration, max_delay: Duration) -> Self {
+        let state = State {
+            health: vec![Health::default(); nodes.len()],
+            ..State::default()
+        };
+        Nodes {
+            nodes,
+            min_delay,
+            max_delay: max_delay.max(min_delay),
+            state: Mutex::new(state),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The address of node `i`, password redacted.
+    pub(crate) fn address(&self, i: usize) -> &str {
+        &self.nodes[i].address
+    }
+
+    /// The URI lapin's handshake uses: the first node's (they agree on all it reads).
+    pub(crate) fn handshake_uri(&self) -> AMQPUri {
+        self.nodes[0].uri.clone()
+    }
+
+    /// The node the latest stream went to.
+    pub(crate) fn current(&self) -> Option<usize> {
+        self.lock().current
+    }
+
+    /// A connection is established on the current node: its backoff is cleared. Returns
+    /// the node the previous connection was on and this one's.
+    pub(crate) fn established(&self) -> (Option<usize>, Option<usize>) {
+        let mut s = self.lock();
+        let reached = s.current;
+        if let Some(i) = reached {
+            s.health[i].failures = 0;
+            s.health[i].retry_at = None;
+        }
+        let left = std::mem::replace(&mut s.connected, reached);
+        (left, reached)
+    }
+
+    fn failed(&self, s: &mut State, i: usize) {
+        let h = &mut s.health[i];
+        let delay = self
+            .min_delay
+            .saturating_mul(1u32 << h.failures.min(16))
+            .min(self.max_delay);
+        h.failures = h.failures.saturating_add(1);
+        h.retry_at = Some(Instant::now() + delay);
+    }
+
+    /// The nodes to try now, in order: those not waiting out a backoff in list order, then
+    /// the waiting ones by when they are due. Never a node of another cluster.
+    fn candidates(&self, s: &State) -> Vec<usize> {
+        let now = Instant::now();
+        let (mut ready, mut waiting): (Vec<usize>, Vec<usize>) = (0..self.nodes.len())
+            .filter(|&i| !s.health[i].excluded)
+            .partition(|&i| s.health[i].retry_at.is_none_or(|t| t <= now));
+        waiting.sort_by_key(|&i| s.health[i].retry_at);
+        ready.extend(waiting);
+        ready
+    }
+
+    /// Asks every node for its cluster name, at once: refuses a list that mixes clusters and
+    /// remembers the name for failovers. Returns which nodes answered, with each error of
+    /// those that did not.
+    pub(crate) async fn survey(
+        &self,
+    ) -> Result<Vec<Result<(), std::io::Error>>, NodeListError> {
+        let runtime = lapin::runtime::default_runtime().map_err(|e| NodeListError::Invalid {
+            position: 1,
+            node: self.address(0).to_owned(),
+            reason: e.to_string(),
+        })?;
+        let answers =
+            futures::future::join_all(self.nodes.iter().map(|n| probe(&n.uri, &runtime))).await;
+        let mut s = self.lock();
+        let mut reachable = Vec::with_capacity(answers.len());
+        for (i, answer) in answers.into_iter().enumerate() {
+            match answer {
+                Ok(name) => {
+                    self.check_cluster(&mut s, i, name)?;
+                    reachable.push(Ok(()));
+                }
+                Err(e) => {
+                    self.failed(&mut s, i);
+                    reachable.push(Err(e));
+                }
+            }
+        }
+        Ok(reachable)
+    }
+
+    /// Compares node `i`'s cluster name with the first one seen.
+    fn check_cluster(
+        &self,
+        s: &mut State,
+        i: usize,
+        name: Option<String>,
+    ) -> Result<(), NodeListError> {
+        let Some(name) = name else { return Ok(()) };
+        match &s.cluster {
+            None => s.cluster = Some((i, name)),
+            Some((first, first_cluster)) if *first_cluster != name => {
+                return Err(NodeListError::DifferentClusters {
+                    first: self.address(*first).to_owned(),
+                    first_cluster: first_cluster.clone(),
+                    node: self.address(i).to_owned(),
+                    cluster: name,
+                });
+            }
+            Some(_) => {}
+        }
+        Ok(())
+    }
+
+    /// A TCP (or TLS) stream to the next node, for lapin's (re)connection. The node the
+    /// previous stream went to has failed, if there was one: it waits out its backoff.
+    pub(crate) async fn stream<RK: RuntimeKit + Send + Sync>(
+        &self,
+        runtime: &Runtime<RK>,
+    ) -> lapin::Result<AsyncTcpStream<<RK as Reactor>::TcpStream>> {
+        let candidates = {
+            let mut s = self.lock();
+            if let Some(previous) = s.current.take() {
+                self.failed(&mut s, previous);
+            }
+            self.candidates(&s)
+        };
+        let several = self.nodes.len() > 1;
+        let mut last = None;
+        for i in candidates {
+            let node = &self.nodes[i];
+            if several {
+                match probe(&node.uri, runtime).await {
+                    Ok(name) => {
+                        let mut s = self.lock();
+                        if let Err(e) = self.check_cluster(&mut s, i, name) {
+                            error!(node = %node.address, error = %e, "leaving out a node of another cluster");
+                            s.health[i].excluded = true;
+                            last = Some(std::io::Error::other(e));
+                            continue;
+                        }
+                    }
+                    Err(e) => {
+                        warn!(node = %node.address, error = %e, "node does not answer");
+                        self.failed(&mut self.lock(), i);
+                        last = Some(e);
+                        continue;
+                    }
+                }
+            }
+            let tls = OwnedTLSConfig::default();
+            match node
+                .uri
+                .connect_with_config_async(tls.as_ref(), runtime)
+                .await
+            {
+                Ok(stream) => {
+                    self.lock().current = Some(i);
+                    info!(node = %node.address, "connecting");
+                    return Ok(stream);
+                }
+                Err(e) => {
+                    warn!(node = %node.address, error = %e, "node does not answer");
+                    self.failed(&mut self.lock(), i);
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last
+            .unwrap_or_else(|| std::io::Error::other("no node of the list is left to try"))
+            .into())
+    }
+}
+
+/// Opens a connection to `uri`'s node, sends the protocol header and reads `connection.start`
+/// for the `cluster_name` server property, then closes it. `Ok(None)`: the node answered
+/// without a cluster name.
+async fn probe<RK: RuntimeKit + Send + Sync>(
+    uri: &AMQPUri,
+    runtime: &Runtime<RK>,
+) -> std::io::Result<Option<String>> {
+    let exchange = async {
+        let tls = OwnedTLSConfig::default();
+        let mut stream = uri.connect_with_config_async(tls.as_ref(), runtime).await?;
+        stream.write_all(b"AMQP\x00\x00\x09\x01").await?;
+        stream.flush().await?;
+        let mut header = [0u8; 7];
+        stream.read_exact(&mut header).await?;
+        let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
+        // A connection.start is a few hundred bytes; refuse to buffer what no broker sends.
+        if header[0] != 1 || size > 64 * 1024 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the node did not answer the protocol header with an AMQP 0-9-1 method frame",
+            ));
+        }
+        let mut payload = vec![0u8; size + 1];
+        stream.read_exact(&mut payload).await?;
+        let _ = stream.close().await;
+        Ok(cluster_name(&payload))
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, exchange).await {
+        Ok(answer) => answer,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection.start within {PROBE_TIMEOUT:?}"),
+        )),
+    }
+}
+
+/// The `cluster_name` server property of a `connection.start` frame's payload (with its frame
+/// end byte), if it is one and has it. Never panics on what a peer sent.
+fn cluster_name(payload: &[u8]) -> Option<String> {
+    // class 10, method 10, version-major, version-minor, then the server properties.
+    let (method, rest) = payload.split_at_checked(6)?;
+    if method[..4] != [0, 10, 0, 10] {
+        return None;
+    }
+    let (_, table) = lapin::types::parsing::parse_field_table(rest).ok()?;
+    match table.inner().get("cluster_name")? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_list_parses_and_refuses_what_cannot_be_one_cluster() {
+        let nodes = parse(&split(
+            "amqp://u:p@h1:5672/%2f, amqp://u:p@h2:5673/%2f,,amqp://u:p@h3/%2f",
+        ))
+        .unwrap();
+        let hosts: Vec<_> = nodes
+            .iter()
+            .map(|n| (n.uri.authority.host.as_str(), n.uri.authority.port))
+            .collect();
+        assert_eq!(hosts, [("h1", 5672), ("h2", 5673), ("h3", 5672)]);
+        assert_eq!(nodes[1].address, "amqp://u:****@h2:5673/%2f");
+
+        assert_eq!(parse(&split(" , ")).unwrap_err(), NodeListError::Empty);
+        let cases = [
+            ("amqp://u:p@h1/%2f,amqps://u:p@h2/%2f", "scheme"),
+            ("amqp://u:p@h1/%2f,amqp://v:p@h2/%2f", "user"),
+            ("amqp://u:p@h1/%2f,amqp://u:q@h2/%2f", "password"),
+            ("amqp://u:p@h1/%2f,amqp://u:p@h2/other", "virtual host"),
+            ("amqp://u:p@h1/%2f,amqp://u:p@h2/%2f?heartbeat=5", "options"),
+        ];
+        for (list, want) in cases {
+            match parse(&split(list)).unwrap_err() {
+                NodeListError::Differs {
+                    position, field, ..
+                } => assert_eq!((position, field), (2, want), "{list}"),
+                other => panic!("{list}: {other:?}"),
+            }
+        }
+        let err = parse(&split("amqp://u:secret@h1/%2f,amqp://u:secret@h1:5672/%2f")).unwrap_err();
+        assert_eq!(
+            err,
+            NodeListError::Duplicate {
+                node: "amqp://u:****@h1:5672/%2f".into()
+            }
+        );
+        let err = parse(&split("amqp://u:secret@h1/%2f,h2:5672")).unwrap_err();
+        assert!(matches!(err, NodeListError::Invalid { position: 2, .. }), "{err:?}");
+        assert!(!err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn a_failed_node_waits_while_another_is_tried_and_comes_back_when_due() {
+        let nodes = Nodes::new(
+            parse(&["amqp://h1", "amqp://h2", "amqp://h3"]).unwrap(),
+            Duration::from_secs(60),
+            Duration::from_secs(600),
+        );
+        let mut s = nodes.lock();
+        assert_eq!(nodes.candidates(&s), [0, 1, 2]);
+        nodes.failed(&mut s, 0);
+        assert_eq!(nodes.candidates(&s), [1, 2, 0]);
+        nodes.failed(&mut s, 1);
+        nodes.failed(&mut s, 0);
+        // Both wait; node 1 (one failure, 60 s) is due before node 0 (two, 120 s).
+        assert_eq!(nodes.candidates(&s), [2, 1, 0]);
+        s.health[2].excluded = true;
+        assert_eq!(nodes.candidates(&s), [1, 0]);
+        s.health[1].retry_at = Some(Instant::now() - Duration::from_secs(1));
+        assert_eq!(nodes.candidates(&s), [1, 0]);
+        s.current = Some(0);
+        drop(s);
+        assert_eq!(nodes.established(), (None, Some(0)));
+        assert_eq!(nodes.candidates(&nodes.lock()), [0, 1]);
+    }
+
+    #[test]
+    fn the_cluster_name_is_read_from_connection_start_and_hostile_frames_are_ignored() {
+        // A field table of long strings, as RabbitMQ writes its server properties.
+        let mut entries = Vec::new();
+        for (key, value) in [("product", "RabbitMQ"), ("cluster_name", "rabbit@one")] {
+            entries.push(key.len() as u8);
+            entries.extend(key.as_bytes());
+            entries.push(b'S');
+            entries.extend((value.len() as u32).to_be_bytes());
+            entries.extend(value.as_bytes());
+        }
+        let mut payload = vec![0, 10, 0, 10, 0, 9];
+        payload.extend((entries.len() as u32).to_be_bytes());
+        payload.extend(entries);
+        payload.push(0xCE);
+        assert_eq!(cluster_name(&payload).as_deref(), Some("rabbit@one"));
+        for cut in 0..payload.len() - 1 {
+            // Truncated anywhere: no name, no panic.
+            assert_eq!(cluster_name(&payload[..cut]), None, "cut at {cut}");
+        }
+        // Another method, and a table longer than the frame.
+        assert_eq!(cluster_name(&[0, 10, 0, 11, 0, 9, 0, 0, 0, 0]), None);
+        assert_eq!(cluster_name(&[0, 10, 0, 10, 0, 9, 0xFF, 0xFF, 0xFF, 0xFF]), None);
+    }
+
+    #[test]
+    fn a_shuffle_is_a_permutation() {
+        for n in 0..6 {
+            let mut order = shuffled(n);
+            order.sort_unstable();
+            assert_eq!(order, (0..n).collect::<Vec<_>>());
+        }
+    }
+}
