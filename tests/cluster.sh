@@ -62,6 +62,10 @@ cluster_name = retry-test-cluster
 # Give up a partition's minority instead of serving stale data.
 cluster_partition_handling = pause_minority
 EOF
+        # At-least-once dead-lettering re-sends what its target did not confirm after this
+        # long (3 minutes by default): a retry whose target queue lost its leader waits that
+        # long. 10 s keeps the failover tests short.
+        echo '[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 10000}]}].' >"$home/advanced.config"
         echo '[rabbitmq_amqp1_0].' >"$home/enabled_plugins"
         cat >"$home/rabbitmq-env.conf" <<EOF
 NODENAME=$node@localhost
@@ -71,6 +75,7 @@ ERL_EPMD_ADDRESS=127.0.0.1
 MNESIA_BASE=$home/mnesia
 LOG_BASE=$home/log
 CONFIG_FILE=$home/rabbitmq.conf
+ADVANCED_CONFIG_FILE=$home/advanced.config
 ENABLED_PLUGINS_FILE=$home/enabled_plugins
 PID_FILE=$home/pid
 # One scheduler each: three extra nodes share two cores with the machine's own broker.

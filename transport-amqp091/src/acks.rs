@@ -99,6 +99,16 @@ impl AckBatcher {
         s.epoch
     }
 
+    /// The channel was replaced by one on a new connection: every delivery tracked so far is
+    /// dropped (the broker has them back) and a new epoch starts, so that none of their tags
+    /// is ever settled on the new channel.
+    pub(crate) fn new_epoch(&self) {
+        let mut s = self.lock();
+        s.epoch += 1;
+        s.unsettled.clear();
+        s.done = 0;
+    }
+
     /// A delivery is done and may be acked. Returns whether an ack is due now (see
     /// [`State::due`]), or `None` if the delivery is stale or already settled.
     pub(crate) fn done(&self, epoch: u64, tag: u64) -> Option<bool> {
@@ -202,6 +212,10 @@ impl Acks {
 
     pub(crate) fn received(&self, tag: u64, acker: Acker) -> u64 {
         self.batcher.received(tag, acker)
+    }
+
+    pub(crate) fn new_epoch(&self) {
+        self.batcher.new_epoch();
     }
 
     pub(crate) fn has_done(&self) -> bool {

@@ -115,7 +115,11 @@ impl AmqpConfig {
 
     /// The nodes, passwords redacted, in the order given; or why the list cannot be used.
     pub fn nodes(&self) -> Result<Vec<String>, NodeListError> {
-        Ok(self.node_list()?.iter().map(|n| n.address.clone()).collect())
+        Ok(self
+            .node_list()?
+            .iter()
+            .map(|n| n.address.clone())
+            .collect())
     }
 
     /// Whether the settings name more than one node.

@@ -38,6 +38,7 @@ mod config;
 mod convert;
 pub mod embed;
 mod error;
+mod link;
 mod nodes;
 mod provision;
 mod subscription;
@@ -47,8 +48,8 @@ mod transport;
 mod walk;
 
 pub use config::AmqpConfig;
-pub use nodes::{NodeListError, NodeOrder};
 pub use convert::{FROM_AMQP10, headers_from_table, table_from_headers};
+pub use nodes::{NodeListError, NodeOrder};
 pub use provision::ProvisionReport;
 pub use subscription::AmqpSubscription;
 pub use tag::AmqpTag;

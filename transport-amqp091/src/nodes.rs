@@ -18,6 +18,7 @@
 //! for good.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_rs::Runtime;
@@ -140,11 +141,13 @@ pub(crate) fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Vec<Node>, NodeListErro
         let url = url.as_ref().trim();
         let position = i + 1;
         let address = redact(url);
-        let uri: AMQPUri = url.parse().map_err(|reason: String| NodeListError::Invalid {
-            position,
-            node: address.clone(),
-            reason,
-        })?;
+        let uri: AMQPUri = url
+            .parse()
+            .map_err(|reason: String| NodeListError::Invalid {
+                position,
+                node: address.clone(),
+                reason,
+            })?;
         if let Some(first) = nodes.first() {
             let field = if uri.scheme != first.uri.scheme {
                 Some("scheme")
@@ -230,6 +233,8 @@ pub(crate) struct Nodes {
     min_delay: Duration,
     max_delay: Duration,
     state: Mutex<State>,
+    /// How many times a stream was asked for: lapin's (re)connection attempts.
+    attempts: AtomicU64,
 }
 
 /// How long a probe of one node (TCP connect and `connection.start`) may take.
@@ -247,6 +252,7 @@ impl Nodes {
             min_delay,
             max_delay: max_delay.max(min_delay),
             state: Mutex::new(state),
+            attempts: AtomicU64::new(0),
         }
     }
 
@@ -262,6 +268,11 @@ impl Nodes {
     /// The URI lapin's handshake uses: the first node's (they agree on all it reads).
     pub(crate) fn handshake_uri(&self) -> AMQPUri {
         self.nodes[0].uri.clone()
+    }
+
+    /// How many streams were asked for so far.
+    pub(crate) fn attempts(&self) -> u64 {
+        self.attempts.load(Ordering::Relaxed)
     }
 
     /// The node the latest stream went to.
@@ -307,9 +318,7 @@ impl Nodes {
     /// Asks every node for its cluster name, at once: refuses a list that mixes clusters and
     /// remembers the name for failovers. Returns which nodes answered, with each error of
     /// those that did not.
-    pub(crate) async fn survey(
-        &self,
-    ) -> Result<Vec<Result<(), std::io::Error>>, NodeListError> {
+    pub(crate) async fn survey(&self) -> Result<Vec<Result<(), std::io::Error>>, NodeListError> {
         let runtime = lapin::runtime::default_runtime().map_err(|e| NodeListError::Invalid {
             position: 1,
             node: self.address(0).to_owned(),
@@ -363,6 +372,7 @@ impl Nodes {
         &self,
         runtime: &Runtime<RK>,
     ) -> lapin::Result<AsyncTcpStream<<RK as Reactor>::TcpStream>> {
+        self.attempts.fetch_add(1, Ordering::Relaxed);
         let candidates = {
             let mut s = self.lock();
             if let Some(previous) = s.current.take() {
@@ -510,7 +520,10 @@ mod tests {
             }
         );
         let err = parse(&split("amqp://u:secret@h1/%2f,h2:5672")).unwrap_err();
-        assert!(matches!(err, NodeListError::Invalid { position: 2, .. }), "{err:?}");
+        assert!(
+            matches!(err, NodeListError::Invalid { position: 2, .. }),
+            "{err:?}"
+        );
         assert!(!err.to_string().contains("secret"), "{err}");
     }
 
@@ -561,7 +574,10 @@ mod tests {
         }
         // Another method, and a table longer than the frame.
         assert_eq!(cluster_name(&[0, 10, 0, 11, 0, 9, 0, 0, 0, 0]), None);
-        assert_eq!(cluster_name(&[0, 10, 0, 10, 0, 9, 0xFF, 0xFF, 0xFF, 0xFF]), None);
+        assert_eq!(
+            cluster_name(&[0, 10, 0, 10, 0, 9, 0xFF, 0xFF, 0xFF, 0xFF]),
+            None
+        );
     }
 
     #[test]

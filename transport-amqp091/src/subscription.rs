@@ -1,20 +1,49 @@
 //! `AmqpSubscription`: one consumer on a channel of its own.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use lapin::options::BasicCancelOptions;
-use lapin::{Channel, Consumer};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, Consumer};
 use retry_core::{Delivery, Subscription, TransportError};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, watch};
 use tracing::{info, warn};
 
 use crate::acks::Acks;
 use crate::convert::received;
-use crate::error::{connection_error, short};
+use crate::error::{connection_error, queue_error, short};
+use crate::link::Link;
 use crate::tag::AmqpTag;
+
+/// Opens a channel on `connection` with `prefetch` and consumes `queue` on it.
+pub(crate) async fn open(
+    connection: &Connection,
+    queue: &str,
+    prefetch: u16,
+) -> Result<(Channel, String, Consumer), TransportError> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(connection_error)?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .map_err(connection_error)?;
+    let consumer_tag = format!("retry-{}-{}", queue, channel.id());
+    let consumer = channel
+        .basic_consume(
+            short(queue)?,
+            short(&consumer_tag)?,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| queue_error(queue, e))?;
+    Ok((channel, consumer_tag, consumer))
+}
 
 /// A subscription to one queue, made by
 /// [`AmqpTransport::consume`](retry_core::Transport::consume): a channel with its own
@@ -28,6 +57,11 @@ use crate::tag::AmqpTag;
 /// channel, which returns every delivery it holds unsettled (prefetched and never received,
 /// or acknowledged but not yet sent) to the queue: [`flush`](Subscription::flush) first, as
 /// the consumer does before it returns.
+///
+/// When the transport had to replace its connection (lapin's recovery stalled), the
+/// subscription consumes again on a channel of the new connection, by itself, and starts a
+/// new acknowledgement epoch: a delivery received before is never settled on the new
+/// channel.
 ///
 /// ```no_run
 /// use retry_core::{Settlement, Subscription, Transport};
@@ -45,19 +79,27 @@ use crate::tag::AmqpTag;
 /// ```
 pub struct AmqpSubscription {
     queue: String,
-    consumer_tag: String,
-    channel: Channel,
-    consumer: Mutex<Consumer>,
+    prefetch: u16,
+    consumer_tag: StdMutex<String>,
+    channel: StdMutex<Channel>,
+    live: Mutex<Live>,
     acks: Arc<Acks>,
+    link: Arc<Link>,
     cancelled: AtomicBool,
+}
+
+/// What `recv` reads from: the consumer, and the connection replacements it follows.
+struct Live {
+    consumer: Consumer,
+    replacements: watch::Receiver<u64>,
 }
 
 impl std::fmt::Debug for AmqpSubscription {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpSubscription")
             .field("queue", &self.queue)
-            .field("consumer_tag", &self.consumer_tag)
-            .field("channel", &self.channel.id())
+            .field("consumer_tag", &*self.lock_tag())
+            .field("channel", &self.channel_id())
             .finish_non_exhaustive()
     }
 }
@@ -65,19 +107,51 @@ impl std::fmt::Debug for AmqpSubscription {
 impl AmqpSubscription {
     pub(crate) fn new(
         queue: String,
+        prefetch: u16,
         consumer_tag: String,
         channel: Channel,
         consumer: Consumer,
         acks: Arc<Acks>,
+        link: Arc<Link>,
     ) -> Self {
+        let mut replacements = link.replacements();
+        replacements.mark_unchanged();
         AmqpSubscription {
             queue,
-            consumer_tag,
-            channel,
-            consumer: Mutex::new(consumer),
+            prefetch,
+            consumer_tag: StdMutex::new(consumer_tag),
+            channel: StdMutex::new(channel),
+            live: Mutex::new(Live {
+                consumer,
+                replacements,
+            }),
             acks,
+            link,
             cancelled: AtomicBool::new(false),
         }
+    }
+
+    fn lock_tag(&self) -> std::sync::MutexGuard<'_, String> {
+        self.consumer_tag.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn channel(&self) -> Channel {
+        self.channel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Consumes again on a channel of the transport's new connection.
+    async fn resubscribe(&self, live: &mut Live) -> Result<(), TransportError> {
+        live.replacements.mark_unchanged();
+        let (channel, tag, consumer) = open(&self.link.get(), &self.queue, self.prefetch).await?;
+        self.acks.new_epoch();
+        info!(queue = %self.queue, channel = channel.id(), "consuming again on the new connection");
+        *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = channel;
+        *self.lock_tag() = tag;
+        live.consumer = consumer;
+        Ok(())
     }
 
     /// The queue it consumes.
@@ -87,7 +161,7 @@ impl AmqpSubscription {
 
     /// The id of its channel.
     pub fn channel_id(&self) -> u16 {
-        self.channel.id()
+        self.channel().id()
     }
 }
 
@@ -96,21 +170,32 @@ impl Subscription for AmqpSubscription {
     type Tag = AmqpTag;
 
     async fn recv(&self) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
-        let mut consumer = self.consumer.lock().await;
+        let mut guard = self.live.lock().await;
+        let live = &mut *guard;
         loop {
             if self.cancelled.load(Ordering::Acquire) {
                 return Ok(None);
             }
             // Acks not yet due are sent by the flusher within its interval, so a broker
             // holding deliveries back for them is never kept waiting for long.
-            let delivery = match consumer.next().await {
+            let next = tokio::select! {
+                next = live.consumer.next() => next,
+                _ = live.replacements.changed() => {
+                    self.resubscribe(live).await?;
+                    continue;
+                }
+            };
+            let delivery = match next {
                 None => return Ok(None),
                 Some(Err(err)) => {
                     warn!(queue = %self.queue, error = %err, "consuming channel lost; waiting for recovery");
-                    self.channel
-                        .wait_for_recovery(err)
-                        .await
-                        .map_err(connection_error)?;
+                    let channel = self.channel();
+                    tokio::select! {
+                        recovered = channel.wait_for_recovery(err) => {
+                            recovered.map_err(connection_error)?;
+                        }
+                        _ = live.replacements.changed() => self.resubscribe(live).await?,
+                    }
                     continue;
                 }
                 Some(Ok(d)) => d,
@@ -130,8 +215,9 @@ impl Subscription for AmqpSubscription {
         if self.cancelled.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        self.channel
-            .basic_cancel(short(&self.consumer_tag)?, BasicCancelOptions::default())
+        let tag = self.lock_tag().clone();
+        self.channel()
+            .basic_cancel(short(&tag)?, BasicCancelOptions::default())
             .await
             .map_err(connection_error)?;
         info!(queue = %self.queue, "stopped consuming");
@@ -148,7 +234,7 @@ impl Drop for AmqpSubscription {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let channel = self.channel.clone();
+        let channel = self.channel();
         runtime.spawn(async move {
             if channel.status().connected() {
                 let _ = channel.close(200, "subscription dropped".into()).await;

@@ -236,6 +236,8 @@ pub fn rabbitmqctl(args: &[&str]) -> String {
 #[derive(Clone, Debug, Default)]
 pub struct LogRecorder {
     lines: Arc<Mutex<Vec<Recorded>>>,
+    /// The most verbose level kept; `None` keeps every level, and spans.
+    verbosity: Option<Level>,
 }
 
 /// One recorded line, with its event's level (`None` for a span).
@@ -246,6 +248,26 @@ struct Recorded {
 }
 
 impl LogRecorder {
+    /// A recorder of events at `level` or more severe only, and no spans: for a whole test
+    /// process, where lapin's frame-by-frame TRACE lines would be too many.
+    ///
+    /// ```
+    /// use transport_amqp091::testing::LogRecorder;
+    ///
+    /// let recorder = LogRecorder::up_to(tracing::Level::INFO);
+    /// tracing::subscriber::with_default(recorder.clone(), || {
+    ///     tracing::debug!("frame sent");
+    ///     tracing::info!("connected");
+    /// });
+    /// assert_eq!(recorder.len(), 1);
+    /// ```
+    pub fn up_to(level: Level) -> Self {
+        LogRecorder {
+            verbosity: Some(level),
+            ..LogRecorder::default()
+        }
+    }
+
     /// How many lines were recorded.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -310,8 +332,11 @@ impl Visit for Line {
 }
 
 impl Subscriber for LogRecorder {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        match self.verbosity {
+            None => true,
+            Some(level) => metadata.is_event() && *metadata.level() <= level,
+        }
     }
 
     fn new_span(&self, span: &Attributes<'_>) -> Id {

@@ -1,31 +1,29 @@
 //! `AmqpTransport`: retry-core's `Transport` over one lapin connection.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, Event};
+use lapin::{Channel, Confirmation, Connection};
 use retry_core::{
     Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement,
     TopologyPlan, Transport, TransportError,
 };
 use tokio::sync::Mutex;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::acks::Acks;
 use crate::config::AmqpConfig;
 use crate::convert::{properties_to_amqp, received};
-use crate::error::{closes_only_a_channel, connection_error, queue_error, short};
+use crate::error::{connection_error, queue_error, short};
+use crate::link::Link;
 use crate::nodes::{self, NodeOrder, Nodes};
 use crate::provision::{self, ProvisionReport};
-use crate::subscription::AmqpSubscription;
+use crate::subscription::{self, AmqpSubscription};
 use crate::tag::AmqpTag;
 use crate::walk::ChannelWalk;
 
@@ -62,8 +60,7 @@ use crate::walk::ChannelWalk;
 /// ```
 pub struct AmqpTransport {
     config: AmqpConfig,
-    connection: Connection,
-    nodes: Arc<Nodes>,
+    link: Arc<Link>,
     // Shared, not cloned, per use: a lapin `Channel` is a dozen reference counts to clone
     // and drop, and every publish takes the publishing channel.
     publish_channel: Mutex<Option<Arc<Channel>>>,
@@ -71,7 +68,6 @@ pub struct AmqpTransport {
     inspect_channel: Mutex<Option<Arc<Channel>>>,
     /// The batchers of the subscriptions still alive, for `close` and `flush_acks`.
     subscriptions: StdMutex<Vec<Weak<Acks>>>,
-    recoveries: Arc<AtomicU64>,
     last_report: StdMutex<Option<ProvisionReport>>,
 }
 
@@ -80,6 +76,7 @@ impl std::fmt::Debug for AmqpTransport {
         f.debug_struct("AmqpTransport")
             .field("config", &self.config)
             .field("recoveries", &self.recoveries())
+            .field("node", &self.node())
             .finish_non_exhaustive()
     }
 }
@@ -115,7 +112,11 @@ impl AmqpTransport {
             let why: Vec<String> = answers
                 .iter()
                 .enumerate()
-                .filter_map(|(i, a)| a.as_ref().err().map(|e| format!("{}: {e}", nodes.address(i))))
+                .filter_map(|(i, a)| {
+                    a.as_ref()
+                        .err()
+                        .map(|e| format!("{}: {e}", nodes.address(i)))
+                })
                 .collect();
             return Err(TransportError::connection_lost(format!(
                 "no node answers ({})",
@@ -123,51 +124,23 @@ impl AmqpTransport {
             )));
         }
 
-        let mut properties = ConnectionProperties::default();
-        if config.auto_recover() {
-            properties = properties.enable_auto_recover().configure_backoff(|b| {
-                b.with_min_delay(min_delay)
-                    .with_max_delay(max_delay)
-                    .with_max_times(RECONNECT_ROUNDS)
-            });
-        }
-        if let Some(name) = config.connection_name() {
-            properties = properties.with_connection_name(name.into());
-        }
-        let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
-        let streams = Arc::clone(&nodes);
-        let connection = Connection::connector(
-            nodes.handshake_uri(),
-            runtime,
-            async move |_uri, runtime| streams.stream(&runtime).await,
-            properties,
-        )
-        .await
-        .map_err(|e| {
-            let node = nodes.current().map_or_else(
-                || config.redacted_url(),
-                |i| nodes.address(i).to_owned(),
-            );
-            TransportError::connection_failed(format!("cannot connect to {node}"), e)
-        })?;
-        let publish_channel = confirm_channel(&connection).await?;
-        let recoveries = Arc::new(AtomicU64::new(0));
-        let (_, reached) = nodes.established();
-        watch_connection(&connection, Arc::clone(&recoveries), Arc::clone(&nodes));
+        let link = Link::open(config.clone(), nodes).await?;
+        let publish_channel = confirm_channel(&link.get()).await?;
         info!(
-            node = reached.map_or("", |i| nodes.address(i)),
+            node = link
+                .nodes()
+                .current()
+                .map_or("", |i| link.nodes().address(i)),
             nodes = list.len(),
             "connected"
         );
         Ok(AmqpTransport {
             config,
-            connection,
-            nodes,
+            link,
             publish_channel: Mutex::new(Some(Arc::new(publish_channel))),
             get_channel: Mutex::new(None),
             inspect_channel: Mutex::new(None),
             subscriptions: StdMutex::new(Vec::new()),
-            recoveries,
             last_report: StdMutex::new(None),
         })
     }
@@ -184,7 +157,8 @@ impl AmqpTransport {
     /// # Ok(()) }
     /// ```
     pub fn node(&self) -> Option<String> {
-        self.nodes.current().map(|i| self.nodes.address(i).to_owned())
+        let nodes = self.link.nodes();
+        nodes.current().map(|i| nodes.address(i).to_owned())
     }
 
     /// The settings.
@@ -192,9 +166,11 @@ impl AmqpTransport {
         &self.config
     }
 
-    /// The underlying lapin connection, for whatever this transport does not cover.
-    pub fn connection(&self) -> &Connection {
-        &self.connection
+    /// The underlying lapin connection, for whatever this transport does not cover. After a
+    /// stalled recovery was rebuilt (see [`recoveries`](Self::recoveries)) this is a new
+    /// connection: take it again rather than keeping it.
+    pub fn connection(&self) -> Arc<Connection> {
+        self.link.get()
     }
 
     /// Declares `plan` as [`provision`](Transport::provision) does, but asks the broker
@@ -232,7 +208,7 @@ impl AmqpTransport {
         plan: &TopologyPlan,
         inspect: bool,
     ) -> Result<ProvisionReport, TransportError> {
-        let report = provision::provision(&self.connection, plan, inspect).await?;
+        let report = provision::provision(&self.link.get(), plan, inspect).await?;
         *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
         Ok(report)
     }
@@ -254,7 +230,7 @@ impl AmqpTransport {
     /// exchange go, with the plan's queues. Delete the cascade itself with
     /// [`teardown_cascade`](Self::teardown_cascade).
     pub async fn teardown(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        provision::teardown(&self.connection, plan).await
+        provision::teardown(&self.link.get(), plan).await
     }
 
     /// Deletes every queue and exchange of a delay cascade: its level queues with the clones
@@ -287,7 +263,7 @@ impl AmqpTransport {
     /// # Ok(()) }
     /// ```
     pub async fn teardown_cascade(&self, cascade: &CascadePlan) -> Result<(), TransportError> {
-        provision::teardown_cascade(&self.connection, cascade).await
+        provision::teardown_cascade(&self.link.get(), cascade).await
     }
 
     /// Sends every subscription's batched acknowledgements, then closes the connection.
@@ -296,16 +272,14 @@ impl AmqpTransport {
     /// broker keeps them as unacknowledged.
     pub async fn close(&self) -> Result<(), TransportError> {
         let flushed = self.flush_acks().await;
-        self.connection
-            .close(200, "closing".into())
-            .await
-            .map_err(connection_error)?;
+        self.link.close().await?;
         flushed
     }
 
-    /// How many times the connection has been recovered.
+    /// How many times the connection has been recovered, by lapin or, when lapin's recovery
+    /// stalled, by opening a new one.
     pub fn recoveries(&self) -> u64 {
-        self.recoveries.load(Ordering::Relaxed)
+        self.link.recoveries()
     }
 
     /// Sends every subscription's batched acknowledgements now.
@@ -333,15 +307,16 @@ impl AmqpTransport {
         confirms: bool,
     ) -> Result<Arc<Channel>, TransportError> {
         let mut slot = slot.lock().await;
+        let connection = self.link.get();
         if let Some(channel) = slot.as_ref()
-            && (channel.status().connected() || !self.connection.status().connected())
+            && (channel.status().connected() || !connection.status().connected())
         {
             return Ok(Arc::clone(channel));
         }
         let channel = if confirms {
-            confirm_channel(&self.connection).await?
+            confirm_channel(&connection).await?
         } else {
-            self.connection
+            connection
                 .create_channel()
                 .await
                 .map_err(connection_error)?
@@ -396,58 +371,6 @@ async fn confirm_channel(connection: &Connection) -> Result<Channel, TransportEr
     Ok(channel)
 }
 
-/// How many rounds over the nodes a recovery makes before it gives up, each after a pause
-/// that doubles up to the maximum reconnect delay: with the default 5 s, about a day.
-const RECONNECT_ROUNDS: usize = 17_280;
-
-/// Logs every loss and recovery of the connection, and counts the recoveries.
-///
-/// lapin reports a channel the broker closed as an error event of the connection too. That
-/// is no connection loss: the operation that made the broker close the channel has failed
-/// with the broker's reply and reports it, and some closures are expected (a passive
-/// declare of a missing object, see the `provision` module). It is logged at DEBUG only.
-fn watch_connection(connection: &Connection, recoveries: Arc<AtomicU64>, nodes: Arc<Nodes>) {
-    let mut events = connection.events_listener();
-    tokio::spawn(async move {
-        while let Some(event) = events.next().await {
-            match event {
-                Event::Error(e) if closes_only_a_channel(&e) => {
-                    debug!(error = %e, "the broker closed a channel");
-                }
-                Event::Error(e) => {
-                    let node = nodes.current().map_or("", |i| nodes.address(i));
-                    warn!(node, error = %e, "connection lost; recovering");
-                }
-                // The listener was made after the first connect: every `Connected` it sees
-                // is a reconnection. A close the broker initiates is not always preceded by
-                // an `Error` event.
-                Event::Connected => {
-                    let n = recoveries.fetch_add(1, Ordering::Relaxed) + 1;
-                    let (left, reached) = nodes.established();
-                    let name = |i: Option<usize>| i.map_or("", |i| nodes.address(i));
-                    if left != reached {
-                        warn!(
-                            recoveries = n,
-                            left = name(left),
-                            reached = name(reached),
-                            "failed over to another node; deliveries held across the drop will be redelivered"
-                        );
-                    } else {
-                        warn!(
-                            recoveries = n,
-                            node = name(reached),
-                            "connection recovered; deliveries held across the drop will be redelivered"
-                        );
-                    }
-                }
-                Event::ConnectionBlocked(reason) => warn!(reason, "broker blocked publishing"),
-                Event::ConnectionUnblocked => info!("broker unblocked publishing"),
-                _ => {}
-            }
-        }
-    });
-}
-
 /// Flushes batched acks on a timer, so a quiet consumer never sits on finished deliveries.
 /// Stops when the batcher is dropped.
 pub(crate) fn spawn_flusher(acks: Weak<Acks>, every: Duration) {
@@ -490,25 +413,8 @@ impl Transport for AmqpTransport {
         queue: &str,
         prefetch: u16,
     ) -> Result<AmqpSubscription, TransportError> {
-        let channel = self
-            .connection
-            .create_channel()
-            .await
-            .map_err(connection_error)?;
-        channel
-            .basic_qos(prefetch, BasicQosOptions::default())
-            .await
-            .map_err(connection_error)?;
-        let consumer_tag = format!("retry-{}-{}", queue, channel.id());
-        let consumer = channel
-            .basic_consume(
-                short(queue)?,
-                short(&consumer_tag)?,
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| queue_error(queue, e))?;
+        let (channel, consumer_tag, consumer) =
+            subscription::open(&self.link.get(), queue, prefetch).await?;
         let acks = Arc::new(Acks::default());
         acks.set_window(usize::from(prefetch));
         spawn_flusher(Arc::downgrade(&acks), self.config.ack_flush_interval());
@@ -520,10 +426,12 @@ impl Transport for AmqpTransport {
         info!(queue, prefetch, channel = channel.id(), "consuming");
         Ok(AmqpSubscription::new(
             queue.to_owned(),
+            prefetch,
             consumer_tag,
             channel,
             consumer,
             acks,
+            Arc::clone(&self.link),
         ))
     }
 
@@ -600,7 +508,7 @@ impl Transport for AmqpTransport {
         &'a self,
         queue: &str,
     ) -> Result<Box<dyn QueueWalk<AmqpTag> + 'a>, TransportError> {
-        let walk = ChannelWalk::open(&self.connection, queue, Arc::clone(&self.recoveries)).await?;
+        let walk = ChannelWalk::open(&self.link, queue).await?;
         Ok(Box::new(walk))
     }
 

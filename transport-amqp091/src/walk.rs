@@ -1,16 +1,16 @@
 //! `ChannelWalk`: the AMQP 0-9-1 transport's walk of a queue, on a channel of its own.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
+use lapin::Channel;
 use lapin::options::BasicGetOptions;
 use lapin::types::ShortString;
-use lapin::{Channel, Connection};
 use retry_core::{Delivery, QueueWalk, TransportError};
 
 use crate::convert::received;
 use crate::error::{connection_error, queue_error, short};
+use crate::link::Link;
 use crate::tag::AmqpTag;
 
 /// A walk of one queue with `basic.get` on a channel used for nothing else.
@@ -30,31 +30,28 @@ pub(crate) struct ChannelWalk {
     last_read: u64,
     /// Set once the walk saw its channel recovered.
     broken: bool,
-    recoveries: Arc<AtomicU64>,
+    link: Arc<Link>,
     recoveries_at_start: u64,
 }
 
 impl ChannelWalk {
-    /// Opens the walk's channel on `connection`; `recoveries` counts the connection's
-    /// recoveries, which end the walk.
-    pub(crate) async fn open(
-        connection: &Connection,
-        queue: &str,
-        recoveries: Arc<AtomicU64>,
-    ) -> Result<Self, TransportError> {
+    /// Opens the walk's channel on `link`'s connection; a recovery of the connection ends
+    /// the walk.
+    pub(crate) async fn open(link: &Arc<Link>, queue: &str) -> Result<Self, TransportError> {
         let name = short(queue)?;
-        let channel = connection
+        let channel = link
+            .get()
             .create_channel()
             .await
             .map_err(connection_error)?;
-        let recoveries_at_start = recoveries.load(Ordering::Relaxed);
+        let recoveries_at_start = link.recoveries();
         Ok(ChannelWalk {
             channel: Some(channel),
             queue: queue.to_owned(),
             name,
             last_read: 0,
             broken: false,
-            recoveries,
+            link: Arc::clone(link),
             recoveries_at_start,
         })
     }
@@ -62,7 +59,7 @@ impl ChannelWalk {
     /// Whether the connection was re-established since the walk started: the broker then
     /// put back everything the walk held, and tags on the recovered channel start again.
     fn recovered(&self) -> bool {
-        self.broken || self.recoveries.load(Ordering::Relaxed) != self.recoveries_at_start
+        self.broken || self.link.recoveries() != self.recoveries_at_start
     }
 
     fn ended_by_recovery(&self) -> TransportError {

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::profile::BrokerProfile;
@@ -14,6 +15,12 @@ use crate::profile::BrokerProfile;
 /// default). On the RabbitMQ profile a path selects the virtual host (`/%2f` or none is the
 /// default one).
 ///
+/// The nodes of a cluster are given as several URLs separated by commas, or with
+/// [`cluster`](Self::cluster). Every connection (publishing, consuming, fetching) opens on
+/// the node that answered last, or failing that on the next node of the list that answers,
+/// so a connection lost with its node comes back on another; each move is logged with the
+/// node it left and the node it reached.
+///
 /// ```
 /// use std::time::Duration;
 /// use transport_amqp10::{Amqp10Config, BrokerProfile};
@@ -24,6 +31,10 @@ use crate::profile::BrokerProfile;
 /// assert_eq!(config.publish_timeout(), Duration::from_secs(2));
 /// assert!(!format!("{config:?}").contains("s3cret"));
 /// assert_eq!(config.redacted_url(), "amqp://guest:***@127.0.0.1:5672");
+///
+/// let cluster = Amqp10Config::cluster(["amqp://guest:s3cret@10.0.0.1:5672", "amqp://guest:s3cret@10.0.0.2:5672"])?;
+/// assert_eq!(cluster.redacted_url(), "amqp://guest:***@10.0.0.1:5672,amqp://guest:***@10.0.0.2:5672");
+/// # Ok::<(), transport_amqp10::ConfigError>(())
 /// ```
 #[derive(Clone)]
 pub struct Amqp10Config {
@@ -54,6 +65,22 @@ impl Amqp10Config {
             idle_timeout: Some(Duration::from_secs(60)),
             tls: None,
         }
+    }
+
+    /// Settings for the nodes of one cluster, one URL each; refused with a [`ConfigError`]
+    /// naming the node when the list is empty or a URL cannot be used.
+    pub fn cluster<I>(urls: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        let urls: Vec<String> = urls.into_iter().map(Into::into).collect();
+        if urls.iter().any(|u| u.trim().is_empty()) {
+            return Err(ConfigError::EmptyNodeList);
+        }
+        let config = Amqp10Config::new(urls.join(","));
+        config.node_list()?;
+        Ok(config)
     }
 
     /// The broker profile. Default: [`BrokerProfile::RabbitMq3`].
@@ -202,13 +229,30 @@ impl Amqp10Config {
         self.tls.as_ref()
     }
 
-    /// The URL with its password replaced by `***`, for logs.
+    /// The URL with its password replaced by `***`, for logs (every node's, for a list).
     pub fn redacted_url(&self) -> String {
-        redact(&self.url)
+        node_urls(&self.url)
+            .map(redact)
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
+    pub(crate) fn node_list(&self) -> Result<Nodes, ConfigError> {
+        let list = node_urls(&self.url)
+            .map(|url| Endpoint::parse(url, &self.profile))
+            .collect::<Result<Vec<_>, _>>()?;
+        if list.is_empty() {
+            return Err(ConfigError::EmptyNodeList);
+        }
+        Ok(Nodes {
+            list: list.into(),
+            last: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    #[cfg(test)]
     pub(crate) fn endpoint(&self) -> Result<Endpoint, ConfigError> {
-        Endpoint::parse(&self.url, &self.profile)
+        Ok(self.node_list()?.list[0].clone())
     }
 }
 
@@ -255,6 +299,54 @@ pub enum ConfigError {
         /// The URL, redacted.
         url: String,
     },
+    /// No URL at all, or an empty one in a node list.
+    #[error("the node list is empty: give at least one amqp:// or amqps:// URL")]
+    EmptyNodeList,
+}
+
+/// The URLs of a comma-separated list, trimmed, empty pieces left out.
+fn node_urls(urls: &str) -> impl Iterator<Item = &str> {
+    urls.split(',').map(str::trim).filter(|u| !u.is_empty())
+}
+
+/// The nodes connections open on: from the one that answered last, then the rest in order.
+#[derive(Clone, Debug)]
+pub(crate) struct Nodes {
+    pub(crate) list: Arc<[Endpoint]>,
+    last: Arc<AtomicUsize>,
+}
+
+impl Nodes {
+    /// The order to try them in now: the node that answered last first.
+    pub(crate) fn order(&self) -> impl Iterator<Item = (usize, &Endpoint)> {
+        let start = self.last.load(Ordering::Relaxed);
+        let n = self.list.len();
+        (0..n).map(move |k| {
+            let i = (start + k) % n;
+            (i, &self.list[i])
+        })
+    }
+
+    /// Node `i` answered: connections open there first from now on. Returns the node the
+    /// previous connection opened on, if it was another.
+    pub(crate) fn answered(&self, i: usize) -> Option<&Endpoint> {
+        let left = self.last.swap(i, Ordering::Relaxed);
+        (left != i).then(|| &self.list[left])
+    }
+
+    /// The node that answered last, password redacted.
+    pub(crate) fn current(&self) -> &str {
+        &self.list[self.last.load(Ordering::Relaxed)].redacted
+    }
+
+    /// Every node, passwords redacted.
+    pub(crate) fn all(&self) -> String {
+        self.list
+            .iter()
+            .map(|e| e.redacted.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
 }
 
 /// A password that prints as `***`.

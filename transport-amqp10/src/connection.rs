@@ -14,8 +14,9 @@ use fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use retry_core::TransportError;
 use tokio::net::TcpStream;
 use tokio::time::timeout;
+use tracing::warn;
 
-use crate::config::{Amqp10Config, Endpoint};
+use crate::config::{Amqp10Config, Endpoint, Nodes};
 
 static LINK_NAMES: AtomicU64 = AtomicU64::new(0);
 
@@ -25,20 +26,41 @@ pub(crate) fn link_name(role: &str) -> String {
     format!("retry-{role}-{}-{n}", std::process::id())
 }
 
-/// Opens a connection; `role` tells the broker's connection list which one this is.
+/// Opens a connection on the first node that answers, from the one that answered last;
+/// `role` tells the broker's connection list which one this is. A move to another node is
+/// logged with both. Fails with the last node's error when none answers.
 pub(crate) async fn open(
-    endpoint: &Endpoint,
+    nodes: &Nodes,
     config: &Amqp10Config,
     role: &str,
 ) -> Result<ConnectionHandle<()>, TransportError> {
     let after = config.connect_timeout();
-    match timeout(after, open_inner(endpoint, config, role)).await {
-        Ok(result) => result,
-        Err(_) => Err(TransportError::Timeout {
-            operation: "opening an AMQP 1.0 connection",
-            after,
-        }),
+    let several = nodes.list.len() > 1;
+    let mut last = None;
+    for (i, endpoint) in nodes.order() {
+        let opened = match timeout(after, open_inner(endpoint, config, role)).await {
+            Ok(result) => result,
+            Err(_) => Err(TransportError::Timeout {
+                operation: "opening an AMQP 1.0 connection",
+                after,
+            }),
+        };
+        match opened {
+            Ok(connection) => {
+                if let Some(left) = nodes.answered(i) {
+                    warn!(role, left = %left.redacted, reached = %endpoint.redacted, "AMQP 1.0 connection failed over to another node");
+                }
+                return Ok(connection);
+            }
+            Err(e) => {
+                if several {
+                    warn!(role, node = %endpoint.redacted, error = %e, "node does not answer");
+                }
+                last = Some(e);
+            }
+        }
     }
+    Err(last.unwrap_or_else(|| TransportError::Other("the node list is empty".into())))
 }
 
 async fn open_inner(

@@ -49,7 +49,7 @@ use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use crate::codec::read_message;
-use crate::config::{Amqp10Config, Endpoint};
+use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{self, end_session};
 use crate::profile::BrokerProfile;
 use crate::receiver::{
@@ -57,14 +57,10 @@ use crate::receiver::{
 };
 
 /// Starts the task of a fetch link on `queue`. Nothing is opened until the first fetch.
-pub(crate) fn spawn(
-    endpoint: &Endpoint,
-    config: &Amqp10Config,
-    queue: &str,
-) -> mpsc::Sender<Command> {
+pub(crate) fn spawn(nodes: &Nodes, config: &Amqp10Config, queue: &str) -> mpsc::Sender<Command> {
     let (commands, command_rx) = mpsc::channel(16);
     let task = FetchTask {
-        endpoint: endpoint.clone(),
+        nodes: nodes.clone(),
         config: config.clone(),
         profile: config.profile(),
         queue: queue.to_owned(),
@@ -81,7 +77,7 @@ pub(crate) fn spawn(
 }
 
 struct FetchTask {
-    endpoint: Endpoint,
+    nodes: Nodes,
     config: Amqp10Config,
     profile: BrokerProfile,
     queue: String,
@@ -226,8 +222,7 @@ impl FetchTask {
         self.discard();
         if self.connection.as_ref().is_none_or(|c| c.is_closed()) {
             self.connection = None;
-            self.connection =
-                Some(connection::open(&self.endpoint, &self.config, "fetcher").await?);
+            self.connection = Some(connection::open(&self.nodes, &self.config, "fetcher").await?);
         }
         let Some(connection) = self.connection.as_mut() else {
             return Err(TransportError::Closed);

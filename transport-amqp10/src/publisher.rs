@@ -23,7 +23,7 @@ use tokio::sync::Mutex;
 use tokio::time::timeout;
 use tracing::{debug, warn};
 
-use crate::config::{Amqp10Config, Endpoint};
+use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{self, Probe, ProbeError, end_session, link_name};
 use crate::transport::provision_hint;
 use crate::verification::Verifications;
@@ -39,7 +39,7 @@ struct Live {
 }
 
 pub(crate) struct Publisher {
-    endpoint: Endpoint,
+    nodes: Nodes,
     config: Amqp10Config,
     live: Mutex<Option<Live>>,
     generations: AtomicU64,
@@ -49,9 +49,9 @@ pub(crate) struct Publisher {
 }
 
 impl Publisher {
-    pub(crate) fn new(endpoint: Endpoint, config: Amqp10Config) -> Self {
+    pub(crate) fn new(nodes: Nodes, config: Amqp10Config) -> Self {
         Publisher {
-            endpoint,
+            nodes,
             config,
             live: Mutex::new(None),
             generations: AtomicU64::new(0),
@@ -73,8 +73,7 @@ impl Publisher {
             let _ = timeout(self.config.operation_timeout(), stale.connection.close()).await;
         }
         if live.is_none() {
-            let mut connection =
-                connection::open(&self.endpoint, &self.config, "publisher").await?;
+            let mut connection = connection::open(&self.nodes, &self.config, "publisher").await?;
             let session = timeout(
                 self.config.operation_timeout(),
                 Session::begin(&mut connection),
@@ -90,7 +89,7 @@ impl Publisher {
             let generation = self.generations.fetch_add(1, Ordering::Relaxed);
             // Every address is verified again on the new connection before a send to it.
             self.current.store(generation, Ordering::Release);
-            debug!(generation, broker = %self.endpoint.redacted, "publisher connected");
+            debug!(generation, node = %self.nodes.current(), "publisher connected");
             *live = Some(Live {
                 generation,
                 connection,

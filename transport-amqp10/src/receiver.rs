@@ -23,7 +23,7 @@ use tokio::time::timeout;
 use tracing::warn;
 
 use crate::codec::read_message;
-use crate::config::{Amqp10Config, Endpoint};
+use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{self, ProbeError, classify_receiver, end_session, link_name};
 use crate::profile::BrokerProfile;
 
@@ -134,7 +134,7 @@ pub(crate) struct Link {
 
 /// Opens a connection, attaches a receiver on `queue` and starts its task.
 pub(crate) async fn start(
-    endpoint: &Endpoint,
+    nodes: &Nodes,
     config: &Amqp10Config,
     queue: &str,
     prefetch: u16,
@@ -142,7 +142,7 @@ pub(crate) async fn start(
 ) -> Result<Link, TransportError> {
     let profile = config.profile();
     let after = config.operation_timeout();
-    let mut connection = connection::open(endpoint, config, "consumer").await?;
+    let mut connection = connection::open(nodes, config, "consumer").await?;
     let attached = timeout(
         after,
         attach_receiver(&mut connection, "consumer", queue, &profile),

@@ -101,7 +101,7 @@ impl Amqp10Subscription {
             generation
         };
         let Link { commands, incoming } = receiver::start(
-            &self.shared.endpoint,
+            &self.shared.nodes,
             &self.shared.config,
             &self.queue,
             self.prefetch,

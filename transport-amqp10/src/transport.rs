@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info};
 
 use crate::codec::{Schedule, build_clone};
-use crate::config::{Amqp10Config, Endpoint};
+use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{Probe, ProbeError};
 use crate::fetch;
 use crate::profile::BrokerProfile;
@@ -63,7 +63,7 @@ pub struct Amqp10Transport {
 /// What the transport and its subscriptions share.
 pub(crate) struct Shared {
     pub(crate) config: Amqp10Config,
-    pub(crate) endpoint: Endpoint,
+    pub(crate) nodes: Nodes,
     publisher: Publisher,
     routes: RwLock<Routes>,
     /// Every link task started by a subscription, weakly: a subscription dropped without
@@ -246,16 +246,16 @@ impl Amqp10Transport {
     /// Opens the publishing connection. Consuming starts with
     /// [`consume`](Transport::consume) or [`fetch`](Transport::fetch).
     pub async fn connect(config: Amqp10Config) -> Result<Self, TransportError> {
-        let endpoint = config
-            .endpoint()
+        let nodes = config
+            .node_list()
             .map_err(|e| TransportError::Other(Box::new(e)))?;
-        let publisher = Publisher::new(endpoint.clone(), config.clone());
+        let publisher = Publisher::new(nodes.clone(), config.clone());
         publisher.connect().await?;
-        info!(broker = %endpoint.redacted, profile = config.profile().name(), "AMQP 1.0 transport connected");
+        info!(node = %nodes.current(), nodes = %nodes.all(), profile = config.profile().name(), "AMQP 1.0 transport connected");
         Ok(Amqp10Transport {
             shared: Arc::new(Shared {
                 config,
-                endpoint,
+                nodes,
                 publisher,
                 routes: RwLock::new(Routes::default()),
                 links: std::sync::Mutex::new(Vec::new()),
@@ -527,10 +527,10 @@ impl Transport for Amqp10Transport {
                 .entry(queue.to_owned())
                 .and_modify(|link| {
                     if link.is_closed() {
-                        *link = fetch::spawn(&self.shared.endpoint, &self.shared.config, queue);
+                        *link = fetch::spawn(&self.shared.nodes, &self.shared.config, queue);
                     }
                 })
-                .or_insert_with(|| fetch::spawn(&self.shared.endpoint, &self.shared.config, queue))
+                .or_insert_with(|| fetch::spawn(&self.shared.nodes, &self.shared.config, queue))
                 .clone()
         };
         fetch::ask(&link, &self.shared.config).await
@@ -596,7 +596,7 @@ impl Transport for Amqp10Transport {
             return Err(TransportError::Closed);
         }
         Ok(Box::new(LinkWalk::open(
-            &self.shared.endpoint,
+            &self.shared.nodes,
             &self.shared.config,
             queue,
         )))

@@ -4,7 +4,7 @@ use async_trait::async_trait;
 use retry_core::{Delivery, QueueWalk, Settlement, TransportError};
 use tokio::sync::mpsc;
 
-use crate::config::{Amqp10Config, Endpoint};
+use crate::config::{Amqp10Config, Nodes};
 use crate::fetch;
 use crate::receiver::{self, Amqp10Tag, Command};
 
@@ -20,9 +20,9 @@ pub(crate) struct LinkWalk {
 
 impl LinkWalk {
     /// A walk of `queue`; nothing is opened until the first read.
-    pub(crate) fn open(endpoint: &Endpoint, config: &Amqp10Config, queue: &str) -> Self {
+    pub(crate) fn open(nodes: &Nodes, config: &Amqp10Config, queue: &str) -> Self {
         LinkWalk {
-            link: Some(fetch::spawn(endpoint, config, queue)),
+            link: Some(fetch::spawn(nodes, config, queue)),
             config: config.clone(),
         }
     }

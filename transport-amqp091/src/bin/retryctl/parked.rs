@@ -271,7 +271,7 @@ async fn open(
     replays: bool,
 ) -> Result<(ParkingLot<Arc<AmqpTransport>>, u64), CliError> {
     let parking = queue.parking_queue();
-    let conn = transport.connection();
+    let conn = &transport.connection();
     let Some(state) = broker::queue_state(conn, &parking).await? else {
         let hint = if queue.parking.is_some() {
             String::new()

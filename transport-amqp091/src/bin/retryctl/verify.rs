@@ -131,7 +131,7 @@ pub async fn verify(plan: &TopologyPlan, args: &VerifyArgs, url: &str) -> Result
     let result = verify_on(
         plan,
         args,
-        transport.connection(),
+        &transport.connection(),
         &transport.config().redacted_url(),
     )
     .await;

@@ -1,0 +1,245 @@
+//! The transport's connection: opened through the node list, recovered by lapin, and
+//! rebuilt when lapin's recovery stalls.
+//!
+//! lapin recovers a dropped connection by itself, switching node through
+//! [`Nodes::stream`](crate::nodes::Nodes). One case it does not get out of, seen on RabbitMQ
+//! 3.10 when a node shuts down gracefully: the node sends `connection.close` and resets the
+//! socket before the client's `close-ok` is written. The `close-ok` then stays queued, lapin's
+//! IO loop waits for the dead socket to drain it, and it never starts reconnecting: the
+//! connection stays "reconnecting" forever without a single new attempt.
+//!
+//! A watchdog checks the connection every second. When it has been reconnecting for
+//! [`STALL`] without asking the node list for a stream, a new connection is opened on the
+//! next live node and takes the old one's place: the publishing and fetching channels reopen
+//! on it as they are next used, and every subscription consumes again on a channel of the
+//! new connection (see `AmqpSubscription`), with a new acknowledgement epoch, so that a tag
+//! from the old connection is never settled on the new one. The stalled connection's IO
+//! thread is left blocked; the broker has already put back what it held.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lapin::{Connection, ConnectionProperties, Event};
+use retry_core::TransportError;
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use crate::config::AmqpConfig;
+use crate::error::{closes_only_a_channel, connection_error};
+use crate::nodes::Nodes;
+
+/// How many rounds over the nodes a recovery makes before it gives up, each after a pause
+/// that doubles up to the maximum reconnect delay: with the default 5 s, about a day.
+const RECONNECT_ROUNDS: usize = 17_280;
+
+/// How long a connection may be reconnecting without a single attempt before it is rebuilt.
+pub(crate) const STALL: Duration = Duration::from_secs(5);
+
+/// The current connection, replaced when recovery stalls.
+pub(crate) struct Link {
+    config: AmqpConfig,
+    nodes: Arc<Nodes>,
+    current: RwLock<Arc<Connection>>,
+    /// Bumped each time the connection is replaced; subscriptions watch it.
+    generation: watch::Sender<u64>,
+    recoveries: AtomicU64,
+    closed: AtomicBool,
+}
+
+impl Link {
+    /// Opens the first connection and starts watching it.
+    pub(crate) async fn open(
+        config: AmqpConfig,
+        nodes: Arc<Nodes>,
+    ) -> Result<Arc<Self>, TransportError> {
+        let connection = connect(&config, &nodes).await?;
+        nodes.established();
+        let link = Arc::new(Link {
+            config,
+            nodes,
+            current: RwLock::new(Arc::new(connection)),
+            generation: watch::Sender::new(0),
+            recoveries: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        });
+        link.watch_events();
+        spawn_watchdog(Arc::downgrade(&link));
+        Ok(link)
+    }
+
+    /// The connection now.
+    pub(crate) fn get(&self) -> Arc<Connection> {
+        Arc::clone(&self.current.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// A receiver that sees every replacement of the connection.
+    pub(crate) fn replacements(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// How many times the connection was recovered (by lapin or rebuilt).
+    pub(crate) fn recoveries(&self) -> u64 {
+        self.recoveries.load(Ordering::Relaxed)
+    }
+
+    /// The node list.
+    pub(crate) fn nodes(&self) -> &Nodes {
+        &self.nodes
+    }
+
+    /// Stops the watchdog and closes the connection.
+    pub(crate) async fn close(&self) -> Result<(), TransportError> {
+        self.closed.store(true, Ordering::Relaxed);
+        self.get()
+            .close(200, "closing".into())
+            .await
+            .map_err(connection_error)
+    }
+
+    /// Logs every loss and recovery of the current connection, and counts the recoveries.
+    ///
+    /// lapin reports a channel the broker closed as an error event of the connection too.
+    /// That is no connection loss: the operation that made the broker close the channel has
+    /// failed with the broker's reply and reports it, and some closures are expected (a
+    /// passive declare of a missing object, see the `provision` module). It is logged at
+    /// DEBUG only.
+    fn watch_events(self: &Arc<Self>) {
+        let mut events = self.get().events_listener();
+        let link = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(event) = events.next().await {
+                let Some(link) = link.upgrade() else { return };
+                let nodes = &link.nodes;
+                let name = |i: Option<usize>| i.map_or("", |i| nodes.address(i));
+                match event {
+                    Event::Error(e) if closes_only_a_channel(&e) => {
+                        debug!(error = %e, "the broker closed a channel");
+                    }
+                    Event::Error(e) => {
+                        warn!(node = name(nodes.current()), error = %e, "connection lost; recovering");
+                    }
+                    // The listener was made after the connection opened: every `Connected`
+                    // it sees is a reconnection. A close the broker initiates is not always
+                    // preceded by an `Error` event.
+                    Event::Connected => {
+                        let n = link.recoveries.fetch_add(1, Ordering::Relaxed) + 1;
+                        let (left, reached) = nodes.established();
+                        log_recovery(n, name(left), name(reached), "lapin");
+                    }
+                    Event::ConnectionBlocked(reason) => warn!(reason, "broker blocked publishing"),
+                    Event::ConnectionUnblocked => info!("broker unblocked publishing"),
+                    _ => {}
+                }
+            }
+        });
+    }
+
+    /// Opens a new connection and puts it in place of the stalled one.
+    async fn rebuild(self: &Arc<Self>) -> Result<(), TransportError> {
+        let connection = connect(&self.config, &self.nodes).await?;
+        let (left, reached) = self.nodes.established();
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(connection);
+        self.watch_events();
+        let n = self.recoveries.fetch_add(1, Ordering::Relaxed) + 1;
+        self.generation.send_modify(|g| *g += 1);
+        let name = |i: Option<usize>| i.map_or("", |i| self.nodes.address(i));
+        log_recovery(n, name(left), name(reached), "rebuilt");
+        Ok(())
+    }
+}
+
+fn log_recovery(n: u64, left: &str, reached: &str, by: &'static str) {
+    if left != reached {
+        warn!(
+            recoveries = n,
+            left,
+            reached,
+            by,
+            "failed over to another node; deliveries held across the drop will be redelivered"
+        );
+    } else {
+        warn!(
+            recoveries = n,
+            node = reached,
+            by,
+            "connection recovered; deliveries held across the drop will be redelivered"
+        );
+    }
+}
+
+/// Every second: a connection reconnecting for [`STALL`] without asking for a single stream
+/// is rebuilt. Ends when the link is dropped or closed.
+fn spawn_watchdog(link: Weak<Link>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut since: Option<(Instant, u64)> = None;
+        loop {
+            tick.tick().await;
+            let Some(link) = link.upgrade() else { return };
+            if link.closed.load(Ordering::Relaxed) || !link.config.auto_recover() {
+                return;
+            }
+            if !link.get().status().reconnecting() {
+                since = None;
+                continue;
+            }
+            let attempts = link.nodes.attempts();
+            match since {
+                Some((at, seen)) if seen == attempts && at.elapsed() >= STALL => {
+                    warn!(
+                        node = link.nodes.current().map_or("", |i| link.nodes.address(i)),
+                        after = ?at.elapsed(),
+                        "recovery made no attempt; opening a new connection"
+                    );
+                    match link.rebuild().await {
+                        Ok(()) => since = None,
+                        Err(e) => {
+                            warn!(
+                                error = &e as &dyn std::error::Error,
+                                "no node answers; trying again"
+                            );
+                            since = Some((Instant::now(), link.nodes.attempts()));
+                        }
+                    }
+                }
+                Some((_, seen)) if seen == attempts => {}
+                _ => since = Some((Instant::now(), attempts)),
+            }
+        }
+    });
+}
+
+/// A lapin connection to the first node of `nodes` that answers, recovered by lapin through
+/// the node list.
+async fn connect(config: &AmqpConfig, nodes: &Arc<Nodes>) -> Result<Connection, TransportError> {
+    let (min_delay, max_delay) = config.reconnect_delay();
+    let mut properties = ConnectionProperties::default();
+    if config.auto_recover() {
+        properties = properties.enable_auto_recover().configure_backoff(|b| {
+            b.with_min_delay(min_delay)
+                .with_max_delay(max_delay)
+                .with_max_times(RECONNECT_ROUNDS)
+        });
+    }
+    if let Some(name) = config.connection_name() {
+        properties = properties.with_connection_name(name.into());
+    }
+    let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
+    let streams = Arc::clone(nodes);
+    Connection::connector(
+        nodes.handshake_uri(),
+        runtime,
+        async move |_uri, runtime| streams.stream(&runtime).await,
+        properties,
+    )
+    .await
+    .map_err(|e| {
+        let node = nodes
+            .current()
+            .map_or_else(|| config.redacted_url(), |i| nodes.address(i).to_owned());
+        TransportError::connection_failed(format!("cannot connect to {node}"), e)
+    })
+}
