@@ -275,3 +275,63 @@ fn delay_names_are_compact_and_deterministic() {
         assert_eq!(format_delay(d), name);
     }
 }
+
+#[test]
+fn a_replication_factor_reaches_every_queue_and_needs_quorum() {
+    let policy = RetryPolicy::delays([secs(5), secs(60)])
+        .with_crash_delay(secs(2))
+        .build()
+        .unwrap();
+    let replicated = |strategy: DelayStrategy| {
+        TopologyPlan::builder("orders", &policy)
+            .with_queue_type(QueueType::Quorum)
+            .with_replication_factor(3)
+            .with_strategy(strategy)
+            .build()
+            .unwrap()
+    };
+    let per_delay = replicated(DelayStrategy::PerDelayQueue);
+    let cascade = replicated(DelayStrategy::Cascade(Cascade::new()));
+    let queues = per_delay
+        .queues()
+        .iter()
+        .chain(cascade.queues())
+        .chain(cascade.cascade().unwrap().queues());
+    let mut roles = std::collections::HashSet::new();
+    for q in queues {
+        roles.insert(std::mem::discriminant(&q.role));
+        let a = q.arguments.to_headers();
+        assert_eq!(
+            a.get("x-quorum-initial-group-size"),
+            Some(&HeaderValue::Int(3)),
+            "{}",
+            q.name
+        );
+    }
+    // Work, delay, isolation, crash delay, parking and cascade levels.
+    assert_eq!(roles.len(), 6, "{roles:?}");
+
+    let unreplicated = TopologyPlan::builder("orders", &policy)
+        .with_queue_type(QueueType::Quorum)
+        .build()
+        .unwrap();
+    assert!(unreplicated.queues().iter().all(|q| {
+        q.arguments
+            .to_headers()
+            .get("x-quorum-initial-group-size")
+            .is_none()
+    }));
+
+    let classic = TopologyPlan::builder("orders", &policy)
+        .with_replication_factor(2)
+        .build()
+        .unwrap_err();
+    assert_eq!(classic, TopologyError::ReplicationNeedsQuorum { nodes: 2 });
+    assert!(classic.to_string().contains("quorum"), "{classic}");
+    let zero = TopologyPlan::builder("orders", &policy)
+        .with_queue_type(QueueType::Quorum)
+        .with_replication_factor(0)
+        .build()
+        .unwrap_err();
+    assert_eq!(zero, TopologyError::ZeroReplicationFactor);
+}

@@ -2,7 +2,8 @@
 //! notice the test harness cannot swallow, [`rabbitmqctl`] for faults and inspection,
 //! [`refusing`] queue arguments and [`redeclare`] to make a queue of a plan refuse publishes,
 //! [`delete_blocking`] for a guard that deletes a test's topology even when the test panics,
-//! and a [`LogRecorder`] to check what was logged.
+//! a [`LogRecorder`] to check what was logged, and the local test cluster ([`cluster`],
+//! [`cluster_sh`], [`ClusterLease`]).
 //! Every broker test in this workspace uses it, and a user's own broker tests can too.
 //!
 //! Without a broker, a test is skipped loudly; with `REQUIRE_BROKER` set to anything but
@@ -172,6 +173,99 @@ pub const REQUIRE_BROKER: &str = "REQUIRE_BROKER";
 /// Whether `REQUIRE_BROKER` is set to something other than empty or `0`.
 pub fn broker_required() -> bool {
     std::env::var(REQUIRE_BROKER).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// The environment variable with the test cluster's node list (`tests/cluster.sh urls`).
+pub const CLUSTER_URLS: &str = "AMQP_CLUSTER_URLS";
+
+/// The environment variable that makes cluster tests mandatory.
+pub const REQUIRE_CLUSTER: &str = "REQUIRE_CLUSTER";
+
+/// The test cluster's node URLs from `AMQP_CLUSTER_URLS`, or `None` after a loud notice that
+/// `what` is skipped. With `REQUIRE_CLUSTER` set (as CI sets it) a missing list panics.
+///
+/// ```no_run
+/// let Some(urls) = transport_amqp091::testing::cluster("my cluster test") else {
+///     return;
+/// };
+/// assert_eq!(urls.len(), 3);
+/// ```
+pub fn cluster(what: &str) -> Option<Vec<String>> {
+    match std::env::var(CLUSTER_URLS) {
+        Ok(urls) if !urls.trim().is_empty() => {
+            Some(urls.split(',').map(|u| u.trim().to_owned()).collect())
+        }
+        _ => {
+            let required = std::env::var(REQUIRE_CLUSTER).is_ok_and(|v| !v.is_empty() && v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_CLUSTER} is set but {CLUSTER_URLS} is not, for {what}: start the cluster with tests/cluster.sh up"
+            );
+            print_uncaptured(&format!(
+                "\n!!! SKIPPED {what}: no cluster ({CLUSTER_URLS} is unset; `tests/cluster.sh up` starts one, `tests/cluster.sh urls` prints it)\n"
+            ));
+            None
+        }
+    }
+}
+
+/// Runs the workspace's `tests/cluster.sh` with `args` (`stop rtest1`, `kill rtest2`,
+/// `start-all`, ...) and panics with its output if it fails. Blocking: call it from
+/// `spawn_blocking` in async code.
+///
+/// ```no_run
+/// transport_amqp091::testing::cluster_sh(&["stop", "rtest1"]);
+/// transport_amqp091::testing::cluster_sh(&["start", "rtest1"]);
+/// ```
+pub fn cluster_sh(args: &[&str]) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/cluster.sh");
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("tests/cluster.sh runs");
+    assert!(
+        out.status.success(),
+        "tests/cluster.sh {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The test cluster for one test at a time (tests that stop and kill nodes must not overlap
+/// within a test binary): every node is started when the lease is taken and again when it
+/// is dropped, passed or failed, so that one test's failure never becomes the next one's.
+///
+/// ```no_run
+/// # async fn f() {
+/// let _lease = transport_amqp091::testing::ClusterLease::take().await;
+/// // ... stop and kill nodes ...
+/// # }
+/// ```
+pub struct ClusterLease {
+    _one: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl ClusterLease {
+    /// Waits for the other tests of this process to give the cluster back, then starts
+    /// every node.
+    pub async fn take() -> Self {
+        static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let one = ONE_AT_A_TIME.lock().await;
+        tokio::task::spawn_blocking(|| cluster_sh(&["start-all"]))
+            .await
+            .expect("tests/cluster.sh start-all");
+        ClusterLease { _one: one }
+    }
+}
+
+impl Drop for ClusterLease {
+    fn drop(&mut self) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/cluster.sh");
+        let _ = std::process::Command::new("bash")
+            .args([script, "start-all"])
+            .output();
+    }
 }
 
 /// Writes to the process's standard error directly: `eprint!` is captured by the test

@@ -17,15 +17,12 @@ use common::{start, unique};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use retry_core::{HandlerError, Message, QueueType, RetryPolicy, TopologyPlan, Transport};
-use transport_amqp091::testing::{LogRecorder, print_uncaptured};
+use transport_amqp091::testing::{self, ClusterLease, LogRecorder, cluster, print_uncaptured};
 use transport_amqp091::{AmqpConfig, AmqpTransport, NodeListError};
 
 fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
-
-/// One cluster test at a time: they stop and kill the nodes the others would be using.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Every log line of the test process, to show what the transport and lapin did when a
 /// failover does not come.
@@ -38,71 +35,21 @@ fn logs() -> &'static LogRecorder {
     })
 }
 
-/// Holds the cluster for one test: every node is running when it starts and again when it
-/// ends, passed or failed, so that one test's failure never becomes the next one's.
-struct Exclusive {
-    _one: tokio::sync::MutexGuard<'static, ()>,
-}
-
-async fn exclusive() -> Exclusive {
-    let one = ONE_AT_A_TIME.lock().await;
+/// The cluster for this test alone, with every node running, and the log recorder on.
+async fn exclusive() -> ClusterLease {
     logs();
-    cluster_sh(&["start-all"]).await;
-    Exclusive { _one: one }
+    ClusterLease::take().await
 }
 
-impl Drop for Exclusive {
-    fn drop(&mut self) {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/cluster.sh");
-        let _ = std::process::Command::new("bash")
-            .args([script, "start-all"])
-            .output();
-    }
-}
-
-/// The cluster's node URLs, or `None` (after a loud notice) when `AMQP_CLUSTER_URLS` is unset
-/// and `REQUIRE_CLUSTER` is not.
-fn cluster(test: &str) -> Option<Vec<String>> {
-    match std::env::var("AMQP_CLUSTER_URLS") {
-        Ok(urls) if !urls.trim().is_empty() => {
-            Some(urls.split(',').map(|u| u.trim().to_owned()).collect())
-        }
-        _ => {
-            let required =
-                std::env::var("REQUIRE_CLUSTER").is_ok_and(|v| !v.is_empty() && v != "0");
-            assert!(
-                !required,
-                "REQUIRE_CLUSTER is set but AMQP_CLUSTER_URLS is not: start the cluster with tests/cluster.sh up"
-            );
-            print_uncaptured(&format!(
-                "\n!!! SKIPPED {test}: no cluster (AMQP_CLUSTER_URLS is unset; `tests/cluster.sh up` starts one and `tests/cluster.sh urls` prints it)\n"
-            ));
-            None
-        }
-    }
-}
-
-/// Runs `tests/cluster.sh` with `args`, panicking with its output if it fails.
+/// Runs `tests/cluster.sh` with `args` off the runtime's thread.
 async fn cluster_sh(args: &[&str]) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/cluster.sh");
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("bash")
-            .arg(script)
-            .args(&args)
-            .output()
-            .map(|o| (args, o))
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        testing::cluster_sh(&args)
     })
     .await
-    .unwrap()
-    .expect("tests/cluster.sh runs");
-    let (args, out) = out;
-    assert!(
-        out.status.success(),
-        "tests/cluster.sh {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    .unwrap();
 }
 
 /// The node name (`rtest1`..) of a node URL of the cluster, from its port (568N).
@@ -164,6 +111,42 @@ async fn a_node_list_connects_to_the_first_node_that_answers_and_refuses_bad_lis
         .await
         .unwrap();
     assert_eq!(t.node().as_deref(), Some(redact(&urls[1]).as_str()));
+
+    // A replication factor reaches every queue of the plan: two members each, of three nodes.
+    let q = unique("cluster-replicas");
+    let policy = RetryPolicy::delays([secs(1), secs(5)]).build().unwrap();
+    let plan = TopologyPlan::builder(&q, &policy)
+        .with_queue_type(QueueType::Quorum)
+        .with_replication_factor(2)
+        .build()
+        .unwrap();
+    t.provision(&plan).await.unwrap();
+    let members = tokio::task::spawn_blocking(|| {
+        let out = std::process::Command::new("rabbitmqctl")
+            .args([
+                "-n",
+                "rtest2@localhost",
+                "-q",
+                "list_queues",
+                "name",
+                "type",
+                "members",
+            ])
+            .output()
+            .expect("rabbitmqctl runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    })
+    .await
+    .unwrap();
+    for spec in plan.queues() {
+        let line = members
+            .lines()
+            .find(|l| l.split('\t').next() == Some(spec.name.as_str()))
+            .unwrap_or_else(|| panic!("{} is listed: {members}", spec.name));
+        assert!(line.contains("\tquorum\t"), "{line}");
+        assert_eq!(line.matches("@localhost").count(), 2, "{line}");
+    }
+    t.teardown(&plan).await.unwrap();
     t.close().await.unwrap();
 
     // Every node down: the error names each, and fails at once rather than retrying.

@@ -100,6 +100,63 @@ async fn plan_prints_every_queue_with_its_arguments_and_as_json() {
 }
 
 #[tokio::test]
+async fn a_url_with_several_nodes_plans_quorum_queues_unless_classic_is_asked_for() {
+    let policy = PolicyFile::new(POLICY);
+    let cluster = "amqp://guest:guest@10.0.0.1:5672/%2f,amqp://guest:guest@10.0.0.2:5672/%2f";
+    let queue_types = |run: &Run| -> Vec<(String, serde_json::Value, serde_json::Value)> {
+        assert_eq!(run.code, 0, "{run:?}");
+        let parsed: serde_json::Value = serde_json::from_str(&run.stdout).expect("JSON");
+        parsed["queues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|q| {
+                (
+                    q["name"].as_str().unwrap().to_owned(),
+                    q["arguments"]["x-queue-type"].clone(),
+                    q["arguments"]["x-quorum-initial-group-size"].clone(),
+                )
+            })
+            .collect()
+    };
+    let args = [
+        "topology",
+        "plan",
+        "comments",
+        "--policy",
+        policy.path(),
+        "--json",
+    ];
+    let on_cluster = retryctl_with_env(&args, cluster).await;
+    for (name, kind, group) in queue_types(&on_cluster) {
+        assert_eq!(kind, "quorum", "{name}");
+        assert_eq!(group, serde_json::Value::Null, "{name}");
+    }
+    let replicated = retryctl_with_env(
+        &[&args[..], &["--replication-factor", "3"]].concat(),
+        cluster,
+    )
+    .await;
+    for (name, kind, group) in queue_types(&replicated) {
+        assert_eq!((kind, group), ("quorum".into(), 3.into()), "{name}");
+    }
+    let classic = retryctl_with_env(&[&args[..], &["--classic"]].concat(), cluster).await;
+    for (name, kind, _) in queue_types(&classic) {
+        assert_eq!(kind, "classic", "{name}");
+    }
+    // One node: classic, as before.
+    for (name, kind, _) in queue_types(&retryctl(&args).await) {
+        assert_eq!(kind, "classic", "{name}");
+    }
+    let both = retryctl_with_env(
+        &[&args[..], &["--classic", "--replication-factor", "3"]].concat(),
+        cluster,
+    )
+    .await;
+    assert_eq!(both.code, 2, "{both:?}");
+}
+
+#[tokio::test]
 async fn a_policy_file_with_an_unknown_key_exits_2_naming_the_key_and_its_line() {
     let policy = PolicyFile::new(&POLICY.replace("crash_delay", "crash_dleay"));
     let run = retryctl(&["topology", "plan", "comments", "--policy", policy.path()]).await;

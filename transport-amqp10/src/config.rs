@@ -246,7 +246,7 @@ impl Amqp10Config {
         }
         Ok(Nodes {
             list: list.into(),
-            last: Arc::new(AtomicUsize::new(0)),
+            last: Arc::new(AtomicUsize::new(NONE_YET)),
         })
     }
 
@@ -300,7 +300,7 @@ pub enum ConfigError {
         url: String,
     },
     /// No URL at all, or an empty one in a node list.
-    #[error("the node list is empty: give at least one amqp:// or amqps:// URL")]
+    #[error("the node list is empty or has an empty URL: give amqp:// or amqps:// URLs")]
     EmptyNodeList,
 }
 
@@ -313,14 +313,21 @@ fn node_urls(urls: &str) -> impl Iterator<Item = &str> {
 #[derive(Clone, Debug)]
 pub(crate) struct Nodes {
     pub(crate) list: Arc<[Endpoint]>,
+    /// The node that answered last, or [`NONE_YET`].
     last: Arc<AtomicUsize>,
 }
+
+/// No node has answered yet.
+const NONE_YET: usize = usize::MAX;
 
 impl Nodes {
     /// The order to try them in now: the node that answered last first.
     pub(crate) fn order(&self) -> impl Iterator<Item = (usize, &Endpoint)> {
-        let start = self.last.load(Ordering::Relaxed);
         let n = self.list.len();
+        let start = match self.last.load(Ordering::Relaxed) {
+            i if i < n => i,
+            _ => 0,
+        };
         (0..n).map(move |k| {
             let i = (start + k) % n;
             (i, &self.list[i])
@@ -328,15 +335,19 @@ impl Nodes {
     }
 
     /// Node `i` answered: connections open there first from now on. Returns the node the
-    /// previous connection opened on, if it was another.
+    /// previous connection opened on, if there was one and it was another.
     pub(crate) fn answered(&self, i: usize) -> Option<&Endpoint> {
         let left = self.last.swap(i, Ordering::Relaxed);
-        (left != i).then(|| &self.list[left])
+        (left != i).then(|| self.list.get(left)).flatten()
     }
 
-    /// The node that answered last, password redacted.
+    /// The node that answered last (the first node before any did), password redacted.
     pub(crate) fn current(&self) -> &str {
-        &self.list[self.last.load(Ordering::Relaxed)].redacted
+        let i = self.last.load(Ordering::Relaxed);
+        self.list
+            .get(i)
+            .or(self.list.first())
+            .map_or("", |e| e.redacted.as_str())
     }
 
     /// Every node, passwords redacted.
@@ -548,5 +559,38 @@ mod tests {
         assert_eq!(redact("amqp://h/v"), "amqp://h/v");
         assert_eq!(redact("amqp://u@h"), "amqp://u@h");
         assert_eq!(redact("amqp://u:p:q@h/x@y"), "amqp://u:***@h/x@y");
+    }
+
+    #[test]
+    fn a_node_list_is_tried_from_the_node_that_answered_last() {
+        let config = Amqp10Config::new("amqp://u:pw@h1:5672, amqp://u:pw@h2:5673,,amqp://h3");
+        let nodes = config.node_list().expect("three nodes");
+        let order = |n: &Nodes| n.order().map(|(i, _)| i).collect::<Vec<_>>();
+        assert_eq!(order(&nodes), [0, 1, 2]);
+        assert_eq!(nodes.current(), "amqp://u:***@h1:5672");
+        // The first connection names no node it left.
+        assert!(nodes.answered(1).is_none());
+        assert_eq!(order(&nodes), [1, 2, 0]);
+        assert_eq!(nodes.answered(2).map(|e| e.port), Some(5673));
+        assert_eq!(order(&nodes), [2, 0, 1]);
+        assert_eq!(
+            config.redacted_url(),
+            "amqp://u:***@h1:5672,amqp://u:***@h2:5673,amqp://h3"
+        );
+
+        assert_eq!(
+            Amqp10Config::new(" , ").node_list().unwrap_err(),
+            ConfigError::EmptyNodeList
+        );
+        assert_eq!(
+            Amqp10Config::cluster(["amqp://h1", ""]).unwrap_err(),
+            ConfigError::EmptyNodeList
+        );
+        let err = Amqp10Config::cluster(["amqp://u:pw@h1", "http://u:pw@h2"]).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::UnsupportedScheme { .. }),
+            "{err:?}"
+        );
+        assert!(!err.to_string().contains("pw"), "{err}");
     }
 }

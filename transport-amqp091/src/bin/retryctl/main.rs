@@ -6,9 +6,9 @@
 //! retryctl parked show     QUEUE --id ID [--json]
 //! retryctl parked replay   QUEUE (--id ID ... | --reason R | --parked-before/--parked-after WHEN | --all) [--rate N] [--dry-run]
 //! retryctl parked purge    QUEUE (--id ID ... | --reason R | --parked-before/--parked-after WHEN | --all) --yes
-//! retryctl topology plan   QUEUE --policy FILE [--quorum] [--json]
-//! retryctl topology apply  QUEUE --policy FILE [--quorum]
-//! retryctl topology verify QUEUE --policy FILE [--quorum] [--max-probe-ttl 10s]
+//! retryctl topology plan   QUEUE --policy FILE [--quorum|--classic] [--replication-factor N] [--json]
+//! retryctl topology apply  QUEUE --policy FILE [--quorum|--classic] [--replication-factor N]
+//! retryctl topology verify QUEUE --policy FILE [--quorum|--classic] [--replication-factor N] [--max-probe-ttl 10s]
 //! ```
 //!
 //! * `parked` walks the work queue's parking queue (`QUEUE.parking`, or `--parking NAME`)
@@ -25,7 +25,9 @@
 //!   dead-lettered as expired. It deletes nothing.
 //!
 //! The broker is `--url`, or `AMQP_URL`, or `amqp://guest:guest@127.0.0.1:5672/%2f`. Its
-//! password is never printed: not by `--help`, not in errors, not in reports.
+//! password is never printed: not by `--help`, not in errors, not in reports. Several URLs
+//! separated by commas name the nodes of a cluster: `retryctl` connects to the first that
+//! answers, and the topology commands plan quorum queues unless `--classic` is given.
 //!
 //! Exit codes: 0 success; 1 failure, a mismatch found by `verify` or an unknown queue
 //! included; 2 bad usage or bad input (an unknown option, a `purge` without `--yes`, a

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use retry_core::{QueueType, RetryPolicy, TopologyPlan};
+use transport_amqp091::AmqpConfig;
 
 use crate::error::CliError;
 
@@ -19,24 +20,43 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FILE")]
     pub policy: PathBuf,
 
-    /// Quorum queues instead of classic ones.
-    #[arg(long)]
+    /// Quorum queues instead of classic ones (the default when `--url` names several
+    /// nodes).
+    #[arg(long, conflicts_with = "classic")]
     pub quorum: bool,
+
+    /// Classic queues, even on a cluster.
+    #[arg(long)]
+    pub classic: bool,
+
+    /// Quorum only: on how many nodes each queue is replicated when it is created
+    /// (`x-quorum-initial-group-size`).
+    #[arg(long, value_name = "NODES", conflicts_with = "classic")]
+    pub replication_factor: Option<u32>,
 }
 
 impl PlanArgs {
     /// Reads the policy file and computes the plan. A file that cannot be read, does not
     /// parse, has an unknown key or an invalid value is a usage error naming the file (and,
     /// for TOML, the line).
-    pub fn plan(&self) -> Result<TopologyPlan, CliError> {
+    ///
+    /// The queues are quorum queues with `--quorum` or `--replication-factor`, classic ones
+    /// with `--classic`, and otherwise what `url` calls for: quorum for a list of nodes,
+    /// classic for one ([`AmqpConfig::queue_type`]).
+    pub fn plan(&self, url: &str) -> Result<TopologyPlan, CliError> {
         let policy = load_policy(&self.policy)?;
-        let queue_type = if self.quorum {
+        let queue_type = if self.quorum || self.replication_factor.is_some() {
             QueueType::Quorum
-        } else {
+        } else if self.classic {
             QueueType::Classic
+        } else {
+            AmqpConfig::new(url).queue_type()
         };
-        TopologyPlan::builder(&self.queue, &policy)
-            .with_queue_type(queue_type)
+        let mut builder = TopologyPlan::builder(&self.queue, &policy).with_queue_type(queue_type);
+        if let Some(nodes) = self.replication_factor {
+            builder = builder.with_replication_factor(nodes);
+        }
+        builder
             .build()
             .map_err(|e| CliError::usage_from(format!("no plan for queue {:?}", self.queue), e))
     }

@@ -41,7 +41,7 @@ pub enum TopologyCommand {
 pub fn run(command: TopologyCommand, url: &str) -> Result<(), CliError> {
     match command {
         TopologyCommand::Plan { plan, json } => {
-            let plan = plan.plan()?;
+            let plan = plan.plan(url)?;
             if json {
                 let text = serde_json::to_string_pretty(&plan_json(&plan))
                     .map_err(|e| CliError::failure_from("cannot write the plan as JSON", e))?;
@@ -52,11 +52,11 @@ pub fn run(command: TopologyCommand, url: &str) -> Result<(), CliError> {
             Ok(())
         }
         TopologyCommand::Apply { plan } => {
-            let plan = plan.plan()?;
+            let plan = plan.plan(url)?;
             block_on(apply(&plan, url))
         }
         TopologyCommand::Verify(args) => {
-            let plan = args.plan.plan()?;
+            let plan = args.plan.plan(url)?;
             block_on(verify::verify(&plan, &args, url))
         }
     }
