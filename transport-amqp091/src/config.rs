@@ -74,18 +74,21 @@ impl AmqpConfig {
     /// naming the node when the list is empty, a URL does not parse, or a node differs from
     /// the first in anything but host and port.
     ///
-    /// ```
-    /// use transport_amqp091::AmqpConfig;
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use transport_amqp091::{AmqpConfig, AmqpTransport, NodeOrder};
     ///
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
     /// let config = AmqpConfig::cluster([
     ///     "amqp://app:s3cret@10.0.0.1:5672/%2f",
     ///     "amqp://app:s3cret@10.0.0.2:5672/%2f",
-    /// ])?;
-    /// assert_eq!(
-    ///     config.nodes()?,
-    ///     ["amqp://app:****@10.0.0.1:5672/%2f", "amqp://app:****@10.0.0.2:5672/%2f"]
-    /// );
-    /// # Ok::<(), transport_amqp091::NodeListError>(())
+    ///     "amqp://app:s3cret@10.0.0.3:5672/%2f",
+    /// ])?
+    /// .with_node_order(NodeOrder::Shuffled) // default: in order, the first node that answers
+    /// .with_reconnect_delay(Duration::from_millis(100), Duration::from_secs(5)); // the defaults
+    /// let transport = AmqpTransport::connect(config).await?;
+    /// println!("on {}", transport.node().unwrap_or_default());
+    /// # Ok(()) }
     /// ```
     pub fn cluster<I>(urls: I) -> Result<Self, NodeListError>
     where
@@ -114,6 +117,20 @@ impl AmqpConfig {
     }
 
     /// The nodes, passwords redacted, in the order given; or why the list cannot be used.
+    ///
+    /// ```
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// let config = AmqpConfig::cluster([
+    ///     "amqp://app:s3cret@10.0.0.1:5672/%2f",
+    ///     "amqp://app:s3cret@10.0.0.2:5672/%2f",
+    /// ])?;
+    /// assert_eq!(
+    ///     config.nodes()?,
+    ///     ["amqp://app:****@10.0.0.1:5672/%2f", "amqp://app:****@10.0.0.2:5672/%2f"]
+    /// );
+    /// # Ok::<(), transport_amqp091::NodeListError>(())
+    /// ```
     pub fn nodes(&self) -> Result<Vec<String>, NodeListError> {
         Ok(self
             .node_list()?
@@ -135,16 +152,22 @@ impl AmqpConfig {
     /// topology's delay queues use.
     ///
     /// ```
-    /// use retry_core::{QueueType, RetryPolicy, TopologyPlan};
+    /// use retry_core::{HeaderValue, QueueType, RetryPolicy, TopologyPlan};
     /// use transport_amqp091::AmqpConfig;
     ///
-    /// let config = AmqpConfig::new("amqp://10.0.0.1:5672/%2f,amqp://10.0.0.2:5672/%2f");
+    /// let config = AmqpConfig::new("amqp://10.0.0.1:5672/%2f,amqp://10.0.0.2:5672/%2f,amqp://10.0.0.3:5672/%2f");
     /// let policy = RetryPolicy::default();
     /// let plan = TopologyPlan::builder("orders", &policy)
     ///     .with_queue_type(config.queue_type())
-    ///     .with_replication_factor(3)
+    ///     .with_replication_factor(3) // x-quorum-initial-group-size, on every queue
     ///     .build()?;
     /// assert_eq!(plan.queue_type(), QueueType::Quorum);
+    /// for queue in plan.queues() {
+    ///     let args = queue.arguments.to_headers();
+    ///     assert_eq!(args.get("x-queue-type"), Some(&HeaderValue::from("quorum")));
+    ///     assert_eq!(args.get("x-quorum-initial-group-size"), Some(&HeaderValue::Int(3)));
+    /// }
+    /// assert_eq!(AmqpConfig::new("amqp://10.0.0.1:5672/%2f").queue_type(), QueueType::Classic);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn queue_type(&self) -> QueueType {
