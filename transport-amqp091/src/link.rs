@@ -28,7 +28,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::AmqpConfig;
 use crate::error::{closes_only_a_channel, connection_error};
-use crate::nodes::Nodes;
+use crate::nodes::{self, NodeOrder, Nodes};
 
 /// How many rounds over the nodes a recovery makes before it gives up, each after a pause
 /// that doubles up to the maximum reconnect delay: with the default 5 s, about a day.
@@ -49,11 +49,40 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    /// Opens the first connection and starts watching it.
-    pub(crate) async fn open(
-        config: AmqpConfig,
-        nodes: Arc<Nodes>,
-    ) -> Result<Arc<Self>, TransportError> {
+    /// Asks every node of `config` for its cluster name, opens the first connection and
+    /// starts watching it. A list that cannot be used or mixes clusters is refused with its
+    /// [`NodeListError`](crate::NodeListError) inside [`TransportError::Other`]; when no node
+    /// answers, the error names each node with why.
+    pub(crate) async fn open(config: AmqpConfig) -> Result<Arc<Self>, TransportError> {
+        let invalid = |e| TransportError::Other(Box::new(e));
+        let list = config.node_list().map_err(invalid)?;
+        let order: Vec<usize> = match config.node_order() {
+            NodeOrder::InOrder => (0..list.len()).collect(),
+            NodeOrder::Shuffled => nodes::shuffled(list.len()),
+        };
+        let (min_delay, max_delay) = config.reconnect_delay();
+        let nodes = Arc::new(Nodes::new(
+            order.iter().map(|&i| list[i].clone()).collect(),
+            min_delay,
+            max_delay,
+        ));
+        let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
+        let answers = nodes.survey(&runtime).await.map_err(invalid)?;
+        if answers.iter().all(Result::is_err) {
+            let why: Vec<String> = answers
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| {
+                    a.as_ref()
+                        .err()
+                        .map(|e| format!("{}: {e}", nodes.address(i)))
+                })
+                .collect();
+            return Err(TransportError::connection_lost(format!(
+                "no node answers ({})",
+                why.join("; ")
+            )));
+        }
         let connection = connect(&config, &nodes).await?;
         nodes.established();
         let link = Arc::new(Link {

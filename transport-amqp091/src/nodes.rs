@@ -260,6 +260,11 @@ impl Nodes {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// How many nodes there are.
+    pub(crate) fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
     /// The address of node `i`, password redacted.
     pub(crate) fn address(&self, i: usize) -> &str {
         &self.nodes[i].address
@@ -318,14 +323,12 @@ impl Nodes {
     /// Asks every node for its cluster name, at once: refuses a list that mixes clusters and
     /// remembers the name for failovers. Returns which nodes answered, with each error of
     /// those that did not.
-    pub(crate) async fn survey(&self) -> Result<Vec<Result<(), std::io::Error>>, NodeListError> {
-        let runtime = lapin::runtime::default_runtime().map_err(|e| NodeListError::Invalid {
-            position: 1,
-            node: self.address(0).to_owned(),
-            reason: e.to_string(),
-        })?;
+    pub(crate) async fn survey<RK: RuntimeKit + Send + Sync>(
+        &self,
+        runtime: &Runtime<RK>,
+    ) -> Result<Vec<Result<(), std::io::Error>>, NodeListError> {
         let answers =
-            futures::future::join_all(self.nodes.iter().map(|n| probe(&n.uri, &runtime))).await;
+            futures::future::join_all(self.nodes.iter().map(|n| probe(&n.uri, runtime))).await;
         let mut s = self.lock();
         let mut reachable = Vec::with_capacity(answers.len());
         for (i, answer) in answers.into_iter().enumerate() {

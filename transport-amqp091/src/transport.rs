@@ -21,7 +21,6 @@ use crate::config::AmqpConfig;
 use crate::convert::{properties_to_amqp, received};
 use crate::error::{connection_error, queue_error, short};
 use crate::link::Link;
-use crate::nodes::{self, NodeOrder, Nodes};
 use crate::provision::{self, ProvisionReport};
 use crate::subscription::{self, AmqpSubscription};
 use crate::tag::AmqpTag;
@@ -91,47 +90,14 @@ impl AmqpTransport {
     /// answers, the error names each node with why; when one refuses the login, the error
     /// names that node. Passwords are never shown.
     pub async fn connect(config: AmqpConfig) -> Result<Self, TransportError> {
-        let list = config
-            .node_list()
-            .map_err(|e| TransportError::Other(Box::new(e)))?;
-        let order: Vec<usize> = match config.node_order() {
-            NodeOrder::InOrder => (0..list.len()).collect(),
-            NodeOrder::Shuffled => nodes::shuffled(list.len()),
-        };
-        let (min_delay, max_delay) = config.reconnect_delay();
-        let nodes = Arc::new(Nodes::new(
-            order.iter().map(|&i| list[i].clone()).collect(),
-            min_delay,
-            max_delay,
-        ));
-        let answers = nodes
-            .survey()
-            .await
-            .map_err(|e| TransportError::Other(Box::new(e)))?;
-        if answers.iter().all(Result::is_err) {
-            let why: Vec<String> = answers
-                .iter()
-                .enumerate()
-                .filter_map(|(i, a)| {
-                    a.as_ref()
-                        .err()
-                        .map(|e| format!("{}: {e}", nodes.address(i)))
-                })
-                .collect();
-            return Err(TransportError::connection_lost(format!(
-                "no node answers ({})",
-                why.join("; ")
-            )));
-        }
-
-        let link = Link::open(config.clone(), nodes).await?;
+        let link = Link::open(config.clone()).await?;
         let publish_channel = confirm_channel(&link.get()).await?;
         info!(
             node = link
                 .nodes()
                 .current()
                 .map_or("", |i| link.nodes().address(i)),
-            nodes = list.len(),
+            nodes = link.nodes().len(),
             "connected"
         );
         Ok(AmqpTransport {

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use common::{start, unique};
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use retry_core::{HandlerError, Message, QueueType, RetryPolicy, TopologyPlan, Transport};
+use retry_core::{
+    HandlerError, Message, QueueType, RetryPolicy, TopologyBuilder, TopologyPlan, Transport,
+};
 use transport_amqp091::testing::{self, ClusterLease, LogRecorder, cluster, print_uncaptured};
 use transport_amqp091::{AmqpConfig, AmqpTransport, NodeListError};
 
@@ -265,6 +267,39 @@ async fn publish_all(conn: &Connection, queue: &str, n: usize) {
     let _ = ch.close(200, "published".into()).await;
 }
 
+/// Quorum queues replicated to all three nodes.
+fn on_three_nodes(builder: TopologyBuilder<'_>) -> TopologyBuilder<'_> {
+    builder
+        .with_queue_type(QueueType::Quorum)
+        .with_replication_factor(3)
+}
+
+/// A work queue named after `prefix` on the cluster, with its topology (quorum, on three
+/// nodes, one 1 s delay level), `n` messages `m-0`.. published to it, and a transport that
+/// follows the node list; returns the transport, the queue, the policy and the plan.
+async fn loaded_queue(
+    urls: &[String],
+    prefix: &str,
+    n: usize,
+) -> (Arc<AmqpTransport>, String, RetryPolicy, TopologyPlan) {
+    let q = unique(prefix);
+    let policy = RetryPolicy::delays([secs(1)]).build().unwrap();
+    let plan = on_three_nodes(TopologyPlan::builder(&q, &policy))
+        .build()
+        .unwrap();
+    let config = AmqpConfig::cluster(urls.to_vec())
+        .unwrap()
+        .with_connection_name(q.clone())
+        .with_reconnect_delay(Duration::from_millis(100), secs(2));
+    assert_eq!(config.queue_type(), QueueType::Quorum);
+    let t = Arc::new(AmqpTransport::connect(config).await.unwrap());
+    t.provision(&plan).await.unwrap();
+    let conn = raw(urls).await;
+    publish_all(&conn, &q, n).await;
+    let _ = conn.close(200, "published".into()).await;
+    (t, q, policy, plan)
+}
+
 /// Takes every message off `queue` and returns their ids.
 async fn drain_ids(conn: &Connection, queue: &str) -> Vec<String> {
     let ch = conn.create_channel().await.unwrap();
@@ -378,25 +413,7 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
         return;
     };
     let _cluster = exclusive().await;
-    let q = unique("cluster-failover");
-    let policy = RetryPolicy::delays([secs(1)]).build().unwrap();
-    let plan = TopologyPlan::builder(&q, &policy)
-        .with_queue_type(QueueType::Quorum)
-        .with_replication_factor(3)
-        .build()
-        .unwrap();
-    let config = AmqpConfig::cluster(urls.clone())
-        .unwrap()
-        .with_connection_name(q.clone())
-        .with_reconnect_delay(Duration::from_millis(100), secs(2));
-    assert_eq!(config.queue_type(), QueueType::Quorum);
-    let t = Arc::new(AmqpTransport::connect(config).await.unwrap());
-    t.provision(&plan).await.unwrap();
-    {
-        let conn = raw(&urls).await;
-        publish_all(&conn, &q, N).await;
-        let _ = conn.close(200, "published".into()).await;
-    }
+    let (t, q, policy, plan) = loaded_queue(&urls, "cluster-failover", N).await;
 
     // One in ten fails once (a delayed retry through the delay queue), one in a hundred is
     // permanent (parked); each run takes 50 ms, ten at a time: about 200 a second, so that
@@ -430,12 +447,7 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
             }
         },
         &q,
-        |b| {
-            b.with_topology(|t| {
-                t.with_queue_type(QueueType::Quorum)
-                    .with_replication_factor(3)
-            })
-        },
+        |b| b.with_topology(on_three_nodes),
     );
     let progress = |at: usize| {
         let h = handled.clone();
@@ -641,24 +653,7 @@ async fn the_consumer_recovers_by_itself_after_every_node_was_down_for_ten_secon
         return;
     };
     let _cluster = exclusive().await;
-    let q = unique("cluster-down");
-    let policy = RetryPolicy::delays([secs(1)]).build().unwrap();
-    let plan = TopologyPlan::builder(&q, &policy)
-        .with_queue_type(QueueType::Quorum)
-        .with_replication_factor(3)
-        .build()
-        .unwrap();
-    let config = AmqpConfig::cluster(urls.clone())
-        .unwrap()
-        .with_connection_name(q.clone())
-        .with_reconnect_delay(Duration::from_millis(100), secs(2));
-    let t = Arc::new(AmqpTransport::connect(config).await.unwrap());
-    t.provision(&plan).await.unwrap();
-    {
-        let conn = raw(&urls).await;
-        publish_all(&conn, &q, N).await;
-        let _ = conn.close(200, "published".into()).await;
-    }
+    let (t, q, policy, plan) = loaded_queue(&urls, "cluster-down", N).await;
     let handled = Handled::default();
     let h = handled.clone();
     let running = start(
@@ -674,12 +669,7 @@ async fn the_consumer_recovers_by_itself_after_every_node_was_down_for_ten_secon
             }
         },
         &q,
-        |b| {
-            b.with_topology(|t| {
-                t.with_queue_type(QueueType::Quorum)
-                    .with_replication_factor(3)
-            })
-        },
+        |b| b.with_topology(on_three_nodes),
     );
     let seen = {
         let h = handled.clone();
