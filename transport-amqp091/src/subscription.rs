@@ -142,10 +142,19 @@ impl AmqpSubscription {
             .clone()
     }
 
-    /// Consumes again on a channel of the transport's new connection.
+    /// Consumes again on a channel of the transport's new connection. If that fails, the
+    /// replacement stays unseen, so the next `recv` tries again rather than wait on the old
+    /// connection's consumer.
     async fn resubscribe(&self, live: &mut Live) -> Result<(), TransportError> {
         live.replacements.mark_unchanged();
-        let (channel, tag, consumer) = open(&self.link.get(), &self.queue, self.prefetch).await?;
+        let opened = open(&self.link.get(), &self.queue, self.prefetch).await;
+        let (channel, tag, consumer) = match opened {
+            Ok(opened) => opened,
+            Err(e) => {
+                live.replacements.mark_changed();
+                return Err(e);
+            }
+        };
         self.acks.new_epoch();
         info!(queue = %self.queue, channel = channel.id(), "consuming again on the new connection");
         *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = channel;

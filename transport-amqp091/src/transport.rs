@@ -85,7 +85,8 @@ impl AmqpTransport {
     /// mode.
     ///
     /// Every node of the list is asked for its cluster name first: a list whose nodes answer
-    /// with different names is refused ([`NodeListError::DifferentClusters`], inside
+    /// with different names is refused
+    /// ([`NodeListError::DifferentClusters`](crate::NodeListError::DifferentClusters), inside
     /// [`TransportError::Other`]), as is a list that cannot be used at all. When no node
     /// answers, the error names each node with why; when one refuses the login, the error
     /// names that node. Passwords are never shown.
