@@ -52,7 +52,7 @@ impl Link {
     /// Asks every node of `config` for its cluster name, opens the first connection and
     /// starts watching it. A list that cannot be used or mixes clusters is refused with its
     /// [`NodeListError`](crate::NodeListError) inside [`TransportError::Other`]; when no node
-    /// answers, the error names each node with why.
+    /// answers, the error names every node, with why each did not answer as its source.
     pub(crate) async fn open(config: AmqpConfig) -> Result<Arc<Self>, TransportError> {
         let invalid = |e| TransportError::Other(Box::new(e));
         let list = config.node_list().map_err(invalid)?;
@@ -69,19 +69,27 @@ impl Link {
         let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
         let answers = nodes.survey(&runtime).await.map_err(invalid)?;
         if answers.iter().all(Result::is_err) {
-            let why: Vec<String> = answers
-                .iter()
+            let addresses: Vec<&str> = (0..nodes.len()).map(|i| nodes.address(i)).collect();
+            let mut errors: Vec<(String, std::io::Error)> = answers
+                .into_iter()
                 .enumerate()
-                .filter_map(|(i, a)| {
-                    a.as_ref()
-                        .err()
-                        .map(|e| format!("{}: {e}", nodes.address(i)))
-                })
+                .filter_map(|(i, a)| a.err().map(|e| (nodes.address(i).to_owned(), e)))
                 .collect();
-            return Err(TransportError::connection_lost(format!(
-                "no node answers ({})",
-                why.join("; ")
-            )));
+            let source: Box<dyn std::error::Error + Send + Sync> = match errors.pop() {
+                Some((_, only)) if errors.is_empty() => Box::new(lapin::Error::from(only)),
+                Some(last) => {
+                    errors.push(last);
+                    Box::new(Unanswered(errors))
+                }
+                None => Box::new(Unanswered(errors)),
+            };
+            return Err(TransportError::connection_failed(
+                format!(
+                    "cannot connect to {}: no node answers",
+                    addresses.join(", ")
+                ),
+                source,
+            ));
         }
         let connection = connect(&config, &nodes).await?;
         nodes.established();
@@ -178,6 +186,24 @@ impl Link {
         Ok(())
     }
 }
+
+/// Why each node of a list did not answer.
+#[derive(Debug)]
+struct Unanswered(Vec<(String, std::io::Error)>);
+
+impl std::fmt::Display for Unanswered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (node, e)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{node}: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Unanswered {}
 
 fn log_recovery(n: u64, left: &str, reached: &str, by: &'static str) {
     if left != reached {

@@ -322,13 +322,22 @@ impl Nodes {
 
     /// Asks every node for its cluster name, at once: refuses a list that mixes clusters and
     /// remembers the name for failovers. Returns which nodes answered, with each error of
-    /// those that did not.
+    /// those that did not. A list of one node has no names to compare: its node is only
+    /// connected to (TCP, and TLS for `amqps`), which the broker does not log, where a
+    /// `connection.start` read and dropped is logged as a client that closed unexpectedly.
     pub(crate) async fn survey<RK: RuntimeKit + Send + Sync>(
         &self,
         runtime: &Runtime<RK>,
     ) -> Result<Vec<Result<(), std::io::Error>>, NodeListError> {
-        let answers =
-            futures::future::join_all(self.nodes.iter().map(|n| probe(&n.uri, runtime))).await;
+        let several = self.nodes.len() > 1;
+        let answers = futures::future::join_all(self.nodes.iter().map(|n| async move {
+            if several {
+                probe(&n.uri, runtime).await
+            } else {
+                reach(&n.uri, runtime).await.map(|()| None)
+            }
+        }))
+        .await;
         let mut s = self.lock();
         let mut reachable = Vec::with_capacity(answers.len());
         for (i, answer) in answers.into_iter().enumerate() {
@@ -427,6 +436,25 @@ impl Nodes {
         Err(last
             .unwrap_or_else(|| std::io::Error::other("no node of the list is left to try"))
             .into())
+    }
+}
+
+/// Opens a TCP (and for `amqps`, TLS) connection to `uri`'s node and closes it.
+async fn reach<RK: RuntimeKit + Send + Sync>(
+    uri: &AMQPUri,
+    runtime: &Runtime<RK>,
+) -> std::io::Result<()> {
+    let tls = OwnedTLSConfig::default();
+    let connect = uri.connect_with_config_async(tls.as_ref(), runtime);
+    match tokio::time::timeout(PROBE_TIMEOUT, connect).await {
+        Ok(stream) => {
+            let _ = stream?.close().await;
+            Ok(())
+        }
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {PROBE_TIMEOUT:?}"),
+        )),
     }
 }
 

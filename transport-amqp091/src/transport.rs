@@ -84,12 +84,13 @@ impl AmqpTransport {
     /// Connects to the first node that answers and opens the publishing channel in confirm
     /// mode.
     ///
-    /// Every node of the list is asked for its cluster name first: a list whose nodes answer
-    /// with different names is refused
+    /// Every node of a list of several is asked for its cluster name first: a list whose
+    /// nodes answer with different names is refused
     /// ([`NodeListError::DifferentClusters`](crate::NodeListError::DifferentClusters), inside
     /// [`TransportError::Other`]), as is a list that cannot be used at all. When no node
-    /// answers, the error names each node with why; when one refuses the login, the error
-    /// names that node. Passwords are never shown.
+    /// answers, it fails at once with an error naming every node, with why each did not
+    /// answer as its source; when one refuses the login, the error names that node.
+    /// Passwords are never shown.
     pub async fn connect(config: AmqpConfig) -> Result<Self, TransportError> {
         let link = Link::open(config.clone()).await?;
         let publish_channel = confirm_channel(&link.get()).await?;
