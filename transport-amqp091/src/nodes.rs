@@ -612,6 +612,33 @@ mod tests {
     }
 
     #[test]
+    fn nodes_of_another_cluster_are_refused_by_the_first_name_seen() {
+        let nodes = Nodes::new(
+            parse(&["amqp://u:secret@h1", "amqp://u:secret@h2", "amqp://u:secret@h3"]).unwrap(),
+            Duration::from_millis(100),
+            Duration::from_secs(5),
+        );
+        let mut s = nodes.lock();
+        // A node that tells no name is never refused, and sets nothing.
+        assert_eq!(nodes.check_cluster(&mut s, 2, None), Ok(()));
+        assert_eq!(nodes.check_cluster(&mut s, 1, Some("prod".into())), Ok(()));
+        assert_eq!(nodes.check_cluster(&mut s, 0, Some("prod".into())), Ok(()));
+        let err = nodes
+            .check_cluster(&mut s, 2, Some("staging".into()))
+            .unwrap_err();
+        assert_eq!(
+            err,
+            NodeListError::DifferentClusters {
+                first: "amqp://u:****@h2".into(),
+                first_cluster: "prod".into(),
+                node: "amqp://u:****@h3".into(),
+                cluster: "staging".into(),
+            }
+        );
+        assert!(!err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
     fn a_shuffle_is_a_permutation() {
         for n in 0..6 {
             let mut order = shuffled(n);
