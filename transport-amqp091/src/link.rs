@@ -5,16 +5,18 @@
 //! [`Nodes::stream`](crate::nodes::Nodes). One case it does not get out of, seen on RabbitMQ
 //! 3.10 when a node shuts down gracefully: the node sends `connection.close` and resets the
 //! socket before the client's `close-ok` is written. The `close-ok` then stays queued, lapin's
-//! IO loop waits for the dead socket to drain it, and it never starts reconnecting: the
-//! connection stays "reconnecting" forever without a single new attempt.
+//! IO loop waits for the dead socket to drain it, and the connection stays "reconnecting"
+//! forever, with no attempt or with one that never completes.
 //!
 //! A watchdog checks the connection every second. When it has been reconnecting for
-//! [`STALL`] without asking the node list for a stream, a new connection is opened on the
-//! next live node and takes the old one's place: the publishing and fetching channels reopen
+//! [`STALL`] without asking the node list for a new stream, a new connection is opened on
+//! the next live node and takes the old one's place: the publishing and fetching channels reopen
 //! on it as they are next used, and every subscription consumes again on a channel of the
 //! new connection (see `AmqpSubscription`), with a new acknowledgement epoch, so that a tag
 //! from the old connection is never settled on the new one. The stalled connection's IO
-//! thread is left blocked; the broker has already put back what it held.
+//! thread is left blocked; the broker has already put back what it held. Should lapin
+//! recover the old connection after all, it is closed at once, so that its recovered
+//! consumers hold no deliveries nobody reads.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
@@ -34,7 +36,9 @@ use crate::nodes::{self, NodeOrder, Nodes};
 /// that doubles up to the maximum reconnect delay: with the default 5 s, about a day.
 const RECONNECT_ROUNDS: usize = 17_280;
 
-/// How long a connection may be reconnecting without a single attempt before it is rebuilt.
+/// How long a connection may be reconnecting without a new attempt before it is rebuilt. A
+/// recovery merely slower than that (many channels on a loaded broker) is rebuilt too; the
+/// old connection is then closed as soon as lapin has recovered it.
 pub(crate) const STALL: Duration = Duration::from_secs(5);
 
 /// The current connection, replaced when recovery stalls.
@@ -144,6 +148,9 @@ impl Link {
     /// DEBUG only.
     fn watch_events(self: &Arc<Self>) {
         let mut events = self.get().events_listener();
+        // The connection's own first `Connected` event can reach a listener made just after
+        // it opened: only one after a new stream was asked for is a reconnection.
+        let opened = self.nodes.attempts();
         let link = Arc::downgrade(self);
         tokio::spawn(async move {
             while let Some(event) = events.next().await {
@@ -157,9 +164,9 @@ impl Link {
                     Event::Error(e) => {
                         warn!(node = name(nodes.current()), error = %e, "connection lost; recovering");
                     }
-                    // The listener was made after the connection opened: every `Connected`
-                    // it sees is a reconnection. A close the broker initiates is not always
-                    // preceded by an `Error` event.
+                    // Every reconnection asks for a stream first; a close the broker
+                    // initiates is not always preceded by an `Error` event.
+                    Event::Connected if nodes.attempts() == opened => {}
                     Event::Connected => {
                         let n = link.recoveries.fetch_add(1, Ordering::Relaxed) + 1;
                         let (left, reached) = nodes.established();
@@ -177,7 +184,11 @@ impl Link {
     async fn rebuild(self: &Arc<Self>) -> Result<(), TransportError> {
         let connection = connect(&self.config, &self.nodes).await?;
         let (left, reached) = self.nodes.established();
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(connection);
+        let old = std::mem::replace(
+            &mut *self.current.write().unwrap_or_else(|e| e.into_inner()),
+            Arc::new(connection),
+        );
+        close_if_it_recovers(old);
         self.watch_events();
         let n = self.recoveries.fetch_add(1, Ordering::Relaxed) + 1;
         self.generation.send_modify(|g| *g += 1);
@@ -224,44 +235,58 @@ fn log_recovery(n: u64, left: &str, reached: &str, by: &'static str) {
     }
 }
 
-/// Every second: a connection reconnecting for [`STALL`] without asking for a single stream
-/// is rebuilt. Ends when the link is dropped or closed.
+/// Every second: a connection that has been reconnecting for [`STALL`] without asking for a
+/// new stream is rebuilt. Ends when the link is dropped or closed.
 fn spawn_watchdog(link: Weak<Link>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut since: Option<(Instant, u64)> = None;
+        // The stream count last seen, and since when it has not changed while reconnecting.
+        let mut last = (0, Instant::now());
         loop {
             tick.tick().await;
             let Some(link) = link.upgrade() else { return };
             if link.closed.load(Ordering::Relaxed) || !link.config.auto_recover() {
                 return;
             }
-            if !link.get().status().reconnecting() {
-                since = None;
+            let attempts = link.nodes.attempts();
+            if !link.get().status().reconnecting() || attempts != last.0 {
+                last = (attempts, Instant::now());
                 continue;
             }
-            let attempts = link.nodes.attempts();
-            match since {
-                Some((at, seen)) if seen == attempts && at.elapsed() >= STALL => {
-                    warn!(
-                        node = link.nodes.current().map_or("", |i| link.nodes.address(i)),
-                        after = ?at.elapsed(),
-                        "recovery made no attempt; opening a new connection"
-                    );
-                    match link.rebuild().await {
-                        Ok(()) => since = None,
-                        Err(e) => {
-                            warn!(
-                                error = &e as &dyn std::error::Error,
-                                "no node answers; trying again"
-                            );
-                            since = Some((Instant::now(), link.nodes.attempts()));
-                        }
-                    }
-                }
-                Some((_, seen)) if seen == attempts => {}
-                _ => since = Some((Instant::now(), attempts)),
+            if last.1.elapsed() < STALL {
+                continue;
+            }
+            warn!(
+                node = link.nodes.current().map_or("", |i| link.nodes.address(i)),
+                quiet = ?last.1.elapsed(),
+                "recovery made no attempt; opening a new connection"
+            );
+            if let Err(e) = link.rebuild().await {
+                warn!(
+                    error = &e as &dyn std::error::Error,
+                    "no node answers; trying again"
+                );
+            }
+            last = (link.nodes.attempts(), Instant::now());
+        }
+    });
+}
+
+/// Closes a replaced connection if lapin recovers it after all (a recovery that was slow,
+/// not stalled), so that it holds no deliveries nobody reads; gives up after an hour.
+fn close_if_it_recovers(old: Arc<Connection>) {
+    tokio::spawn(async move {
+        for _ in 0..3_600 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let status = old.status();
+            if status.connected() {
+                warn!("the replaced connection recovered after all; closing it");
+                let _ = old.close(200, "replaced".into()).await;
+                return;
+            }
+            if status.closed() || status.errored() {
+                return;
             }
         }
     });

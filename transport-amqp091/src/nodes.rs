@@ -614,7 +614,12 @@ mod tests {
     #[test]
     fn nodes_of_another_cluster_are_refused_by_the_first_name_seen() {
         let nodes = Nodes::new(
-            parse(&["amqp://u:secret@h1", "amqp://u:secret@h2", "amqp://u:secret@h3"]).unwrap(),
+            parse(&[
+                "amqp://u:secret@h1",
+                "amqp://u:secret@h2",
+                "amqp://u:secret@h3",
+            ])
+            .unwrap(),
             Duration::from_millis(100),
             Duration::from_secs(5),
         );
