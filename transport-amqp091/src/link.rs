@@ -79,13 +79,10 @@ impl Link {
                 .enumerate()
                 .filter_map(|(i, a)| a.err().map(|e| (nodes.address(i).to_owned(), e)))
                 .collect();
-            let source: Box<dyn std::error::Error + Send + Sync> = match errors.pop() {
-                Some((_, only)) if errors.is_empty() => Box::new(lapin::Error::from(only)),
-                Some(last) => {
-                    errors.push(last);
-                    Box::new(Unanswered(errors))
-                }
-                None => Box::new(Unanswered(errors)),
+            let source: Box<dyn std::error::Error + Send + Sync> = if errors.len() == 1 {
+                Box::new(lapin::Error::from(errors.remove(0).1))
+            } else {
+                Box::new(Unanswered(errors))
             };
             return Err(TransportError::connection_failed(
                 format!(
