@@ -22,7 +22,11 @@
 //!   written. That is what makes the consumer faster than a naive one.
 //! * Automatic recovery: consuming resumes after a dropped connection, each recovery is
 //!   logged, and a delivery tag from before the drop is never acknowledged on the new
-//!   channel.
+//!   channel. A recovery that stalls in lapin is replaced by a new connection.
+//! * Clusters: [`AmqpConfig::cluster`] (or a comma-separated URL) names the nodes; the
+//!   connection goes to the first that answers and fails over to another, each failed node
+//!   backing off ([`NodeOrder`], [`NodeListError`]). [`AmqpConfig::queue_type`] is quorum
+//!   for a cluster.
 //! * The password never appears in logs, errors or `Debug` output ([`AmqpConfig`]).
 //! * [`testing`]: one reading of `REQUIRE_BROKER` for tests that need a broker.
 //!
