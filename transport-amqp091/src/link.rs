@@ -38,8 +38,10 @@ const RECONNECT_ROUNDS: usize = 17_280;
 
 /// How long a connection may be reconnecting without a new attempt before it is rebuilt. A
 /// recovery merely slower than that (many channels on a loaded broker) is rebuilt too; the
-/// old connection is then closed as soon as lapin has recovered it.
-pub(crate) const STALL: Duration = Duration::from_secs(5);
+/// old connection is then closed as soon as lapin has recovered it, and deliveries taken on
+/// it in the meantime come back redelivered. At 5 s that happened under CI load; 15 s leaves
+/// a loaded broker room.
+pub(crate) const STALL: Duration = Duration::from_secs(15);
 
 /// The current connection, replaced when recovery stalls.
 pub(crate) struct Link {
