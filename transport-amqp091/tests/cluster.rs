@@ -322,70 +322,47 @@ async fn drain_ids(conn: &Connection, queue: &str) -> Vec<String> {
     ids
 }
 
-/// How many messages `queue` holds, ready or not, as a node of the cluster counts them.
-async fn depth(queue: &str) -> u64 {
+/// `queue`'s `column` in `rabbitmqctl list_queues`, as the first running node of the cluster
+/// lists it; `None` when no node lists the queue.
+async fn queue_column(queue: &str, column: &'static str) -> Option<String> {
     let queue = queue.to_owned();
-    let out = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         for node in ["rtest1", "rtest2", "rtest3"] {
-            let out = std::process::Command::new("rabbitmqctl")
-                .args([
-                    "-n",
-                    &format!("{node}@localhost"),
-                    "-q",
-                    "list_queues",
-                    "name",
-                    "messages",
-                ])
-                .output();
-            if let Ok(out) = out
-                && out.status.success()
-            {
-                return String::from_utf8_lossy(&out.stdout).into_owned();
+            let node = format!("{node}@localhost");
+            let args = ["-n", &node, "-q", "list_queues", "name", column];
+            let Ok(out) = std::process::Command::new("rabbitmqctl")
+                .args(args)
+                .output()
+            else {
+                continue;
+            };
+            if out.status.success() {
+                return String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .filter_map(|l| l.split_once('\t'))
+                    .find(|(name, _)| *name == queue)
+                    .map(|(_, value)| value.trim().to_owned());
             }
         }
-        String::new()
+        None
     })
     .await
-    .unwrap();
-    out.lines()
-        .filter_map(|l| l.split_once('\t'))
-        .find(|(name, _)| *name == queue)
-        .and_then(|(_, n)| n.trim().parse().ok())
+    .unwrap()
+}
+
+/// How many messages `queue` holds, ready or not, as a node of the cluster counts them.
+async fn depth(queue: &str) -> u64 {
+    queue_column(queue, "messages")
+        .await
+        .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
 
 /// The node holding the leader of quorum queue `queue`, as `rtestN`.
 async fn leader(queue: &str) -> String {
-    let queue = queue.to_owned();
-    tokio::task::spawn_blocking(move || {
-        for node in ["rtest1", "rtest2", "rtest3"] {
-            let out = std::process::Command::new("rabbitmqctl")
-                .args([
-                    "-n",
-                    &format!("{node}@localhost"),
-                    "-q",
-                    "list_queues",
-                    "name",
-                    "leader",
-                ])
-                .output();
-            if let Ok(out) = out
-                && out.status.success()
-            {
-                let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                if let Some((_, l)) = text
-                    .lines()
-                    .filter_map(|l| l.split_once('\t'))
-                    .find(|(name, _)| *name == queue)
-                {
-                    return l.trim().trim_end_matches("@localhost").to_owned();
-                }
-            }
-        }
-        panic!("no node knows the leader of {queue}");
-    })
-    .await
-    .unwrap()
+    let leader = queue_column(queue, "leader").await;
+    let leader = leader.unwrap_or_else(|| panic!("no node knows the leader of {queue}"));
+    leader.trim_end_matches("@localhost").to_owned()
 }
 
 /// Waits for the transport's recovery count to pass `from`, and returns how long it took.
