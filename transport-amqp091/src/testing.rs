@@ -218,10 +218,7 @@ pub fn cluster(what: &str) -> Option<Vec<String>> {
 /// transport_amqp091::testing::cluster_sh(&["start", "rtest1"]);
 /// ```
 pub fn cluster_sh(args: &[&str]) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/cluster.sh");
-    let out = std::process::Command::new("bash")
-        .arg(script)
-        .args(args)
+    let out = cluster_script(args)
         .output()
         .expect("tests/cluster.sh runs");
     assert!(
@@ -260,12 +257,20 @@ impl ClusterLease {
 }
 
 impl Drop for ClusterLease {
+    /// Starts every node again; a failure is not reported (a `Drop` must not panic, and the
+    /// next lease starts them anyway).
     fn drop(&mut self) {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/cluster.sh");
-        let _ = std::process::Command::new("bash")
-            .args([script, "start-all"])
-            .output();
+        let _ = cluster_script(&["start-all"]).output();
     }
+}
+
+/// The workspace's `tests/cluster.sh` with `args`, ready to run.
+fn cluster_script(args: &[&str]) -> std::process::Command {
+    let mut command = std::process::Command::new("bash");
+    command
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/cluster.sh"))
+        .args(args);
+    command
 }
 
 /// Writes to the process's standard error directly: `eprint!` is captured by the test
