@@ -44,6 +44,9 @@ pub const PREVIOUS_ERROR: &str = "x-retry-previous-error";
 /// Marks a topology probe: a consumer acknowledges a delivery carrying it without running
 /// the handler (any value).
 pub const PROBE: &str = "x-retry-probe";
+/// A transport's stamp on one publish, so that a returned message names the publish it
+/// belongs to (see [`ReturnMatcher`](crate::ReturnMatcher)); integer. Clones drop it.
+pub const PUBLISH_ID: &str = "x-retry-publish-id";
 
 /// Headers the broker owns. Clones drop them: the engine's headers are the record, and a
 /// broker may refuse or misread a client-supplied `x-death`.
@@ -270,7 +273,7 @@ pub struct Headers(Vec<(Name, HeaderValue)>);
 type Name = Cow<'static, str>;
 
 /// Names stored without allocating, sorted for a binary search.
-const WELL_KNOWN: [&str; 29] = [
+const WELL_KNOWN: [&str; 30] = [
     "count",
     "exchange",
     "original-expiration",
@@ -297,6 +300,7 @@ const WELL_KNOWN: [&str; 29] = [
     PREVIOUS_ERROR,
     PREVIOUS_REASON,
     PROBE,
+    PUBLISH_ID,
     REASON,
     REPLAYED_AT,
     REPLAYS,
@@ -521,7 +525,8 @@ fn millis_value(ms: u64) -> HeaderValue {
     HeaderValue::Int(i64::try_from(ms).unwrap_or(i64::MAX))
 }
 
-/// The headers of a clone: the original's, minus the broker-owned ones, with the origin
+/// The headers of a clone: the original's, minus the broker-owned ones and a transport's
+/// [`PUBLISH_ID`] stamp, with the origin
 /// recorded if it is not yet, and the engine's headers written over.
 ///
 /// ```
@@ -553,7 +558,7 @@ pub fn clone_headers(original: &Headers, origin: Origin<'_>, update: &EngineHead
         original
             .0
             .iter()
-            .filter(|(k, _)| !BROKER_OWNED.contains(&k.as_ref()))
+            .filter(|(k, _)| !BROKER_OWNED.contains(&k.as_ref()) && k != PUBLISH_ID)
             .cloned(),
     );
     if first {

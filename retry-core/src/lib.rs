@@ -242,6 +242,7 @@ mod jitter;
 mod message;
 mod parking;
 mod policy;
+pub mod returns;
 mod time;
 mod topology;
 mod transport;
@@ -268,6 +269,7 @@ pub use policy::{
     CrashAction, Exhausted, MAX_DELAY_LEVELS, MAX_TTL, PolicyError, Retry, RetryPolicy,
     RetryPolicyBuilder,
 };
+pub use returns::{Answer, ReturnMatcher};
 pub use time::{Timestamp, format_delay};
 pub use topology::{
     BindingSpec, Cascade, CascadePlan, DEFAULT_CASCADE_PREFIX, DEFAULT_CASCADE_UNIT, DelayStrategy,
