@@ -9,6 +9,9 @@
 //! suspects fetched one at a time from the isolation queue while nothing else runs.
 
 mod builder;
+mod error;
+mod gate;
+mod lanes;
 mod metrics;
 mod report;
 mod run;
@@ -26,8 +29,9 @@ use crate::topology::TopologyPlan;
 use crate::transport::Transport;
 
 pub use builder::{ConsumerBuilder, ConsumerConfigError};
+pub use error::ConsumerError;
+pub use gate::SoloGate;
 pub use report::RunReport;
-pub use run::ConsumerError;
 pub use storm::{StormControl, StormEvent};
 
 /// A callback told where each settled delivery ended.
@@ -48,6 +52,7 @@ struct Config {
     suspect_poll: Duration,
     provision: bool,
     storm: Option<StormControl>,
+    gate: SoloGate,
 }
 
 /// Runs a [`Handler`] on the deliveries of one queue of a [`Transport`], retrying failures as
@@ -212,6 +217,12 @@ impl<T: Transport, H: Handler> Consumer<T, H> {
     /// How often a transport that cannot watch the isolation queue looks at it.
     pub fn suspect_poll(&self) -> Duration {
         self.config.suspect_poll
+    }
+
+    /// The gate this consumer runs suspects alone through, shared with every consumer of
+    /// the same failure domain.
+    pub fn solo_gate(&self) -> &SoloGate {
+        &self.config.gate
     }
 
     /// Storm control's settings, if it is on.

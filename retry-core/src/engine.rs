@@ -14,6 +14,7 @@ use crate::decision::{
 use crate::facts::DeliveryFacts;
 use crate::headers::DeadLetterReason;
 use crate::headers::{EngineHeaders, Headers, Origin};
+use crate::jitter::splitmix64;
 use crate::message::Message;
 use crate::policy::RetryPolicy;
 use crate::time::{Timestamp, format_delay};
@@ -227,7 +228,7 @@ impl Publish {
     ///     expiration: None,
     ///     headers: EngineHeaders {
     ///         attempts: 0, crashes: 1, first_failure: None, last_failure: None,
-    ///         last_error: None, reason: None, delay: None,
+    ///         last_error: None, reason: None, delay: None, suspect: None,
     ///     },
     /// };
     /// let clone = publish.clone_headers(&original);
@@ -354,8 +355,24 @@ struct Live<D> {
     publish: Option<Publish>,
     /// Publish retries spent on it.
     publish_retries: u32,
+    /// What an excuse for it is keyed by: [`DeliveryFacts::excuse_key`].
+    excuse_key: u64,
     /// The caller's data for the delivery.
     data: D,
+}
+
+/// SplitMix64's increment, which spaces the token seeds.
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A seed no other process draws: std's per-process random hash keys, mixed with a count of
+/// the engines made in this one.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static ENGINES: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(ENGINES.fetch_add(1, Ordering::Relaxed));
+    h.finish()
 }
 
 /// How many excused identities the engine remembers; older ones are forgotten first.
@@ -425,6 +442,9 @@ pub struct Engine<D = ()> {
     actions: VecDeque<Action<D>>,
     timers: Vec<(Timestamp, DeliveryId)>,
     excused: VecDeque<u64>,
+    /// Seeds the suspect tokens; see [`with_token_seed`](Self::with_token_seed).
+    token_seed: u64,
+    tokens: u64,
 }
 
 impl<D> Engine<D> {
@@ -470,7 +490,20 @@ impl<D> Engine<D> {
             actions: VecDeque::new(),
             timers: Vec::new(),
             excused: VecDeque::new(),
+            token_seed: random_seed(),
+            tokens: 0,
         }
+    }
+
+    /// Seeds the tokens the engine writes on the suspects it puts in the isolation queue
+    /// ([`headers::SUSPECT`](crate::headers::SUSPECT)), for runs that must replay exactly.
+    /// By default each engine draws its seed at random, so that tokens written by different
+    /// processes never collide: a token tells one copy of a suspect from any other, even
+    /// one with the same message id or body.
+    pub fn with_token_seed(mut self, seed: u64) -> Self {
+        self.token_seed = seed;
+        self.tokens = 0;
+        self
     }
 
     /// The policy.
@@ -509,19 +542,69 @@ impl<D> Engine<D> {
         facts: DeliveryFacts,
         data: D,
     ) -> DeliveryId {
-        let mut facts = facts;
+        let facts = self.evidence(lane, facts);
+        let admission = admit(&self.policy, lane, &facts);
+        self.insert(now, lane, facts, admission, data)
+    }
+
+    /// The facts with the crash evidence the engine does not believe taken out.
+    fn evidence(&mut self, lane: Lane, mut facts: DeliveryFacts) -> DeliveryFacts {
         if self.plan.queue_type() != QueueType::Quorum {
             // Only a quorum queue sets x-delivery-count; on any other, a publisher did.
             facts.x_delivery_count = 0;
         }
-        if lane == Lane::Isolation && facts.crash_evidence() > 0 && self.take_excuse(facts.identity)
+        if lane == Lane::Isolation
+            && facts.crash_evidence() > 0
+            && self.take_excuse(facts.excuse_key())
         {
             // It went back to the isolation queue through no crash of its own.
             facts.redelivered = false;
             facts.delivery_count = 0;
             facts.x_delivery_count = 0;
         }
-        let admission = admit(&self.policy, lane, &facts);
+        facts
+    }
+
+    /// A suspect from the isolation queue that the caller will not run (it arrived after
+    /// shutdown began, so its run could outlast the shutdown grace and come back
+    /// redelivered, to be charged a crash in the next process). The engine puts a fresh copy
+    /// of it back in the isolation queue, with its counters as they are, and then settles
+    /// the original: it ends [`Terminal::Isolated`]. A suspect that shows a crash is
+    /// diverted or parked as [`handle_delivery`](Self::handle_delivery) would. Call
+    /// [`poll_action`](Self::poll_action) next.
+    ///
+    /// ```
+    /// use retry_core::*;
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let plan = TopologyPlan::new("comments", &policy)?;
+    /// let mut engine: Engine<u64> = Engine::new(policy, &plan)?;
+    /// let now = Timestamp::from_millis(0);
+    /// let facts = DeliveryFacts::decode(&Headers::new(), BrokerSignals::default(), 0);
+    /// engine.handle_declined(now, facts, 3);
+    /// let Some(Action::Publish { publish, .. }) = engine.poll_action() else { panic!() };
+    /// assert_eq!(&*publish.route.routing_key, "comments.suspect");
+    /// assert!(publish.headers.suspect.is_some(), "a fresh token");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn handle_declined(&mut self, now: Timestamp, facts: DeliveryFacts, data: D) -> DeliveryId {
+        let facts = self.evidence(Lane::Isolation, facts);
+        let admission = match admit(&self.policy, Lane::Isolation, &facts) {
+            Admission::Run(state) => Admission::Decided(state, Decision::Isolate),
+            decided => decided,
+        };
+        self.insert(now, Lane::Isolation, facts, admission, data)
+    }
+
+    fn insert(
+        &mut self,
+        now: Timestamp,
+        lane: Lane,
+        facts: DeliveryFacts,
+        admission: Admission,
+        data: D,
+    ) -> DeliveryId {
         let state = match admission {
             Admission::Run(state) | Admission::Decided(state, _) => state,
         };
@@ -531,6 +614,7 @@ impl<D> Engine<D> {
             lane,
             publish: None,
             publish_retries: 0,
+            excuse_key: facts.excuse_key(),
             data,
         }));
         match admission {
@@ -553,20 +637,21 @@ impl<D> Engine<D> {
         id
     }
 
-    /// Remembers that the suspect with jitter seed `identity` (its
-    /// [`DeliveryFacts::identity`]) went back to the isolation queue without crashing its
-    /// consumer: its connection dropped while it ran, and the process saw the drop. Its next
-    /// redelivery from the isolation queue is then not counted as a crash. The engine does
-    /// this itself for suspects it requeues; the last 1,024 identities are kept.
-    pub fn excuse(&mut self, identity: u64) {
+    /// Remembers that the suspect whose [`DeliveryFacts::excuse_key`] is `key` went back to
+    /// the isolation queue without crashing its consumer: its connection dropped while it
+    /// ran, and the process saw the drop. Its next redelivery from the isolation queue is
+    /// then not counted as a crash. The key is the suspect token the engine wrote on that
+    /// copy, so another copy with the same message id or body cannot use the excuse up. The
+    /// engine does this itself for suspects it requeues; the last 1,024 keys are kept.
+    pub fn excuse(&mut self, key: u64) {
         if self.excused.len() == EXCUSED_CAPACITY {
             self.excused.pop_front();
         }
-        self.excused.push_back(identity);
+        self.excused.push_back(key);
     }
 
-    fn take_excuse(&mut self, identity: u64) -> bool {
-        match self.excused.iter().position(|i| *i == identity) {
+    fn take_excuse(&mut self, key: u64) -> bool {
+        match self.excused.iter().position(|i| *i == key) {
             Some(at) => {
                 self.excused.remove(at);
                 true
@@ -629,14 +714,14 @@ impl<D> Engine<D> {
             self.timers.push((now + wait, id));
             return Ok(());
         }
-        let (lane, identity) = (live.lane, live.state.identity);
+        let (lane, key) = (live.lane, live.excuse_key);
         if confirm == Confirm::Ack {
             self.settle(id, Settlement::Ack, terminal);
             return Ok(());
         }
         if lane == Lane::Isolation {
             // Requeued, it comes back redelivered from the isolation queue: not a crash.
-            self.excuse(identity);
+            self.excuse(key);
         }
         self.settle(
             id,
@@ -740,6 +825,7 @@ impl<D> Engine<D> {
             last_error: last_error.clone(),
             reason,
             delay,
+            suspect: None,
         };
         let (route, expiration, headers, terminal) = match decision {
             Decision::Ack => {
@@ -782,6 +868,7 @@ impl<D> Engine<D> {
                     last_error: None,
                     reason: None,
                     delay: None,
+                    suspect: Some(self.next_token()),
                 };
                 let route = self.plan.isolation_route().clone();
                 (route, None, headers, Terminal::Isolated)
@@ -793,7 +880,9 @@ impl<D> Engine<D> {
                     delay,
                 };
                 let delay = (!delay.is_zero()).then_some(delay);
-                (route, None, failed(None, delay), terminal)
+                let mut headers = failed(None, delay);
+                headers.suspect = Some(self.next_token());
+                (route, None, headers, terminal)
             }
             Decision::DeadLetter { reason } => {
                 let route = self.plan.parking_route().clone();
@@ -817,6 +906,16 @@ impl<D> Engine<D> {
             delivery: id,
             publish,
         });
+    }
+
+    /// A token for a suspect's copy: unique to this engine's seed, and at most `i64::MAX`
+    /// so that it is written as a signed integer, which every broker keeps.
+    fn next_token(&mut self) -> u64 {
+        self.tokens += 1;
+        splitmix64(
+            self.token_seed
+                .wrapping_add(self.tokens.wrapping_mul(GOLDEN)),
+        ) & (i64::MAX as u64)
     }
 
     fn delay_route(&self, delay: Duration) -> (Route, Option<Duration>) {

@@ -35,9 +35,9 @@ pub struct BrokerSignals {
 /// assert_eq!(facts.malformed.names().collect::<Vec<_>>(), ["x-retry-attempts"]);
 /// ```
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct Malformed(u16);
+pub struct Malformed(u32);
 
-const KNOWN: [&str; 16] = [
+const KNOWN: [&str; 17] = [
     headers::ATTEMPTS,
     headers::CRASHES,
     headers::FIRST_FAILURE,
@@ -54,6 +54,7 @@ const KNOWN: [&str; 16] = [
     headers::REPLAYED_AT,
     headers::PREVIOUS_REASON,
     headers::PREVIOUS_ERROR,
+    headers::SUSPECT,
 ];
 
 impl Malformed {
@@ -131,6 +132,9 @@ pub struct DeliveryFacts {
     pub deaths: u32,
     /// Seed of this message's jitter: see [`message_identity`](crate::message_identity).
     pub identity: u64,
+    /// The token of a suspect's copy ([`headers::SUSPECT`]), written when the engine put
+    /// it in the isolation queue.
+    pub suspect: Option<u64>,
     /// Headers that were present but unusable, read as absent.
     pub malformed: Malformed,
 }
@@ -145,6 +149,13 @@ impl DeliveryFacts {
         let last_failure = time(headers, headers::LAST_FAILURE, &mut malformed);
         let x_delivery_count = counter(headers, "x-delivery-count", &mut malformed).unwrap_or(0);
         let deaths = x_death_count(headers, &mut malformed);
+        let suspect = headers.get(headers::SUSPECT).and_then(|v| {
+            let token = v.as_u64();
+            if token.is_none() {
+                malformed.mark(headers::SUSPECT);
+            }
+            token
+        });
         let amqp10_count = signals
             .delivery_count
             .filter(|n| u64::from(*n) <= MAX_COUNTER)
@@ -159,8 +170,15 @@ impl DeliveryFacts {
             x_delivery_count,
             deaths,
             identity,
+            suspect,
             malformed,
         }
+    }
+
+    /// What an excuse for this delivery is keyed by ([`Engine::excuse`](crate::Engine::excuse)):
+    /// its suspect token, or for a copy without one, its identity.
+    pub fn excuse_key(&self) -> u64 {
+        self.suspect.unwrap_or(self.identity)
     }
 
     /// How many crashes this delivery shows beyond the recorded ones: the larger of the

@@ -44,6 +44,10 @@ pub const PREVIOUS_ERROR: &str = "x-retry-previous-error";
 /// Marks a topology probe: a consumer acknowledges a delivery carrying it without running
 /// the handler (any value).
 pub const PROBE: &str = "x-retry-probe";
+/// On a suspect's copy in the isolation queue: a token the engine draws for it, unique to
+/// that copy, so that a suspect this process put back (and so excused) is told apart from
+/// another copy with the same id or body (integer).
+pub const SUSPECT: &str = "x-retry-suspect";
 /// A transport's stamp on one publish, so that a returned message names the publish it
 /// belongs to (see [`ReturnMatcher`](crate::ReturnMatcher)); integer. Clones drop it.
 pub const PUBLISH_ID: &str = "x-retry-publish-id";
@@ -273,7 +277,7 @@ pub struct Headers(Vec<(Name, HeaderValue)>);
 type Name = Cow<'static, str>;
 
 /// Names stored without allocating, sorted for a binary search.
-const WELL_KNOWN: [&str; 30] = [
+const WELL_KNOWN: [&str; 31] = [
     "count",
     "exchange",
     "original-expiration",
@@ -304,6 +308,7 @@ const WELL_KNOWN: [&str; 30] = [
     REASON,
     REPLAYED_AT,
     REPLAYS,
+    SUSPECT,
 ];
 
 fn well_known(name: &str) -> Option<&'static str> {
@@ -494,6 +499,8 @@ pub struct EngineHeaders {
     pub reason: Option<DeadLetterReason>,
     /// Set on delayed copies: the delay they go through.
     pub delay: Option<Duration>,
+    /// Set on a suspect's copy in the isolation queue: its [`SUSPECT`] token.
+    pub suspect: Option<u64>,
 }
 
 impl EngineHeaders {
@@ -518,6 +525,10 @@ impl EngineHeaders {
             Some(d) => headers.insert_static(DELAY, millis_value(duration_millis(d))),
             None => headers.remove(DELAY),
         };
+        match self.suspect {
+            Some(t) => headers.insert_static(SUSPECT, HeaderValue::Int(t as i64)),
+            None => headers.remove(SUSPECT),
+        };
     }
 }
 
@@ -537,7 +548,7 @@ fn millis_value(ms: u64) -> HeaderValue {
 /// let update = EngineHeaders {
 ///     attempts: 1, crashes: 0,
 ///     first_failure: Some(Timestamp::from_millis(5)), last_failure: Some(Timestamp::from_millis(5)),
-///     last_error: Some("timeout".into()), reason: None, delay: None,
+///     last_error: Some("timeout".into()), reason: None, delay: None, suspect: None,
 /// };
 /// let origin = Origin { queue: "comments", exchange: "", routing_key: "comments" };
 /// let clone = headers::clone_headers(&original, origin, &update);

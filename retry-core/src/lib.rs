@@ -249,8 +249,8 @@ mod transport;
 
 pub use backoff::Backoff;
 pub use consumer::{
-    Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, StormControl,
-    StormEvent,
+    Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, SoloGate,
+    StormControl, StormEvent,
 };
 pub use decision::{Admission, AttemptState, Decision, Lane, Outcome, admit, decide};
 pub use engine::{

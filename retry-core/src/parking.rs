@@ -621,6 +621,7 @@ impl<T: Transport> ParkingLot<T> {
                 last_error: None,
                 reason: None,
                 delay: None,
+                suspect: None,
             },
         };
         let result = self.transport.publish(&copy, &publish).await;

@@ -16,8 +16,9 @@ use retry_core::headers;
 use retry_core::{
     BrokerSignals, Capabilities, Confirm, Consumer, ConsumerConfigError, ConsumerError,
     DeadLetterReason, Delivery, DeliveryFacts, HandlerError, HeaderValue, Headers, Message,
-    MessageParts, Publish, PublishResult, RetryPolicy, RunReport, Settlement, StormControl,
-    Subscription, Terminal, Timestamp, TopologyPlan, Transport, TransportError, message_identity,
+    MessageParts, Publish, PublishResult, RetryPolicy, RunReport, Settlement, SoloGate,
+    StormControl, Subscription, Terminal, Timestamp, TopologyPlan, Transport, TransportError,
+    message_identity,
 };
 
 mock! {
@@ -159,6 +160,11 @@ struct Broker {
     suspects: Arc<Mutex<VecDeque<Delivery<u64>>>>,
     /// How long each publish waits for its confirm.
     confirm_after: Duration,
+    /// How long each fetch takes to answer.
+    fetch_after: Duration,
+    /// When set, a watch of the isolation queue fails with a lost connection after this
+    /// long, whatever the queue holds.
+    watch_fails_after: Option<Duration>,
     log: Log,
 }
 
@@ -168,6 +174,8 @@ impl Broker {
             mock,
             suspects: Arc::default(),
             confirm_after: Duration::ZERO,
+            fetch_after: Duration::ZERO,
+            watch_fails_after: None,
             log: Log::default(),
         }
     }
@@ -194,6 +202,7 @@ impl Transport for Broker {
     }
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<u64>>, TransportError> {
         assert_eq!(queue, ISOLATION, "only the isolation queue is fetched from");
+        tokio::time::sleep(self.fetch_after).await;
         let next = self.suspects.lock().unwrap().pop_front();
         match &next {
             Some(d) => self.log.push(format!("fetch {}", body(&d.message))),
@@ -203,6 +212,13 @@ impl Transport for Broker {
     }
     async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
         assert_eq!(queue, ISOLATION);
+        if let Some(after) = self.watch_fails_after {
+            tokio::time::sleep(after).await;
+            self.log.push("watch failed");
+            return Err(TransportError::connection_lost(
+                "watching the isolation queue",
+            ));
+        }
         while self.suspects.lock().unwrap().is_empty() {
             tokio::time::sleep(poll).await;
         }
@@ -239,6 +255,7 @@ async fn run_to_end<T: Transport, H: retry_core::Handler>(
     handler: H,
 ) -> RunReport {
     Consumer::builder(transport, QUEUE, policy, handler)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -354,6 +371,7 @@ async fn requeued_when_the_publish_answers(answer: fn() -> PublishResult, cause:
     let seen = terminals.clone();
 
     let report = Consumer::builder(b, QUEUE, retrying_publishes(2), failing)
+        .with_solo_gate(SoloGate::new())
         .with_on_terminal(move |_, t| seen.lock().unwrap().push(*t))
         .build()
         .unwrap()
@@ -508,6 +526,7 @@ async fn a_handler_past_its_timeout_is_cancelled_and_counts_as_transient() {
     };
 
     let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .with_handler_timeout(Duration::from_secs(10))
         .build()
         .unwrap()
@@ -587,6 +606,7 @@ async fn shutdown_finishes_work_within_the_grace_flushes_its_acks_and_leaves_the
     };
 
     let report = Consumer::builder(Broker::new(mock), QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .with_prefetch(3)
         .with_handler_timeout(Duration::from_secs(9 * 60))
         .with_shutdown_grace(Duration::from_secs(30))
@@ -627,6 +647,7 @@ async fn shutdown_with_nothing_held_stops_at_once() {
     mock.expect_settle().never();
 
     let report = Consumer::builder(Broker::new(mock), QUEUE, policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap()
         .run(tokio::time::sleep(Duration::from_secs(2)))
@@ -662,6 +683,7 @@ async fn concurrent_handlers_never_exceed_the_prefetch() {
     };
 
     let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .with_prefetch(PREFETCH)
         .build()
         .unwrap()
@@ -683,6 +705,7 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
         .unwrap();
     // 3 × (3 × 3m20s + 2 × 5s + 1s) + 5s = 30m38s.
     let err = Consumer::builder(MockBroker::new(), QUEUE, policy.clone(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .with_handler_timeout(Duration::from_secs(200))
         .build()
         .unwrap_err();
@@ -718,6 +741,7 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
 
     // Reaching the timeout exactly is refused too.
     let err = Consumer::builder(MockBroker::new(), QUEUE, self::policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .with_handler_timeout(Duration::from_secs(20))
         .with_consumer_timeout(Duration::from_millis(3 * 20_700 + 5_000))
         .build()
@@ -729,17 +753,20 @@ fn a_configuration_that_can_hold_a_delivery_past_the_consumer_timeout_is_refused
 
     // A shorter handler timeout, a shorter solo phase, or a longer broker timeout, fits.
     let consumer = Consumer::builder(MockBroker::new(), QUEUE, policy.clone(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .with_handler_timeout(Duration::from_secs(190))
         .build()
         .unwrap();
     assert_eq!(consumer.consumer_timeout(), Duration::from_secs(30 * 60));
     Consumer::builder(MockBroker::new(), QUEUE, policy.clone(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .with_handler_timeout(Duration::from_secs(200))
         .with_solo_limit(10, Duration::ZERO)
         .with_consumer_timeout(Duration::from_secs(30 * 60 + 34))
         .build()
         .unwrap();
     Consumer::builder(MockBroker::new(), QUEUE, policy, succeeding)
+        .with_solo_gate(SoloGate::new())
         .with_handler_timeout(Duration::from_secs(200))
         .with_consumer_timeout(Duration::from_secs(60 * 60))
         .build()
@@ -785,6 +812,7 @@ fn other_invalid_settings_are_refused_by_name() {
 
     let handler = |_: Message| async { Ok::<(), HandlerError>(()) };
     let err = Consumer::builder(MockBroker::new(), "amq.reserved", policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap_err();
     assert!(matches!(err, ConsumerConfigError::Topology(_)));
@@ -833,6 +861,7 @@ fn storm_control_that_could_hold_a_prefetched_delivery_past_the_consumer_timeout
     // A shorter longest cool-down fits.
     let handler = |_: Message| async { Ok::<(), HandlerError>(()) };
     let consumer = Consumer::builder(MockBroker::new(), QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .with_prefetch(20)
         .with_storm_control(storm.with_cool_down(Duration::from_secs(5), Duration::from_secs(50)))
         .build()
@@ -860,6 +889,7 @@ fn a_plan_without_the_policys_crash_delay_queue_is_refused_by_name() {
         .expect_capabilities()
         .return_const(Capabilities::default());
     let consumer = Consumer::builder(blind, QUEUE, run_handler, succeeding)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap();
     assert_eq!(consumer.plan().crash_route(), None);
@@ -868,6 +898,7 @@ fn a_plan_without_the_policys_crash_delay_queue_is_refused_by_name() {
 #[test]
 fn the_plan_is_available_after_build_and_can_be_customised() {
     let consumer = Consumer::builder(MockBroker::new(), QUEUE, policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .with_topology(|b| b.with_queue_type(retry_core::QueueType::Quorum))
         .build()
         .unwrap();
@@ -928,6 +959,7 @@ async fn provisioning_can_be_turned_off_and_its_failure_stops_the_run() {
         .times(1)
         .return_once(|_, _| Ok(subscription([])));
     Consumer::builder(Broker::new(mock), QUEUE, policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .with_provision(false)
         .build()
         .unwrap()
@@ -945,6 +977,7 @@ async fn provisioning_can_be_turned_off_and_its_failure_stops_the_run() {
     });
     mock.expect_consume().never();
     let err = Consumer::builder(Broker::new(mock), QUEUE, policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1106,6 +1139,7 @@ async fn a_redelivered_message_is_isolated_and_runs_alone_once_the_work_lane_is_
     let e = ended.clone();
 
     let report = Consumer::builder(b, QUEUE, policy(), timed_handler(&log))
+        .with_solo_gate(SoloGate::new())
         .with_prefetch(3)
         .with_on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), *t)))
         .build()
@@ -1180,6 +1214,7 @@ async fn a_suspect_redelivered_from_the_isolation_queue_counts_a_crash_without_r
     let e = ended.clone();
 
     let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .with_on_terminal(move |msg, t| e.lock().unwrap().push((msg.attempt(), *t)))
         .build()
         .unwrap()
@@ -1269,6 +1304,7 @@ async fn a_solo_phase_stops_at_its_limit_and_the_work_lane_takes_a_turn() {
     b.mock.expect_settle().returning(|_, _| Ok(()));
 
     let report = Consumer::builder(b, QUEUE, policy(), timed_handler(&log))
+        .with_solo_gate(SoloGate::new())
         .with_solo_limit(2, Duration::from_secs(60))
         .with_suspect_poll(Duration::from_secs(1))
         .build()
@@ -1346,6 +1382,7 @@ async fn a_missing_isolation_queue_stops_the_consumer_naming_it() {
     }
 
     let err = Consumer::builder(NoIsolation(mock), QUEUE, policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1388,6 +1425,7 @@ async fn exhausted_and_permanent_failures_are_parked_and_observed() {
     };
 
     let report = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .with_on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), msg.attempt(), *t)))
         .build()
         .unwrap()
@@ -1470,6 +1508,7 @@ async fn an_unrecoverable_receive_error_finishes_held_work_then_stops() {
     };
 
     let err = Consumer::builder(b, QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap()
         .run(std::future::pending())
@@ -1523,9 +1562,273 @@ async fn the_consumer_is_one_send_future() {
     let mut b = broker([delivery(1, "a")]);
     b.mock.expect_settle().times(1).returning(|_, _| Ok(()));
     let consumer = Consumer::builder(b, QUEUE, policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
         .build()
         .unwrap();
     let run = assert_send(consumer.run(std::future::pending()));
     let report: RunReport = tokio::spawn(run).await.unwrap().unwrap();
     assert_eq!(report.handled, 1);
+}
+
+/// The handler runs in `log` between `start NAME` and `end NAME`, as `(name, start, end)`
+/// in log order.
+fn runs(log: &Log) -> Vec<(String, usize, usize)> {
+    let entries = log.entries();
+    let mut out = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        if let Some(name) = e.strip_prefix("start ") {
+            let end = entries
+                .iter()
+                .skip(i)
+                .position(|x| x == &format!("end {name}"))
+                .map_or(usize::MAX, |j| i + j);
+            out.push((name.to_owned(), i, end));
+        }
+    }
+    out
+}
+
+/// The work runs that started while the run named `suspect` was under way.
+fn started_beside(log: &Log, suspect: &str) -> Vec<String> {
+    let all = runs(log);
+    let (_, from, to) = all
+        .iter()
+        .find(|(name, _, _)| name == suspect)
+        .cloned()
+        .unwrap_or_else(|| panic!("{suspect} never ran: {:?}", log.entries()));
+    all.into_iter()
+        .filter(|(name, start, _)| name != suspect && *start > from && *start < to)
+        .map(|(name, _, _)| name)
+        .collect()
+}
+
+/// A work queue that hands out `first`, then fresh work (`w1:1`, `w2:1`, ...) forever.
+fn endless_work(first: Vec<Delivery<u64>>) -> MockSub {
+    let mut sub = MockSub::new();
+    let first = Mutex::new(VecDeque::from(first));
+    let next = AtomicU64::new(1);
+    sub.expect_recv().returning(move || {
+        if let Some(d) = first.lock().unwrap().pop_front() {
+            return Ok(Some(d));
+        }
+        let n = next.fetch_add(1, Ordering::SeqCst);
+        Ok(Some(delivery(1000 + n, &format!("w{n}:1"))))
+    });
+    sub.expect_cancel().returning(|| Ok(()));
+    sub.expect_flush().returning(|| Ok(()));
+    sub
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_watch_that_fails_while_a_suspect_runs_alone_never_lets_work_start_beside_it() {
+    let log = Log::default();
+    // A redelivered delivery first: it is isolated, and runs alone for 10 s. The watch of
+    // the isolation queue, started while work ran, fails 3 s in.
+    let sub = endless_work(vec![delivery_with(
+        1,
+        "suspect:10",
+        Headers::new(),
+        REDELIVERED,
+    )]);
+    let mut b = Broker::new(mock_with(sub));
+    b.log = log.clone();
+    b.watch_fails_after = Some(Duration::from_secs(3));
+    isolation_lands_in_the_model(&mut b, &log);
+    b.mock.expect_settle().returning(|_, _| Ok(()));
+
+    Consumer::builder(b, QUEUE, policy(), timed_handler(&log))
+        .with_solo_gate(SoloGate::new())
+        .with_prefetch(2)
+        .build()
+        .unwrap()
+        .run(tokio::time::sleep(Duration::from_secs(20)))
+        .await
+        .unwrap();
+
+    assert!(log.entries().iter().any(|e| e == "watch failed"));
+    assert_eq!(
+        started_beside(&log, "suspect:10"),
+        Vec::<String>::new(),
+        "{:?}",
+        log.entries()
+    );
+    assert!(
+        runs(&log).len() > 3,
+        "work resumed after the suspect: {:?}",
+        log.entries()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_suspect_fetched_after_shutdown_began_goes_back_unrun_as_a_fresh_copy() {
+    let log = Log::default();
+    let mut mock = MockBroker::new();
+    virtual_clock(&mut mock);
+    mock.expect_provision().returning(|_| Ok(()));
+    mock.expect_consume().never();
+    let mut b = Broker::new(mock).with_suspects([suspect(7, "late", BrokerSignals::default())]);
+    b.log = log.clone();
+    // The fetch answers 2 s after it was asked; shutdown comes 1 s in.
+    b.fetch_after = Duration::from_secs(2);
+    isolation_lands_in_the_model(&mut b, &log);
+    let l = log.clone();
+    b.mock.expect_settle().returning(move |tag, s| {
+        l.push(format!("{s:?} {tag}"));
+        Ok(())
+    });
+    let suspects = b.suspects.clone();
+    let ended = Arc::new(Mutex::new(Vec::new()));
+    let e = ended.clone();
+
+    let report = Consumer::builder(b, QUEUE, policy(), timed_handler(&log))
+        .with_solo_gate(SoloGate::new())
+        .with_on_terminal(move |msg, t| e.lock().unwrap().push((body(msg), *t)))
+        .build()
+        .unwrap()
+        .run(tokio::time::sleep(Duration::from_secs(1)))
+        .await
+        .unwrap();
+
+    assert_eq!(runs(&log), [], "no handler runs once shutdown began");
+    assert_eq!(log.entries(), ["fetch late", "isolate late", "Ack 7"]);
+    assert_eq!(
+        *ended.lock().unwrap(),
+        [("late".to_owned(), Terminal::Isolated)]
+    );
+    assert_eq!(report.left_unsettled, 0);
+    // The copy waits in the isolation queue, not redelivered and with no crash on it.
+    let back = suspects.lock().unwrap().pop_front().expect("the copy");
+    assert_eq!((back.facts.redelivered, back.facts.crashes), (false, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn while_one_consumer_runs_a_suspect_no_other_consumer_of_its_process_runs_work() {
+    let log = Log::default();
+    let gate = SoloGate::new();
+    // Consumer A starts with a suspect waiting that runs for 10 s.
+    let mut a = broker([]).with_suspects([suspect(1, "suspect:10", BrokerSignals::default())]);
+    a.log = log.clone();
+    a.mock.expect_settle().returning(|_, _| Ok(()));
+    // Consumer B, of the same process, runs endless work of 1 s each, two at a time.
+    let mut b = Broker::new(mock_with(endless_work(vec![])));
+    b.log = log.clone();
+    b.mock.expect_settle().returning(|_, _| Ok(()));
+
+    let b_run = Consumer::builder(b, "comments", policy(), timed_handler(&log))
+        .with_solo_gate(gate.clone())
+        .with_prefetch(2)
+        .build()
+        .unwrap()
+        .run(tokio::time::sleep(Duration::from_secs(30)));
+    // A starts while B is busy.
+    let a_run = async {
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        Consumer::builder(a, QUEUE, policy(), timed_handler(&log))
+            .with_solo_gate(gate.clone())
+            .build()
+            .unwrap()
+            .run(tokio::time::sleep(Duration::from_secs(20)))
+            .await
+    };
+    let (a_report, b_report) = futures::join!(a_run, b_run);
+
+    assert_eq!(a_report.unwrap().suspects, 1);
+    assert!(b_report.unwrap().handled > 10);
+    assert_eq!(
+        started_beside(&log, "suspect:10"),
+        Vec::<String>::new(),
+        "{:?}",
+        log.entries()
+    );
+    assert_eq!(gate.members(), 0, "both left the gate");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_delivery_received_after_storm_control_paused_waits_unstarted() {
+    let log = Log::default();
+    let timeout = || {
+        Err(TransportError::Timeout {
+            operation: "recv",
+            after: Duration::ZERO,
+        })
+    };
+    // "fail:1" fails after 1 s and trips storm control. The receive under way then waits
+    // out backoffs of 0.1 + 0.2 + 0.4 + 0.8 s and brings "later" at 1.5 s, into the pause.
+    let sub = scripted_subscription(vec![
+        Ok(Some(delivery(1, "fail:1"))),
+        timeout(),
+        timeout(),
+        timeout(),
+        timeout(),
+        Ok(Some(delivery(2, "later"))),
+        Ok(None),
+    ]);
+    let mut b = Broker::new(mock_with(sub));
+    b.mock
+        .expect_publish()
+        .returning(|_, _| PublishResult::Confirmed);
+    b.mock.expect_settle().returning(|_, _| Ok(()));
+    let started = Arc::new(Mutex::new(Vec::new()));
+    let s = started.clone();
+    let t0 = tokio::time::Instant::now();
+    let handler = move |msg: Message| {
+        s.lock().unwrap().push((body(&msg), t0.elapsed()));
+        async move {
+            if body(&msg).starts_with("fail") {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                return Err(HandlerError::transient("downstream down"));
+            }
+            Ok(())
+        }
+    };
+
+    Consumer::builder(b, QUEUE, policy(), handler)
+        .with_solo_gate(SoloGate::new())
+        .with_prefetch(2)
+        .with_storm_control(
+            StormControl::consecutive_failures(1)
+                .with_cool_down(Duration::from_secs(10), Duration::from_secs(10)),
+        )
+        .build()
+        .unwrap()
+        .run(std::future::pending())
+        .await
+        .unwrap();
+
+    let started = started.lock().unwrap().clone();
+    assert_eq!(started.len(), 2, "{started:?}");
+    assert_eq!(started[1].0, "later");
+    assert!(
+        started[1].1 >= Duration::from_secs(11),
+        "\"later\" started at {:?}, inside the pause from 1 s to 11 s",
+        started[1].1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_subscribe_that_loses_its_connection_is_tried_again() {
+    let mut mock = MockBroker::new();
+    virtual_clock(&mut mock);
+    mock.expect_provision().returning(|_| Ok(()));
+    let mut seq = Sequence::new();
+    mock.expect_consume()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_, _| Err(TransportError::connection_lost("failing over")));
+    let sub = subscription([delivery(1, "a")]);
+    mock.expect_consume()
+        .times(1)
+        .in_sequence(&mut seq)
+        .return_once(move |_, _| Ok(sub));
+    mock.expect_settle().times(1).returning(|_, _| Ok(()));
+
+    let report = Consumer::builder(Broker::new(mock), QUEUE, policy(), succeeding)
+        .with_solo_gate(SoloGate::new())
+        .build()
+        .unwrap()
+        .run(std::future::pending())
+        .await
+        .unwrap();
+
+    assert_eq!((report.handled, report.receive_errors), (1, 1));
 }

@@ -643,6 +643,76 @@ fn an_excused_suspect_runs_again_without_counting_a_crash() {
     assert_eq!(publish.headers.crashes, 1);
 }
 
+/// The copy the engine puts in the isolation queue for a redelivered work delivery, as
+/// the isolation queue would deliver it: with the headers the engine wrote.
+fn isolated_copy(e: &mut Engine) -> Headers {
+    let id = e.handle_delivery(T0, Lane::Work, facts(&[], true), ());
+    let publish = expect_publish(&drain(e, T0));
+    assert_eq!(&*publish.route.routing_key, "work.suspect");
+    e.handle_confirm(T0, id, Confirm::Ack).unwrap();
+    assert_eq!(expect_settle(&drain(e, T0)).1, Terminal::Isolated);
+    let mut headers = Headers::new();
+    publish.headers.write_into(&mut headers);
+    headers
+}
+
+#[test]
+fn an_excuse_belongs_to_one_copy_not_to_every_message_with_the_same_id() {
+    // Two suspects with the same message id (the same identity, 42), isolated apart.
+    let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
+    let mut e = engine(policy);
+    let first = isolated_copy(&mut e);
+    let second = isolated_copy(&mut e);
+    let signals = |redelivered| BrokerSignals {
+        redelivered,
+        delivery_count: None,
+    };
+
+    // The first runs alone and fails; its retry cannot be published, so it is requeued
+    // and excused: it will come back redelivered through no crash of its own.
+    let id = e.handle_delivery(
+        T0,
+        Lane::Isolation,
+        DeliveryFacts::decode(&first, signals(false), 42),
+        (),
+    );
+    expect_run(&drain(&mut e, T0));
+    e.handle_outcome(T0, id, Outcome::Transient("x".into()))
+        .unwrap();
+    expect_publish(&drain(&mut e, T0));
+    e.handle_confirm(T0, id, Confirm::Failed).unwrap();
+    let mut t = T0;
+    let settled = loop {
+        let actions = drain(&mut e, t);
+        match actions.as_slice() {
+            [Action::Publish { .. }] => e.handle_confirm(t, id, Confirm::Failed).unwrap(),
+            [] => t = e.poll_timeout().expect("a publish retry is due"),
+            _ => break expect_settle(&actions),
+        }
+    };
+    assert_eq!(settled.0, Settlement::Requeue);
+
+    // The second crashed its consumer running alone: that is a crash, whatever excuse the
+    // first has.
+    e.handle_delivery(
+        T0,
+        Lane::Isolation,
+        DeliveryFacts::decode(&second, signals(true), 42),
+        (),
+    );
+    let diverted = expect_publish(&drain(&mut e, T0));
+    assert_eq!(diverted.headers.crashes, 1, "the second's crash is counted");
+
+    // The first comes back redelivered and is excused: it runs again, no crash counted.
+    e.handle_delivery(
+        T0,
+        Lane::Isolation,
+        DeliveryFacts::decode(&first, signals(true), 42),
+        (),
+    );
+    expect_run(&drain(&mut e, T0));
+}
+
 #[test]
 fn a_refused_publish_is_retried_with_doubling_waits_before_the_original_is_requeued() {
     let policy = RetryPolicy::delays([secs(30)])

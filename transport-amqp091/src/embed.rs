@@ -80,7 +80,7 @@ pub fn delivery(delivery: lapin::message::Delivery, queue: &str) -> Delivery<u64
 ///     expiration: None,
 ///     headers: EngineHeaders {
 ///         attempts: 1, crashes: 0, first_failure: None, last_failure: None,
-///         last_error: None, reason: None, delay: None,
+///         last_error: None, reason: None, delay: None, suspect: None,
 ///     },
 /// };
 /// let properties = transport_amqp091::embed::clone_properties(&original, &publish);

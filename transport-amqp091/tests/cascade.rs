@@ -164,6 +164,7 @@ async fn publish(t: &AmqpTransport, queue: &str, id: &str, route: Route, delay: 
             last_error: None,
             reason: None,
             delay: Some(delay),
+            suspect: None,
         },
     };
     let result = t.publish(&message(queue, id), &publish).await;

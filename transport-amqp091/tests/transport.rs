@@ -49,6 +49,7 @@ fn publish_to(route: Route) -> Publish {
             last_error: Some("boom".into()),
             reason: None,
             delay: Some(secs(1)),
+            suspect: None,
         },
     }
 }

@@ -373,6 +373,7 @@ mod tests {
                 last_error: Some("boom".into()),
                 reason: None,
                 delay: Some(Duration::from_secs(1)),
+                suspect: None,
             },
         }
     }

@@ -111,6 +111,7 @@ async fn a_cascade_plan_is_refused_on_rabbitmq_and_nothing_is_sent() {
             last_error: Some("boom".into()),
             reason: None,
             delay: Some(Duration::from_millis(200)),
+            suspect: None,
         },
     };
     let result = t.publish(&original, &publish).await;

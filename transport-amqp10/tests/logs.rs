@@ -81,6 +81,7 @@ async fn passwords_never_reach_the_logs() {
             last_error: None,
             reason: Some(DeadLetterReason::Permanent),
             delay: None,
+            suspect: None,
         },
     };
     assert!(matches!(

@@ -379,6 +379,7 @@ async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
             last_error: None,
             reason: Some(DeadLetterReason::Permanent),
             delay: None,
+            suspect: None,
         },
     };
     let result = t.publish(&back.message, &to_parking).await;
@@ -495,6 +496,7 @@ async fn a_send_to_an_unverified_missing_queue_fails_instead_of_vanishing() {
             last_error: None,
             reason: None,
             delay: Some(Duration::from_secs(1)),
+            suspect: None,
         },
     };
     let result = t.publish(&d.message, &publish).await;

@@ -341,6 +341,7 @@ async fn a_delay_queue_deleted_while_the_consumer_runs_is_refused_within_the_rev
             last_error: None,
             reason: None,
             delay: Some(delay),
+            suspect: None,
         },
     };
     tokio::time::sleep(2 * age).await;

@@ -519,6 +519,7 @@ fn the_engine_clone_publish_is_mandatory_and_keeps_the_message_identity() {
         last_error: Some("boom".into()),
         reason: None,
         delay: Some(secs(30)),
+        suspect: None,
     };
     let (route, _) = plan.route_for(secs(30)).unwrap();
     let publish = Publish {
@@ -587,6 +588,7 @@ fn retry_in_30s(plan: &TopologyPlan, now: Timestamp) -> Publish {
             last_error: Some("boom".into()),
             reason: None,
             delay: Some(secs(30)),
+            suspect: None,
         },
     }
 }

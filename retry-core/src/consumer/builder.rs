@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use super::gate::SoloGate;
 use super::storm::StormControl;
 use super::{Config, Consumer, Observer, StormObserver};
 use crate::engine::{Engine, PlanMismatch, Terminal};
@@ -38,6 +39,8 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// | [`with_on_terminal`](Self::with_on_terminal) | none |
 /// | [`with_storm_control`](Self::with_storm_control) | off |
 /// | [`with_on_storm`](Self::with_on_storm) | none |
+/// | [`with_solo_gate`](Self::with_solo_gate) | [`SoloGate::process`]: every consumer of the process |
+/// | [`with_token_seed`](Self::with_token_seed) | random |
 ///
 /// ```
 /// # use async_trait::async_trait;
@@ -106,6 +109,8 @@ pub struct ConsumerBuilder<T: Transport, H: Handler> {
     observer: Option<Observer>,
     storm: Option<StormControl>,
     on_storm: Option<StormObserver>,
+    gate: Option<SoloGate>,
+    token_seed: Option<u64>,
 }
 
 impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
@@ -127,6 +132,8 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             observer: None,
             storm: None,
             on_storm: None,
+            gate: None,
+            token_seed: None,
         }
     }
 
@@ -273,6 +280,68 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         self
     }
 
+    /// The gate this consumer runs suspects alone through (default [`SoloGate::process`]).
+    ///
+    /// A crash takes down the whole process, so "alone" must hold for the process: while
+    /// one consumer runs a suspect, every other consumer sharing its gate starts no work
+    /// and holds nothing, and a suspect that then comes back redelivered can only have been
+    /// killed by itself. Give a consumer a gate of its own only when nothing else shares its
+    /// fate: a simulated process in a test, or consumers that stand for separate processes.
+    ///
+    /// ```
+    /// # use async_trait::async_trait;
+    /// # use retry_core::*;
+    /// # struct Broker;
+    /// # #[async_trait]
+    /// # impl Transport for Broker {
+    /// #     type Tag = u64;
+    /// #     type Subscription = Broker;
+    /// #     fn capabilities(&self) -> Capabilities { Capabilities::default() }
+    /// #     async fn provision(&self, _: &TopologyPlan) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn consume(&self, _: &str, _: u16) -> Result<Broker, TransportError> { Ok(Broker) }
+    /// #     async fn fetch(&self, _: &str) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #     async fn ready(&self, _: &str, _: std::time::Duration) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn publish(&self, _: &Message, _: &Publish) -> PublishResult { PublishResult::Confirmed }
+    /// #     async fn settle(&self, _: &u64, _: Settlement) -> Result<(), TransportError> { Ok(()) }
+    /// # }
+    /// # #[async_trait]
+    /// # impl Subscription for Broker {
+    /// #     type Tag = u64;
+    /// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #     async fn cancel(&self) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn flush(&self) -> Result<(), TransportError> { Ok(()) }
+    /// # }
+    /// use retry_core::{Consumer, HandlerError, Message, RetryPolicy, SoloGate};
+    /// use std::time::Duration;
+    ///
+    /// async fn handle(_msg: Message) -> Result<(), HandlerError> { Ok(()) }
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    ///
+    /// // Two consumers of one process share its gate, as they do by default.
+    /// let orders = Consumer::builder(Broker, "orders", policy.clone(), handle).build()?;
+    /// let invoices = Consumer::builder(Broker, "invoices", policy.clone(), handle).build()?;
+    /// assert!(orders.solo_gate().same_as(invoices.solo_gate()));
+    ///
+    /// // A test that stands for another process gives it a gate of its own.
+    /// let elsewhere = Consumer::builder(Broker, "orders", policy, handle)
+    ///     .with_solo_gate(SoloGate::new())
+    ///     .build()?;
+    /// assert!(!elsewhere.solo_gate().same_as(orders.solo_gate()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_solo_gate(mut self, gate: SoloGate) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
+    /// Seeds the tokens the consumer writes on the suspects it puts in the isolation queue
+    /// (see [`Engine::with_token_seed`]), for runs that must replay exactly, such as a
+    /// simulation. By default the seed is drawn at random.
+    pub fn with_token_seed(mut self, seed: u64) -> Self {
+        self.token_seed = Some(seed);
+        self
+    }
+
     /// Checks the settings together and computes the topology plan.
     pub fn build(self) -> Result<Consumer<T, H>, ConsumerConfigError> {
         let queue = self.queue;
@@ -306,7 +375,10 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             topology = customize(topology);
         }
         let plan = topology.build()?;
-        let engine = Engine::new(self.policy, &plan)?;
+        let mut engine = Engine::new(self.policy, &plan)?;
+        if let Some(seed) = self.token_seed {
+            engine = engine.with_token_seed(seed);
+        }
         Ok(Consumer {
             transport: self.transport,
             handler: self.handler,
@@ -322,6 +394,7 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
                 suspect_poll: self.suspect_poll,
                 provision: self.provision,
                 storm: self.storm,
+                gate: self.gate.unwrap_or_else(SoloGate::process),
             },
             observer: self.observer,
             on_storm: self.on_storm,

@@ -1,19 +1,11 @@
 //! The run loop: one future that takes deliveries from two intakes, runs handlers, publishes
 //! and settles concurrently, feeding every result back into the engine.
 //!
-//! The intakes take turns ([`Phase`]):
-//!
-//! ```text
-//!        suspects waiting                 nothing held             acks flushed
-//!  Work ─────────────────────▶ Draining ─────────────▶ Flushing ───────────────▶ Solo
-//!   ▲                                                                              │
-//!   └──────────── isolation queue empty, or the solo limit reached ────────────────┘
-//! ```
-//!
-//! In `Work` the subscription to the work queue feeds up to `prefetch` concurrent handlers.
-//! Once the isolation queue has suspects, no new work starts; when every held delivery has
-//! been settled and the subscription's acknowledgements flushed, suspects are fetched one at
-//! a time, each run with nothing else running and settled before the next fetch.
+//! The decisions are made elsewhere, without IO: the [`Engine`] decides what happens to
+//! each delivery, and [`Lanes`] which intake has the turn (see `lanes.rs`). This loop owns
+//! the futures: it turns their requests into receives, fetches, watches, flushes, handler
+//! runs, publishes and settlements, runs them concurrently inside one future, and feeds
+//! every result back.
 
 use std::any::Any;
 use std::error::Error;
@@ -30,8 +22,10 @@ use futures::{FutureExt, StreamExt};
 use tracing::field::{Empty, debug as debug_value, display as display_value};
 use tracing::{Instrument, Span, debug, error, info, info_span, warn};
 
+use super::error::ConsumerError;
+use super::lanes::{Io, LaneSettings, Lanes};
 use super::metrics::{Metrics, RunOutcome, lane_label};
-use super::storm::{Storm, StormEvent};
+use super::storm::StormEvent;
 use super::{Config, Consumer, Observer, RunReport, StormObserver};
 use crate::decision::{Lane, Outcome};
 use crate::engine::{Action, DeliveryId, Engine, EngineError, Settlement, Terminal};
@@ -41,66 +35,8 @@ use crate::message::{Delivery, Message};
 use crate::time::{Timestamp, format_delay};
 use crate::transport::{PublishResult, Subscription, Transport, TransportError};
 
-/// The first wait before receiving again after a lost connection; it doubles per failure.
-const MIN_RECEIVE_BACKOFF: Duration = Duration::from_millis(100);
-/// Waits stay short so a recovered connection is used soon.
-const MAX_RECEIVE_BACKOFF: Duration = Duration::from_secs(5);
 /// How long the last flush of acknowledgements may take when the consumer stops.
 const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Why a consumer run stopped early.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConsumerError {
-    /// Declaring the topology plan failed.
-    #[error("provisioning the topology of queue {queue:?} failed")]
-    Provision {
-        /// The work queue.
-        queue: String,
-        /// The transport's error.
-        source: TransportError,
-    },
-    /// Verifying the topology plan failed, with provisioning turned off
-    /// ([`ConsumerBuilder::with_provision`](crate::ConsumerBuilder::with_provision)): something the
-    /// engine sends to is missing (see [`Transport::verify`]), or the broker could not be
-    /// asked. Nothing was consumed.
-    #[error("verifying the topology of queue {queue:?} (provisioning is off) failed")]
-    Verify {
-        /// The work queue.
-        queue: String,
-        /// The transport's error.
-        source: TransportError,
-    },
-    /// Starting to consume failed.
-    #[error("starting to consume queue {queue:?} failed")]
-    Consume {
-        /// The work queue.
-        queue: String,
-        /// The transport's error.
-        source: TransportError,
-    },
-    /// Receiving failed in a way that trying again cannot fix (lost connections and
-    /// timeouts are retried instead). Deliveries already held were finished first.
-    #[error("receiving from queue {queue:?} failed")]
-    Receive {
-        /// The work queue.
-        queue: String,
-        /// The transport's error.
-        source: TransportError,
-    },
-    /// Taking suspects from the isolation queue failed in a way that trying again cannot
-    /// fix (the queue does not exist, say). Deliveries already held were finished first.
-    #[error("taking suspects from the isolation queue {queue:?} failed")]
-    Isolation {
-        /// The isolation queue.
-        queue: String,
-        /// The transport's error.
-        source: TransportError,
-    },
-    /// The engine refused an input: a bug in the driver, never a broker condition.
-    #[error("the retry engine refused the consumer's input")]
-    Engine(#[from] EngineError),
-}
 
 type Received<Tag> = Result<Option<Delivery<Tag>>, TransportError>;
 
@@ -146,22 +82,8 @@ enum Wake<T: Transport> {
     Event(Event<T>),
     Timer,
     Received(Received<T::Tag>),
-    SuspectsWaiting(Result<(), TransportError>),
-    TurnOver,
-}
-
-/// Which intake has the turn.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    /// Work-queue deliveries run, up to `prefetch` at once.
-    Work,
-    /// Suspects wait: no new work starts until everything held is settled.
-    Draining,
-    /// Sending the work subscription's batched acknowledgements, so that a crash during
-    /// the solo run cannot send handled work back to the queue.
-    Flushing,
-    /// Suspects run one at a time with nothing else running.
-    Solo { started: Timestamp, runs: u32 },
+    Watched(Result<(), TransportError>),
+    GateChanged,
 }
 
 /// What the driver keeps of a delivery, as the engine's data for it, from its receipt
@@ -171,7 +93,8 @@ pub(super) struct Held<Tag> {
     message: Message,
     span: Span,
     lane: Lane,
-    identity: u64,
+    /// What an excuse for it is keyed by, should its settlement fail.
+    excuse_key: u64,
     /// Taken while storm control was probing.
     probe: bool,
     /// When its handler run, or its clone's publish, started.
@@ -214,7 +137,15 @@ pub(super) async fn run<T: Transport, H: Handler>(
         Some(Ok(())) => {}
     }
 
-    let isolation = engine.plan().isolation_queue().to_owned();
+    let settings = LaneSettings {
+        queue: config.queue.clone(),
+        isolation: engine.plan().isolation_queue().to_owned(),
+        prefetch: config.prefetch,
+        solo_runs: config.solo_runs,
+        solo_time: config.solo_time,
+        suspect_poll: config.suspect_poll,
+    };
+    let lanes = Lanes::new(settings, config.storm.clone(), config.gate.join());
     let driver = Driver {
         transport: &transport,
         handler: &handler,
@@ -222,13 +153,14 @@ pub(super) async fn run<T: Transport, H: Handler>(
         observer: observer.as_ref(),
         on_storm: on_storm.as_ref(),
         metrics: Metrics::register(&config.queue),
-        storm: config.storm.clone().map(Storm::new),
-        isolation,
         engine,
+        lanes,
         settling: 0,
         tasks: FuturesUnordered::new(),
         report: RunReport::default(),
         subscription: None,
+        recv: None,
+        watch: None,
     };
     driver.drive(shutdown).await
 }
@@ -250,53 +182,18 @@ struct Driver<'a, T: Transport, H: Handler> {
     observer: Option<&'a Observer>,
     on_storm: Option<&'a StormObserver>,
     metrics: Metrics,
-    /// Storm control's state, when it is on.
-    storm: Option<Storm>,
-    isolation: String,
     engine: Engine<Held<T::Tag>>,
+    lanes: Lanes<T::Tag>,
     /// Deliveries the engine is done with whose settlement is under way.
     settling: usize,
     tasks: FuturesUnordered<BoxFuture<'a, Event<T>>>,
     report: RunReport,
     subscription: Option<Arc<T::Subscription>>,
-}
-
-/// The loop's own state, apart from the deliveries.
-struct Intake<'a, T: Transport> {
-    phase: Phase,
-    /// The isolation queue may hold suspects: drain and fetch when the work lane's turn is
-    /// over.
-    suspects: bool,
     /// A receive in progress, kept across turns rather than restarted: dropping one midway
     /// could lose a delivery inside the transport.
     recv: Option<BoxFuture<'a, Received<T::Tag>>>,
-    /// A work delivery that arrived after the work lane's turn ended; it starts when the
-    /// work lane has the turn again.
-    deferred: Option<Delivery<T::Tag>>,
-    /// The work queue is still being read: not shut down, and the stream has not ended.
-    receiving: bool,
-    subscribing: bool,
-    fetching: bool,
-    flushing: bool,
-    backoff: Option<Duration>,
-    next_backoff: Duration,
     /// Resolves when the isolation queue may have suspects.
     watch: Option<BoxFuture<'a, Result<(), TransportError>>>,
-    /// Until this ends the work lane keeps its turn, after a solo phase that hit its limit.
-    turn: Option<BoxFuture<'static, ()>>,
-    fatal: Option<ConsumerError>,
-}
-
-impl<T: Transport> Intake<'_, T> {
-    /// No more work is taken: a receive or watch under way is dropped, and a delivery
-    /// received but never started goes back to the broker with the connection.
-    fn stop_receiving(&mut self) {
-        self.receiving = false;
-        self.recv = None;
-        self.watch = None;
-        self.turn = None;
-        self.deferred = None;
-    }
 }
 
 impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
@@ -304,27 +201,6 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         mut self,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
     ) -> Result<RunReport, ConsumerError> {
-        // A consumer starts by running the suspects left by the last one, before it takes
-        // any work: a work delivery prefetched during a solo run that crashes comes back a
-        // suspect itself.
-        let mut intake: Intake<'a, T> = Intake {
-            phase: Phase::Solo {
-                started: self.transport.now(),
-                runs: 0,
-            },
-            suspects: true,
-            recv: None,
-            deferred: None,
-            receiving: true,
-            subscribing: false,
-            fetching: false,
-            flushing: false,
-            backoff: None,
-            next_backoff: MIN_RECEIVE_BACKOFF,
-            watch: None,
-            turn: None,
-            fatal: None,
-        };
         let mut timer: Option<(Timestamp, BoxFuture<'static, ()>)> = None;
         let mut shutting_down = false;
         let mut grace: Option<BoxFuture<'static, ()>> = None;
@@ -334,17 +210,12 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             if self.engine.poll_timeout().is_some_and(|due| due <= now) {
                 self.engine.handle_timeout(now);
             }
-            if let Some(event) = self.storm.as_mut().and_then(|s| s.handle_timeout(now)) {
-                self.storm_event(event);
-            }
-            while let Some(action) = self.engine.poll_action() {
-                self.start(action)?;
-            }
-            let storm_due = self.storm.as_ref().and_then(Storm::poll_timeout);
-            let due = match (self.engine.poll_timeout(), storm_due) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            self.lanes.handle_timeout(now);
+            self.pump(now)?;
+            let due = [self.engine.poll_timeout(), self.lanes.poll_timeout()]
+                .into_iter()
+                .flatten()
+                .min();
             timer = match (due, timer) {
                 (None, _) => None,
                 (Some(due), Some((armed, sleep))) if armed == due => Some((due, sleep)),
@@ -353,17 +224,9 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     Some((due, self.transport.sleep(wait)))
                 }
             };
-            if let Some(fatal) = intake.fatal.as_ref()
-                && intake.receiving
-            {
-                error!(queue = %self.config.queue, error = fatal as &dyn Error, "finishing the deliveries held, then stopping");
-                intake.stop_receiving();
-            }
-            self.advance(&mut intake, now, shutting_down);
-            self.metrics.in_flight(self.held());
+            self.metrics.in_flight(self.lanes.held());
             // Fetches, subscribing and flushes are tasks too: none is cut short.
-            let stopping = shutting_down || !intake.receiving;
-            if stopping && self.held() == 0 && self.tasks.is_empty() {
+            if self.lanes.finished() && self.tasks.is_empty() {
                 break;
             }
 
@@ -378,7 +241,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 }
                 // Deliveries already waiting are taken before finished work is looked at:
                 // after a crash, the redelivered ones all get isolated in one drain.
-                if let Some(pending) = intake.recv.as_mut()
+                if let Some(pending) = self.recv.as_mut()
                     && let Poll::Ready(received) = pending.as_mut().poll(cx)
                 {
                     return Poll::Ready(Wake::Received(received));
@@ -391,263 +254,149 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 {
                     return Poll::Ready(Wake::Timer);
                 }
-                if let Some(watch) = intake.watch.as_mut()
+                if let Some(watch) = self.watch.as_mut()
                     && let Poll::Ready(result) = watch.as_mut().poll(cx)
                 {
-                    return Poll::Ready(Wake::SuspectsWaiting(result));
+                    return Poll::Ready(Wake::Watched(result));
                 }
-                if let Some(turn) = intake.turn.as_mut()
-                    && turn.as_mut().poll(cx).is_ready()
-                {
-                    return Poll::Ready(Wake::TurnOver);
+                if self.lanes.gate().poll_changed(cx).is_ready() {
+                    return Poll::Ready(Wake::GateChanged);
                 }
                 Poll::Pending
             })
             .await;
 
+            let now = self.transport.now();
             match wake {
                 Wake::Shutdown => {
                     info!(
                         queue = %self.config.queue,
-                        in_flight = self.held(),
+                        in_flight = self.lanes.held(),
                         grace = %format_delay(self.config.shutdown_grace),
                         "shutdown requested: no more deliveries, finishing the ones held",
                     );
                     shutting_down = true;
-                    if let Some(subscription) = self.subscription.clone()
-                        && intake.receiving
-                    {
-                        self.tasks.push(Box::pin(async move {
-                            Event::Cancelled(subscription.cancel().await)
-                        }));
-                    }
-                    intake.stop_receiving();
+                    self.lanes.handle_shutdown();
                     grace = Some(self.transport.sleep(self.config.shutdown_grace));
                 }
                 Wake::GraceOver => {
                     self.abandon_held();
                     break;
                 }
-                Wake::Event(event) => self.finish(event, &mut intake)?,
+                Wake::Event(event) => self.finish(event)?,
                 Wake::Timer => timer = None,
-                Wake::TurnOver => intake.turn = None,
-                Wake::SuspectsWaiting(result) => {
-                    intake.watch = None;
-                    match result {
-                        Ok(()) => intake.suspects = true,
-                        Err(e) => self.isolation_error(&mut intake, e),
-                    }
+                Wake::GateChanged => {}
+                Wake::Watched(result) => {
+                    self.watch = None;
+                    self.lanes.handle_watch(now, result);
                 }
                 Wake::Received(received) => {
-                    intake.recv = None;
-                    self.received(&mut intake, received);
+                    self.recv = None;
+                    self.lanes.handle_received(received);
                 }
             }
         }
 
         self.flush_at_exit().await;
-        if let Some(fatal) = intake.fatal {
+        self.report.receive_errors = self.lanes.receive_errors();
+        if let Some(fatal) = self.lanes.take_fatal() {
             return Err(fatal);
         }
         info!(queue = %self.config.queue, report = ?self.report, "consumer stopped");
         Ok(self.report)
     }
 
-    /// Moves the intakes along: starts the next receive, fetch, flush or watch that the
-    /// phase calls for, and changes phase when its work is done.
-    fn advance(&mut self, intake: &mut Intake<'a, T>, now: Timestamp, shutting_down: bool) {
+    /// Carries out what the scheduler and the engine ask for, until neither asks for more.
+    fn pump(&mut self, now: Timestamp) -> Result<(), ConsumerError> {
         loop {
-            match intake.phase {
-                Phase::Work => {
-                    let turn_over = intake.turn.is_none();
-                    if intake.suspects && turn_over && intake.receiving {
-                        intake.phase = Phase::Draining;
-                        debug!(queue = %self.config.queue, held = self.held(), "suspects waiting: draining the work lane");
-                        continue;
+            let mut moved = false;
+            while let Some(io) = self.lanes.poll_io(now) {
+                moved = true;
+                self.perform(io);
+            }
+            while let Some(action) = self.engine.poll_action() {
+                moved = true;
+                self.start(action)?;
+            }
+            while let Some(event) = self.lanes.poll_event() {
+                self.storm_event(event);
+            }
+            if !moved {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Turns one of the scheduler's requests into a future, or hands a delivery to the
+    /// engine.
+    fn perform(&mut self, io: Io<T::Tag>) {
+        let transport = self.transport;
+        match io {
+            Io::Subscribe { after } => {
+                let sleep = after.map(|wait| transport.sleep(wait));
+                let (queue, prefetch) = (&self.config.queue, self.config.prefetch);
+                self.tasks.push(Box::pin(async move {
+                    if let Some(sleep) = sleep {
+                        sleep.await;
                     }
-                    if !intake.receiving {
-                        return;
-                    }
-                    let Some(subscription) = self.subscription.clone() else {
-                        if !intake.subscribing && !shutting_down {
-                            intake.subscribing = true;
-                            let transport = self.transport;
-                            let (queue, prefetch) = (&self.config.queue, self.config.prefetch);
-                            self.tasks.push(Box::pin(async move {
-                                Event::Subscribed(transport.consume(queue, prefetch).await)
-                            }));
-                        }
-                        return;
-                    };
-                    if intake.watch.is_none() && !intake.suspects {
-                        let (transport, queue) = (self.transport, self.isolation.clone());
-                        let poll = self.config.suspect_poll;
-                        intake.watch =
-                            Some(Box::pin(async move { transport.ready(&queue, poll).await }));
-                    }
-                    if self.held() >= self.work_limit() {
-                        return;
-                    }
-                    if let Some(delivery) = intake.deferred.take() {
-                        self.admit(delivery, Lane::Work);
-                        continue;
-                    }
-                    if intake.recv.is_none() {
-                        intake.recv = Some(self.receive(subscription, intake.backoff.take()));
-                    }
+                    Event::Subscribed(transport.consume(queue, prefetch).await)
+                }));
+            }
+            Io::Receive { after } => {
+                let Some(subscription) = self.subscription.clone() else {
                     return;
-                }
-                Phase::Draining => {
-                    if self.held() > 0 {
-                        // Redelivered deliveries still arriving are isolated meanwhile: after
-                        // a crash they come first, and a handler never runs for them.
-                        if let Some(subscription) = self.subscription.clone()
-                            && intake.receiving
-                            && intake.recv.is_none()
-                            && intake.deferred.is_none()
-                            && self.held() < usize::from(self.config.prefetch)
-                        {
-                            intake.recv = Some(self.receive(subscription, intake.backoff.take()));
-                        }
-                        return;
+                };
+                let sleep = after.map(|wait| transport.sleep(wait));
+                self.recv = Some(Box::pin(async move {
+                    if let Some(sleep) = sleep {
+                        sleep.await;
                     }
-                    intake.phase = Phase::Flushing;
-                    let Some(subscription) = self.subscription.clone() else {
-                        continue;
-                    };
-                    intake.flushing = true;
+                    subscription.recv().await
+                }));
+            }
+            Io::Watch => {
+                let queue = self.engine.plan().isolation_queue().to_owned();
+                let poll = self.config.suspect_poll;
+                self.watch = Some(Box::pin(async move { transport.ready(&queue, poll).await }));
+            }
+            Io::Fetch => {
+                let queue = self.engine.plan().isolation_queue().to_owned();
+                self.tasks.push(Box::pin(async move {
+                    Event::Fetched(transport.fetch(&queue).await)
+                }));
+            }
+            Io::Flush => match self.subscription.clone() {
+                Some(subscription) => self.tasks.push(Box::pin(async move {
+                    Event::Flushed {
+                        ends_phase: true,
+                        result: subscription.flush().await,
+                    }
+                })),
+                None => self.lanes.handle_flushed(),
+            },
+            Io::Admit {
+                delivery,
+                lane,
+                probe,
+            } => self.admit(delivery, lane, probe, false),
+            Io::Decline { delivery } => self.admit(delivery, Lane::Isolation, false, true),
+            Io::Cancel => {
+                if let Some(subscription) = self.subscription.clone() {
                     self.tasks.push(Box::pin(async move {
-                        Event::Flushed {
-                            ends_phase: true,
-                            result: subscription.flush().await,
-                        }
+                        Event::Cancelled(subscription.cancel().await)
                     }));
-                    return;
                 }
-                Phase::Flushing => {
-                    if intake.flushing {
-                        return;
-                    }
-                    info!(queue = %self.config.queue, "running suspects alone");
-                    intake.phase = Phase::Solo {
-                        started: now,
-                        runs: 0,
-                    };
-                }
-                Phase::Solo { started, runs } => {
-                    if self.held() > 0 || intake.fetching {
-                        return;
-                    }
-                    let spent = now.saturating_duration_since(started);
-                    let limit_reached =
-                        runs >= self.config.solo_runs || spent >= self.config.solo_time;
-                    if intake.suspects && !limit_reached && !shutting_down && intake.fatal.is_none()
-                    {
-                        intake.fetching = true;
-                        let (transport, queue) = (self.transport, self.isolation.clone());
-                        self.tasks.push(Box::pin(async move {
-                            Event::Fetched(transport.fetch(&queue).await)
-                        }));
-                        return;
-                    }
-                    if intake.suspects && limit_reached {
-                        // The work lane gets a turn as long as the solo phase took (at
-                        // least the poll interval), so a stream of suspects cannot starve it.
-                        let turn = spent.max(self.config.suspect_poll);
-                        debug!(queue = %self.config.queue, runs, spent = %format_delay(spent), "solo limit reached: the work lane takes a turn");
-                        intake.turn = Some(self.transport.sleep(turn));
-                    }
-                    intake.phase = Phase::Work;
-                }
+            }
+            Io::StopReceiving => {
+                self.recv = None;
+                self.watch = None;
             }
         }
     }
 
-    fn receive(
-        &self,
-        subscription: Arc<T::Subscription>,
-        backoff: Option<Duration>,
-    ) -> BoxFuture<'a, Received<T::Tag>> {
-        let sleep = backoff.map(|wait| self.transport.sleep(wait));
-        Box::pin(async move {
-            if let Some(sleep) = sleep {
-                sleep.await;
-            }
-            subscription.recv().await
-        })
-    }
-
-    fn received(&mut self, intake: &mut Intake<'a, T>, received: Received<T::Tag>) {
-        match received {
-            Ok(Some(delivery)) => {
-                intake.next_backoff = MIN_RECEIVE_BACKOFF;
-                let isolating = intake.phase == Phase::Draining
-                    && self.held() > 0
-                    && delivery.facts.crash_evidence() > 0;
-                if intake.phase == Phase::Work || isolating {
-                    self.admit(delivery, Lane::Work);
-                } else {
-                    intake.deferred = Some(delivery);
-                }
-            }
-            Ok(None) => {
-                info!(queue = %self.config.queue, "the transport has no more deliveries");
-                intake.receiving = false;
-                intake.watch = None;
-            }
-            Err(TransportError::Closed) => {
-                info!(queue = %self.config.queue, "the transport was closed");
-                intake.receiving = false;
-                intake.watch = None;
-            }
-            Err(e @ (TransportError::Connection { .. } | TransportError::Timeout { .. })) => {
-                self.report.receive_errors += 1;
-                warn!(
-                    queue = %self.config.queue,
-                    error = &e as &dyn Error,
-                    retry_in = %format_delay(intake.next_backoff),
-                    "receive failed; trying again",
-                );
-                intake.backoff = Some(intake.next_backoff);
-                intake.next_backoff = (intake.next_backoff * 2).min(MAX_RECEIVE_BACKOFF);
-            }
-            Err(source) => {
-                intake.fatal = Some(ConsumerError::Receive {
-                    queue: self.config.queue.clone(),
-                    source,
-                });
-            }
-        }
-    }
-
-    /// A fetch or watch of the isolation queue failed. A lost connection ends the solo phase
-    /// and tries again after the poll interval; anything else stops the consumer.
-    fn isolation_error(&mut self, intake: &mut Intake<'a, T>, e: TransportError) {
-        match e {
-            TransportError::Connection { .. } | TransportError::Timeout { .. } => {
-                self.report.receive_errors += 1;
-                warn!(
-                    queue = %self.isolation,
-                    error = &e as &dyn Error,
-                    retry_in = %format_delay(self.config.suspect_poll),
-                    "taking suspects failed; trying again",
-                );
-                intake.suspects = true;
-                intake.turn = Some(self.transport.sleep(self.config.suspect_poll));
-                if matches!(intake.phase, Phase::Solo { .. }) {
-                    intake.phase = Phase::Work;
-                }
-            }
-            source => {
-                intake.fatal = Some(ConsumerError::Isolation {
-                    queue: self.isolation.clone(),
-                    source,
-                });
-            }
-        }
-    }
-
-    fn admit(&mut self, delivery: Delivery<T::Tag>, lane: Lane) {
+    /// Hands a delivery to the engine: to run, or, `declined`, to be put back in the
+    /// isolation queue without running.
+    fn admit(&mut self, delivery: Delivery<T::Tag>, lane: Lane, probe: bool, declined: bool) {
         if delivery.message.headers().get(headers::PROBE).is_some() {
             self.ack_probe(delivery, lane);
             return;
@@ -685,11 +434,16 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             message,
             span: span.clone(),
             lane,
-            identity: facts.identity,
-            probe: lane == Lane::Work && self.storm.as_ref().is_some_and(Storm::probing),
+            excuse_key: facts.excuse_key(),
+            probe,
             since: now,
         };
-        let id = self.engine.handle_delivery(now, lane, facts, held);
+        let id = if declined {
+            info!(parent: &span, "shutting down: the suspect goes back to the isolation queue unrun");
+            self.engine.handle_declined(now, facts, held)
+        } else {
+            self.engine.handle_delivery(now, lane, facts, held)
+        };
         span.record("delivery", display_value(&id));
         if !facts.malformed.is_empty() {
             warn!(
@@ -804,7 +558,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         Ok(())
     }
 
-    fn finish(&mut self, event: Event<T>, intake: &mut Intake<'a, T>) -> Result<(), ConsumerError> {
+    fn finish(&mut self, event: Event<T>) -> Result<(), ConsumerError> {
         let now = self.transport.now();
         match event {
             Event::Handled { id, run } => {
@@ -822,14 +576,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     RunOutcome::Permanent => None,
                     _ => Some(true),
                 };
-                if lane == Lane::Work
-                    && let Some(event) = self
-                        .storm
-                        .as_mut()
-                        .and_then(|s| s.run_ended(now, probe, failed))
-                {
-                    self.storm_event(event);
-                }
+                self.lanes.handle_run_ended(now, lane, probe, failed);
                 self.engine.handle_outcome(now, id, outcome)?;
             }
             Event::Published { id, result } => {
@@ -845,56 +592,28 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 held,
                 terminal,
                 result,
-            } => self.settled(held, terminal, result, intake),
-            Event::Subscribed(result) => {
-                intake.subscribing = false;
-                match result {
-                    Ok(subscription) => {
-                        let subscription = Arc::new(subscription);
-                        if intake.receiving {
-                            info!(queue = %self.config.queue, prefetch = self.config.prefetch, "consuming");
-                        } else {
-                            // Shut down while it was being made.
-                            let cancel = Arc::clone(&subscription);
-                            self.tasks.push(Box::pin(async move {
-                                Event::Cancelled(cancel.cancel().await)
-                            }));
-                        }
-                        self.subscription = Some(subscription);
-                    }
-                    Err(source) => {
-                        intake.fatal = Some(ConsumerError::Consume {
-                            queue: self.config.queue.clone(),
-                            source,
-                        });
-                    }
-                }
+            } => self.settled(held, terminal, result),
+            Event::Subscribed(Ok(subscription)) => {
+                self.subscription = Some(Arc::new(subscription));
+                self.lanes.handle_subscribed(Ok(()));
             }
+            Event::Subscribed(Err(e)) => self.lanes.handle_subscribed(Err(e)),
             Event::Cancelled(Err(e)) => {
                 warn!(queue = %self.config.queue, error = &e as &dyn Error, "stopping the consumer failed");
             }
             Event::Cancelled(Ok(())) => {}
             Event::Flushed { ends_phase, result } => {
-                intake.flushing &= !ends_phase;
+                if ends_phase {
+                    self.lanes.handle_flushed();
+                }
                 if let Err(e) = result {
                     warn!(queue = %self.config.queue, error = &e as &dyn Error, "sending acknowledgements failed; the broker redelivers what it did not see settled");
                 }
             }
-            Event::Fetched(result) => {
-                intake.fetching = false;
-                match result {
-                    Ok(Some(delivery)) => {
-                        if let Phase::Solo { runs, .. } = &mut intake.phase {
-                            *runs += 1;
-                        }
-                        self.admit(delivery, Lane::Isolation);
-                    }
-                    Ok(None) => intake.suspects = false,
-                    Err(e) => self.isolation_error(intake, e),
-                }
-            }
+            Event::Fetched(result) => self.lanes.handle_fetched(now, result),
             Event::ProbeAcked(result) => {
                 self.settling -= 1;
+                self.lanes.handle_released(false);
                 match result {
                     Ok(()) => self.report.probes += 1,
                     Err(e) => {
@@ -911,19 +630,10 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         held: Held<T::Tag>,
         terminal: Terminal,
         result: Result<(), TransportError>,
-        intake: &mut Intake<'a, T>,
     ) {
         self.settling -= 1;
-        match result {
+        let back_in_isolation = match result {
             Ok(()) => {
-                // A clone just went into the isolation queue: it waits for a solo run.
-                let into_isolation = match terminal {
-                    Terminal::Isolated => true,
-                    Terminal::Diverted { delay, .. } => delay.is_zero(),
-                    Terminal::Requeued { .. } => held.lane == Lane::Isolation,
-                    _ => false,
-                };
-                intake.suspects |= into_isolation;
                 if terminal == Terminal::Isolated
                     && let Some(subscription) = self.subscription.clone()
                 {
@@ -941,22 +651,31 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 if let Some(observer) = self.observer {
                     observer(&held.message, &terminal);
                 }
+                // A clone just went into the isolation queue: it waits for a solo run.
+                match terminal {
+                    Terminal::Isolated => true,
+                    Terminal::Diverted { delay, .. } => delay.is_zero(),
+                    Terminal::Requeued { .. } => held.lane == Lane::Isolation,
+                    _ => false,
+                }
             }
             Err(e) => {
                 self.report.settle_errors += 1;
-                if held.lane == Lane::Isolation {
-                    // The broker puts it back in the isolation queue redelivered, and this
-                    // process knows why: not a crash.
-                    self.engine.excuse(held.identity);
-                    intake.suspects = true;
-                }
                 warn!(
                     parent: &held.span,
                     error = &e as &dyn Error,
                     "settling failed; the broker will redeliver",
                 );
+                // The broker puts it back in the isolation queue redelivered, and this
+                // process knows why: not a crash.
+                let isolation = held.lane == Lane::Isolation;
+                if isolation {
+                    self.engine.excuse(held.excuse_key);
+                }
+                isolation
             }
-        }
+        };
+        self.lanes.handle_released(back_in_isolation);
     }
 
     /// The engine's outcome of a handler run, and its metrics label.
@@ -992,22 +711,13 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         (outcome, label)
     }
 
-    /// How many deliveries may be held while the work lane takes deliveries: `prefetch`,
-    /// unless storm control holds it back.
-    fn work_limit(&self) -> usize {
-        let prefetch = self.config.prefetch;
-        self.storm
-            .as_ref()
-            .map_or(usize::from(prefetch), |s| s.limit(prefetch))
-    }
-
     fn storm_event(&mut self, event: StormEvent) {
         let queue = &self.config.queue;
         match event {
             StormEvent::Paused { cool_down } => {
                 self.report.storm_pauses += 1;
                 self.metrics.storm_paused(true);
-                warn!(%queue, cool_down = %format_delay(cool_down), held = self.held(), "storm control: handlers keep failing; no new work until a probe succeeds");
+                warn!(%queue, cool_down = %format_delay(cool_down), held = self.lanes.held(), "storm control: handlers keep failing; no new work until a probe succeeds");
             }
             StormEvent::Probing => {
                 info!(%queue, "storm control: probing with one delivery at a time");
@@ -1060,11 +770,6 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 error!(queue = %self.config.queue, after = %format_delay(FINAL_FLUSH_TIMEOUT), "sending the last acknowledgements timed out; the broker may redeliver those deliveries");
             }
         }
-    }
-
-    /// Deliveries held: in the engine, or settling.
-    fn held(&self) -> usize {
-        self.engine.in_flight() + self.settling
     }
 
     fn held_mut(&mut self, id: DeliveryId) -> Result<&mut Held<T::Tag>, EngineError> {

@@ -1,0 +1,622 @@
+//! `Lanes`: which intake has the turn, as a state machine with no IO, beside the engine.
+//!
+//! The consumer takes deliveries from two intakes: the work queue's subscription, and
+//! suspects fetched one at a time from the isolation queue while nothing else in the
+//! process runs. `Lanes` decides when each is read, when a delivery is admitted to the
+//! engine, and when the consumer is quiet; the run loop (`run.rs`) only turns its
+//! [`Io`] requests into futures and feeds their results back, like quinn's endpoint driver.
+//!
+//! ```text
+//!          suspects waiting, or another               nothing held          acks flushed
+//!          consumer of the process asking
+//!  Work ─────────────────────────────────▶ Draining ──────────────▶ Flushing ─────────────▶ Quiet
+//!   ▲                                                                                      │ ▲
+//!   │                                                      this one asked, came first, and │ │ no suspects,
+//!   │                                                        every other consumer is quiet ▼ │ or limit reached
+//!   └──────────────── nobody else asking, and no suspects due ──────────────────────────── Solo
+//! ```
+//!
+//! It owns every rule that keeps crash attribution exact:
+//! * A suspect is only fetched in `Solo`, and `Solo` is only left with nothing held and no
+//!   fetch under way: a suspect never runs beside work, and a fetch never lands after the
+//!   phase changed. A failed fetch or watch marks suspects as waiting; it never changes the
+//!   phase by itself.
+//! * `Solo` needs the process's [`SoloGate`](super::SoloGate): every other consumer of the
+//!   process is quiet while it lasts.
+//! * A suspect fetched once shutdown has begun is not run: it is declined, and the engine
+//!   puts a fresh copy of it back in the isolation queue, so it does not come back
+//!   redelivered and get charged a crash.
+//! * While storm control holds the work lane back, a delivery that arrives from a receive
+//!   started before the pause waits unstarted, as the ones still with the broker do.
+
+use std::collections::VecDeque;
+use std::error::Error;
+use std::time::Duration;
+
+use tracing::{debug, info, warn};
+
+use super::error::ConsumerError;
+use super::gate::GateMember;
+use super::storm::{Storm, StormControl, StormEvent};
+use crate::decision::Lane;
+use crate::message::Delivery;
+use crate::time::{Timestamp, format_delay};
+use crate::transport::TransportError;
+
+/// The first wait before trying again after a lost connection; it doubles per failure.
+const MIN_BACKOFF: Duration = Duration::from_millis(100);
+/// Waits stay short so a recovered connection is used soon.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Settings the scheduler reads.
+#[derive(Clone, Debug)]
+pub(super) struct LaneSettings {
+    pub(super) queue: String,
+    pub(super) isolation: String,
+    pub(super) prefetch: u16,
+    pub(super) solo_runs: u32,
+    pub(super) solo_time: Duration,
+    pub(super) suspect_poll: Duration,
+}
+
+/// Which intake has the turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// Work-queue deliveries run, up to the work limit at once.
+    Work,
+    /// No new work starts until everything held is settled.
+    Draining,
+    /// Sending the work subscription's batched acknowledgements, so that a crash during
+    /// a solo run cannot send handled work back to the queue.
+    Flushing,
+    /// Nothing held, nothing started: waiting for the gate, or for another consumer's solo
+    /// phase to end.
+    Quiet,
+    /// Suspects run one at a time with nothing else in the process running.
+    Solo { started: Timestamp, runs: u32 },
+}
+
+/// An IO request for the run loop. Each one started is answered with the matching
+/// `handle_*` call, except `Admit` and `Decline`, which hand a delivery to the engine, and
+/// `Cancel` and `StopReceiving`.
+#[derive(Debug)]
+pub(super) enum Io<Tag> {
+    /// Subscribe to the work queue, after waiting `after`; answer with
+    /// [`Lanes::handle_subscribed`].
+    Subscribe { after: Option<Duration> },
+    /// Receive the next work delivery, after waiting `after`; answer with
+    /// [`Lanes::handle_received`].
+    Receive { after: Option<Duration> },
+    /// Watch the isolation queue; answer with [`Lanes::handle_watch`].
+    Watch,
+    /// Fetch one suspect; answer with [`Lanes::handle_fetched`].
+    Fetch,
+    /// Send the subscription's batched acknowledgements; answer with
+    /// [`Lanes::handle_flushed`].
+    Flush,
+    /// Hand the delivery to the engine to run; [`Lanes::handle_released`] once settled.
+    Admit {
+        delivery: Delivery<Tag>,
+        lane: Lane,
+        /// Taken while storm control was probing.
+        probe: bool,
+    },
+    /// Hand the suspect to the engine without running it: it goes back to the isolation
+    /// queue as a fresh copy. [`Lanes::handle_released`] once settled.
+    Decline { delivery: Delivery<Tag> },
+    /// Cancel the subscription: no more work deliveries.
+    Cancel,
+    /// Drop the receive and the watch under way.
+    StopReceiving,
+}
+
+/// The scheduler of one consumer's intakes.
+pub(super) struct Lanes<Tag> {
+    settings: LaneSettings,
+    phase: Phase,
+    gate: GateMember,
+    storm: Option<Storm>,
+    /// The isolation queue may hold suspects.
+    suspects: bool,
+    /// Until then the work lane keeps the turn, even with suspects waiting.
+    turn_until: Option<Timestamp>,
+    /// A work delivery received but not started: it starts when the work lane has the
+    /// turn and room.
+    deferred: Option<Delivery<Tag>>,
+    /// The work queue is still read: not shut down, not failed, and its stream has not
+    /// ended.
+    receiving: bool,
+    shutting_down: bool,
+    subscribed: bool,
+    subscribing: bool,
+    receive_in_flight: bool,
+    watching: bool,
+    fetching: bool,
+    flushing: bool,
+    /// Deliveries admitted or declined and not yet released.
+    held: usize,
+    receive_backoff: Backoff,
+    subscribe_backoff: Backoff,
+    fatal: Option<ConsumerError>,
+    receive_errors: u64,
+    io: VecDeque<Io<Tag>>,
+    events: VecDeque<StormEvent>,
+}
+
+/// A doubling wait, from [`MIN_BACKOFF`] up to [`MAX_BACKOFF`].
+#[derive(Debug)]
+struct Backoff {
+    /// The wait before the next attempt, once one failed.
+    pending: Option<Duration>,
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff {
+            pending: None,
+            next: MIN_BACKOFF,
+        }
+    }
+
+    fn failed(&mut self) -> Duration {
+        let wait = self.next;
+        self.pending = Some(wait);
+        self.next = (self.next * 2).min(MAX_BACKOFF);
+        wait
+    }
+
+    fn succeeded(&mut self) {
+        self.next = MIN_BACKOFF;
+    }
+}
+
+fn retryable(e: &TransportError) -> bool {
+    matches!(
+        e,
+        TransportError::Connection { .. } | TransportError::Timeout { .. }
+    )
+}
+
+impl<Tag> Lanes<Tag> {
+    /// A consumer starts by running the suspects left by the last one, before it takes any
+    /// work: a work delivery prefetched during a solo run that crashes comes back a
+    /// suspect itself.
+    pub(super) fn new(
+        settings: LaneSettings,
+        storm: Option<StormControl>,
+        gate: GateMember,
+    ) -> Self {
+        Lanes {
+            settings,
+            phase: Phase::Quiet,
+            gate,
+            storm: storm.map(Storm::new),
+            suspects: true,
+            turn_until: None,
+            deferred: None,
+            receiving: true,
+            shutting_down: false,
+            subscribed: false,
+            subscribing: false,
+            receive_in_flight: false,
+            watching: false,
+            fetching: false,
+            flushing: false,
+            held: 0,
+            receive_backoff: Backoff::new(),
+            subscribe_backoff: Backoff::new(),
+            fatal: None,
+            receive_errors: 0,
+            io: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// The next IO request. Call it after every `handle_*` call, until it returns `None`.
+    pub(super) fn poll_io(&mut self, now: Timestamp) -> Option<Io<Tag>> {
+        if self.io.is_empty() {
+            self.advance(now);
+        }
+        self.io.pop_front()
+    }
+
+    /// The next change of storm control's state. Drain it after every `handle_*` call.
+    pub(super) fn poll_event(&mut self) -> Option<StormEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) is due next: the end of the work
+    /// lane's turn, or of a storm cool-down.
+    pub(super) fn poll_timeout(&self) -> Option<Timestamp> {
+        let storm = self.storm.as_ref().and_then(Storm::poll_timeout);
+        [self.turn_until, storm].into_iter().flatten().min()
+    }
+
+    /// Time has passed: ends the work lane's turn or a storm cool-down when due. Safe to
+    /// call at any time.
+    pub(super) fn handle_timeout(&mut self, now: Timestamp) {
+        if self.turn_until.is_some_and(|t| t <= now) {
+            self.turn_until = None;
+        }
+        if let Some(event) = self.storm.as_mut().and_then(|s| s.handle_timeout(now)) {
+            self.events.push_back(event);
+        }
+    }
+
+    /// The process's gate, whose changes the run loop waits on.
+    pub(super) fn gate(&mut self) -> &mut GateMember {
+        &mut self.gate
+    }
+
+    /// Deliveries held: admitted or declined, and not released yet.
+    pub(super) fn held(&self) -> usize {
+        self.held
+    }
+
+    /// Whether the consumer is done: it reads nothing more and holds nothing, and no
+    /// subscribe, fetch or flush is under way.
+    pub(super) fn finished(&self) -> bool {
+        (self.shutting_down || !self.receiving)
+            && self.held == 0
+            && !self.fetching
+            && !self.subscribing
+            && !self.flushing
+    }
+
+    /// Why the consumer must stop, once everything held is finished.
+    pub(super) fn take_fatal(&mut self) -> Option<ConsumerError> {
+        self.fatal.take()
+    }
+
+    /// Receive, subscribe, fetch and watch errors recovered from by trying again.
+    pub(super) fn receive_errors(&self) -> u64 {
+        self.receive_errors
+    }
+
+    /// Shutdown was requested: no more deliveries; the ones held finish.
+    pub(super) fn handle_shutdown(&mut self) {
+        self.shutting_down = true;
+        if self.receiving && self.subscribed {
+            self.io.push_back(Io::Cancel);
+        }
+        self.stop_receiving();
+    }
+
+    /// The answer to [`Io::Subscribe`].
+    pub(super) fn handle_subscribed(&mut self, result: Result<(), TransportError>) {
+        self.subscribing = false;
+        match result {
+            Ok(()) => {
+                self.subscribed = true;
+                self.subscribe_backoff.succeeded();
+                if self.receiving {
+                    info!(queue = %self.settings.queue, prefetch = self.settings.prefetch, "consuming");
+                } else {
+                    // Shut down while it was being made.
+                    self.io.push_back(Io::Cancel);
+                }
+            }
+            Err(e) if retryable(&e) => {
+                self.receive_errors += 1;
+                let wait = self.subscribe_backoff.failed();
+                warn!(queue = %self.settings.queue, error = &e as &dyn Error, retry_in = %format_delay(wait), "subscribing failed; trying again");
+            }
+            Err(source) => self.fail(ConsumerError::Consume {
+                queue: self.settings.queue.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// The answer to [`Io::Receive`].
+    pub(super) fn handle_received(
+        &mut self,
+        result: Result<Option<Delivery<Tag>>, TransportError>,
+    ) {
+        self.receive_in_flight = false;
+        match result {
+            Ok(Some(delivery)) => {
+                self.receive_backoff.succeeded();
+                let room = self.held < self.work_limit();
+                let isolating = self.phase == Phase::Draining
+                    && self.held > 0
+                    && delivery.facts.crash_evidence() > 0;
+                if (self.phase == Phase::Work && room) || isolating {
+                    self.admit(delivery, Lane::Work);
+                } else {
+                    self.deferred = Some(delivery);
+                }
+            }
+            Ok(None) => {
+                info!(queue = %self.settings.queue, "the transport has no more deliveries");
+                self.stop_receiving();
+            }
+            Err(TransportError::Closed) => {
+                info!(queue = %self.settings.queue, "the transport was closed");
+                self.stop_receiving();
+            }
+            Err(e) if retryable(&e) => {
+                self.receive_errors += 1;
+                let wait = self.receive_backoff.failed();
+                warn!(queue = %self.settings.queue, error = &e as &dyn Error, retry_in = %format_delay(wait), "receive failed; trying again");
+            }
+            Err(source) => self.fail(ConsumerError::Receive {
+                queue: self.settings.queue.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// The answer to [`Io::Fetch`].
+    pub(super) fn handle_fetched(
+        &mut self,
+        now: Timestamp,
+        result: Result<Option<Delivery<Tag>>, TransportError>,
+    ) {
+        self.fetching = false;
+        match result {
+            Ok(Some(delivery)) => {
+                if let Phase::Solo { runs, .. } = &mut self.phase {
+                    *runs += 1;
+                }
+                if self.shutting_down || self.fatal.is_some() {
+                    // Run now, it could outlast the grace and come back redelivered, to be
+                    // charged a crash by the next process.
+                    self.held += 1;
+                    self.io.push_back(Io::Decline { delivery });
+                } else {
+                    self.admit(delivery, Lane::Isolation);
+                }
+            }
+            Ok(None) => self.suspects = false,
+            Err(e) => self.isolation_error(now, e),
+        }
+    }
+
+    /// The answer to [`Io::Watch`].
+    pub(super) fn handle_watch(&mut self, now: Timestamp, result: Result<(), TransportError>) {
+        self.watching = false;
+        match result {
+            Ok(()) => self.suspects = true,
+            Err(e) => self.isolation_error(now, e),
+        }
+    }
+
+    /// The answer to [`Io::Flush`].
+    pub(super) fn handle_flushed(&mut self) {
+        self.flushing = false;
+    }
+
+    /// A delivery's settlement is done (or failed); `back_in_isolation` when it left a
+    /// message in the isolation queue: a suspect's clone, or a suspect put back.
+    pub(super) fn handle_released(&mut self, back_in_isolation: bool) {
+        self.held = self.held.saturating_sub(1);
+        self.suspects |= back_in_isolation;
+    }
+
+    /// A handler run of the work lane ended (storm control watches them): `failed` is
+    /// `Some(true)` for a transient failure, `Some(false)` for a success, `None` for a
+    /// permanent failure.
+    pub(super) fn handle_run_ended(
+        &mut self,
+        now: Timestamp,
+        lane: Lane,
+        probe: bool,
+        failed: Option<bool>,
+    ) {
+        if lane != Lane::Work {
+            return;
+        }
+        if let Some(event) = self
+            .storm
+            .as_mut()
+            .and_then(|s| s.run_ended(now, probe, failed))
+        {
+            self.events.push_back(event);
+        }
+    }
+
+    fn fail(&mut self, fatal: ConsumerError) {
+        error_once(&self.fatal, &fatal);
+        self.fatal.get_or_insert(fatal);
+        self.stop_receiving();
+    }
+
+    /// No more work is taken: a receive or watch under way is dropped, and a delivery
+    /// received but never started goes back to the broker with the connection.
+    fn stop_receiving(&mut self) {
+        if self.receiving {
+            self.io.push_back(Io::StopReceiving);
+        }
+        self.receiving = false;
+        self.receive_in_flight = false;
+        self.watching = false;
+        self.turn_until = None;
+        self.deferred = None;
+    }
+
+    /// A fetch or watch of the isolation queue failed. A lost connection or a timeout
+    /// leaves suspects waiting and gives the work lane a turn of the poll interval before
+    /// the next look; anything else stops the consumer. Either way the phase only changes
+    /// once nothing is held.
+    fn isolation_error(&mut self, now: Timestamp, e: TransportError) {
+        if retryable(&e) {
+            self.receive_errors += 1;
+            warn!(queue = %self.settings.isolation, error = &e as &dyn Error, retry_in = %format_delay(self.settings.suspect_poll), "taking suspects failed; trying again");
+            self.suspects = true;
+            self.turn_until = Some(now.saturating_add(self.settings.suspect_poll));
+        } else {
+            self.fail(ConsumerError::Isolation {
+                queue: self.settings.isolation.clone(),
+                source: e,
+            });
+        }
+    }
+
+    /// How many deliveries may be held while the work lane takes deliveries: `prefetch`,
+    /// unless storm control holds it back.
+    fn work_limit(&self) -> usize {
+        let prefetch = self.settings.prefetch;
+        self.storm
+            .as_ref()
+            .map_or(usize::from(prefetch), |s| s.limit(prefetch))
+    }
+
+    fn admit(&mut self, delivery: Delivery<Tag>, lane: Lane) {
+        let probe = lane == Lane::Work && self.storm.as_ref().is_some_and(Storm::probing);
+        self.held += 1;
+        self.io.push_back(Io::Admit {
+            delivery,
+            lane,
+            probe,
+        });
+    }
+
+    fn turn_over(&self, now: Timestamp) -> bool {
+        self.turn_until.is_none_or(|t| t <= now)
+    }
+
+    /// Moves the intakes along: requests the next subscribe, receive, fetch, flush or watch
+    /// that the phase calls for, and changes phase when its work is done.
+    fn advance(&mut self, now: Timestamp) {
+        loop {
+            match self.phase {
+                Phase::Work => {
+                    let due = self.suspects && self.turn_over(now) && self.receiving;
+                    if due || self.gate.others_asking() {
+                        if due {
+                            self.gate.request();
+                            debug!(queue = %self.settings.queue, held = self.held, "suspects waiting: draining the work lane");
+                        } else {
+                            debug!(queue = %self.settings.queue, held = self.held, "another consumer of the process runs suspects: draining the work lane");
+                        }
+                        self.phase = Phase::Draining;
+                        continue;
+                    }
+                    if !self.receiving {
+                        break;
+                    }
+                    if !self.subscribed {
+                        if !self.subscribing {
+                            self.subscribing = true;
+                            let after = self.subscribe_backoff.pending.take();
+                            self.io.push_back(Io::Subscribe { after });
+                        }
+                        break;
+                    }
+                    if !self.watching && !self.suspects {
+                        self.watching = true;
+                        self.io.push_back(Io::Watch);
+                    }
+                    if self.held >= self.work_limit() {
+                        break;
+                    }
+                    if let Some(delivery) = self.deferred.take() {
+                        self.admit(delivery, Lane::Work);
+                        continue;
+                    }
+                    if !self.receive_in_flight {
+                        self.receive_in_flight = true;
+                        let after = self.receive_backoff.pending.take();
+                        self.io.push_back(Io::Receive { after });
+                    }
+                    break;
+                }
+                Phase::Draining => {
+                    if self.held > 0 {
+                        // Redelivered deliveries still arriving are isolated meanwhile: after
+                        // a crash they come first, and a handler never runs for them.
+                        if self.subscribed
+                            && self.receiving
+                            && !self.receive_in_flight
+                            && self.deferred.is_none()
+                            && self.held < usize::from(self.settings.prefetch)
+                        {
+                            self.receive_in_flight = true;
+                            let after = self.receive_backoff.pending.take();
+                            self.io.push_back(Io::Receive { after });
+                        }
+                        break;
+                    }
+                    self.phase = Phase::Flushing;
+                    if self.subscribed {
+                        self.flushing = true;
+                        self.io.push_back(Io::Flush);
+                        break;
+                    }
+                }
+                Phase::Flushing => {
+                    if self.flushing {
+                        break;
+                    }
+                    self.phase = Phase::Quiet;
+                }
+                Phase::Quiet => {
+                    let want = self.suspects
+                        && self.turn_over(now)
+                        && !self.shutting_down
+                        && self.fatal.is_none();
+                    if want {
+                        self.gate.request();
+                        if !self.gate.try_enter() {
+                            // Another consumer of the process is not quiet yet, or asked
+                            // first: wait for the gate to change.
+                            break;
+                        }
+                        info!(queue = %self.settings.queue, "running suspects alone");
+                        self.phase = Phase::Solo {
+                            started: now,
+                            runs: 0,
+                        };
+                        continue;
+                    }
+                    self.gate.leave();
+                    if self.gate.others_asking() || self.shutting_down || self.fatal.is_some() {
+                        break;
+                    }
+                    self.phase = Phase::Work;
+                }
+                Phase::Solo { started, runs } => {
+                    if self.held > 0 || self.fetching {
+                        break;
+                    }
+                    let spent = now.saturating_duration_since(started);
+                    let limit_reached =
+                        runs >= self.settings.solo_runs || spent >= self.settings.solo_time;
+                    if self.suspects
+                        && self.turn_over(now)
+                        && !limit_reached
+                        && !self.shutting_down
+                        && self.fatal.is_none()
+                    {
+                        self.fetching = true;
+                        self.io.push_back(Io::Fetch);
+                        break;
+                    }
+                    if self.suspects && limit_reached {
+                        // The work lane gets a turn as long as the solo phase took (at
+                        // least the poll interval), so a stream of suspects cannot starve it.
+                        let turn = spent.max(self.settings.suspect_poll);
+                        debug!(queue = %self.settings.queue, runs, spent = %format_delay(spent), "solo limit reached: the work lane takes a turn");
+                        self.turn_until = Some(now.saturating_add(turn));
+                    }
+                    self.gate.leave();
+                    self.phase = Phase::Quiet;
+                }
+            }
+        }
+        let quiet = matches!(self.phase, Phase::Quiet | Phase::Solo { .. })
+            || (!self.receiving && self.held == 0);
+        self.gate.set_quiet(quiet);
+    }
+}
+
+fn error_once(previous: &Option<ConsumerError>, fatal: &ConsumerError) {
+    if previous.is_none() {
+        tracing::error!(
+            error = fatal as &dyn Error,
+            "finishing the deliveries held, then stopping"
+        );
+    }
+}
