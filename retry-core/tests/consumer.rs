@@ -1745,7 +1745,6 @@ async fn while_one_consumer_runs_a_suspect_no_other_consumer_of_its_process_runs
 
 #[tokio::test(start_paused = true)]
 async fn a_delivery_received_after_storm_control_paused_waits_unstarted() {
-    let log = Log::default();
     let timeout = || {
         Err(TransportError::Timeout {
             operation: "recv",

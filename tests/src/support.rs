@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use retry_core::{
-    Cascade, ConsumerBuilder, DelayStrategy, QueueType, RetryPolicy, TopologyBuilder, TopologyPlan,
-    Transport,
+    Cascade, ConsumerBuilder, DelayStrategy, QueueType, RetryPolicy, SoloGate, TopologyBuilder,
+    TopologyPlan, Transport,
 };
 
 use crate::harness::{Harness, Need, TopologyFaults};
@@ -137,6 +137,9 @@ impl Setup {
             .with_suspect_poll(ms(100))
             .with_topology(customize(self.quorum, self.strategy.clone()))
             .with_on_terminal(journal.observer())
+            // Each consumer a scenario starts stands for a process of its own, and scenarios
+            // run side by side in one test binary: none waits on another's suspects.
+            .with_solo_gate(SoloGate::new())
     }
 
     /// The delay queue a clone with `delay` goes to.

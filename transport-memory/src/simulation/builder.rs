@@ -128,6 +128,7 @@ impl SimulationBuilder {
     /// (default 0). The same seed and script give the same trace.
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
+        self.settings.seed = seed;
         self
     }
 
@@ -239,6 +240,7 @@ impl Simulation {
                 horizon: DEFAULT_HORIZON,
                 handler: None,
                 storm: None,
+                seed: 0,
             },
             seed: 0,
             crash_rate: 0.0,

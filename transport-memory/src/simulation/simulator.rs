@@ -9,8 +9,8 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use retry_core::{
-    Consumer, DelayStrategy, Handler, QueueType, RetryPolicy, RunReport, StormControl, Timestamp,
-    TopologyPlan,
+    Consumer, DelayStrategy, Handler, QueueType, RetryPolicy, RunReport, SoloGate, StormControl,
+    Timestamp, TopologyPlan, splitmix64,
 };
 
 use crate::broker::Broker;
@@ -67,6 +67,8 @@ pub(crate) struct Settings {
     pub(crate) horizon: Duration,
     pub(crate) handler: Option<Arc<dyn Handler>>,
     pub(crate) storm: Option<StormControl>,
+    /// The simulation's seed, from which each process's suspect tokens are drawn.
+    pub(crate) seed: u64,
 }
 
 /// A simulation of consumers running the real retry driver ([`Consumer`]) on the in-memory
@@ -343,7 +345,10 @@ impl Simulation {
                     None => b,
                 }
             })
-            .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal));
+            .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
+            // A simulated process is a failure domain of its own, and replays exactly.
+            .with_solo_gate(SoloGate::new())
+            .with_token_seed(splitmix64(s.seed ^ u64::from(number)));
         if let Some(storm) = &s.storm {
             consumer = consumer.with_storm_control(storm.clone());
         }
