@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use slotmap::{Key as _, KeyData, SlotMap};
 
+use crate::excuses::Excuses;
 use crate::decision::{
     Admission, AttemptState, CRASH_CAUSE, Decision, Lane, Outcome, admit, decide, recorded_cause,
 };
@@ -357,6 +358,8 @@ struct Live<D> {
     publish_retries: u32,
     /// What an excuse for it is keyed by: [`DeliveryFacts::excuse_key`].
     excuse_key: u64,
+    /// It showed crash evidence the engine counts: a crash not recorded anywhere else.
+    evidence: bool,
     /// The caller's data for the delivery.
     data: D,
 }
@@ -375,8 +378,6 @@ fn random_seed() -> u64 {
     h.finish()
 }
 
-/// How many excused identities the engine remembers; older ones are forgotten first.
-const EXCUSED_CAPACITY: usize = 1024;
 
 /// The retry state machine for one work queue.
 ///
@@ -441,7 +442,7 @@ pub struct Engine<D = ()> {
     live: SlotMap<Slot, Live<D>>,
     actions: VecDeque<Action<D>>,
     timers: Vec<(Timestamp, DeliveryId)>,
-    excused: VecDeque<u64>,
+    excused: Excuses,
     /// Seeds the suspect tokens; see [`with_token_seed`](Self::with_token_seed).
     token_seed: u64,
     tokens: u64,
@@ -489,7 +490,7 @@ impl<D> Engine<D> {
             live: SlotMap::with_key(),
             actions: VecDeque::new(),
             timers: Vec::new(),
-            excused: VecDeque::new(),
+            excused: Excuses::new(),
             token_seed: random_seed(),
             tokens: 0,
         }
@@ -519,6 +520,15 @@ impl<D> Engine<D> {
     /// Deliveries handed in and not yet settled or forgotten.
     pub fn in_flight(&self) -> usize {
         self.live.len()
+    }
+
+    /// Whether the delivery, still in flight, came from the isolation queue showing a crash
+    /// the engine counts (not excused): a crash recorded nowhere else until its clone is
+    /// confirmed. A driver whose settlement of such a delivery fails does not excuse it
+    /// when it was requeued, since its redelivery still carries that crash; the engine
+    /// follows the same rule for the requeues it decides.
+    pub fn counts_crash(&self, id: DeliveryId) -> Option<bool> {
+        self.live.get(id.slot()).map(|live| live.evidence)
     }
 
     /// The data handed in with a delivery still in flight.
@@ -615,6 +625,7 @@ impl<D> Engine<D> {
             publish: None,
             publish_retries: 0,
             excuse_key: facts.excuse_key(),
+            evidence: lane == Lane::Isolation && facts.crash_evidence() > 0,
             data,
         }));
         match admission {
@@ -642,22 +653,20 @@ impl<D> Engine<D> {
     /// ran, and the process saw the drop. Its next redelivery from the isolation queue is
     /// then not counted as a crash. The key is the suspect token the engine wrote on that
     /// copy, so another copy with the same message id or body cannot use the excuse up. The
-    /// engine does this itself for suspects it requeues; the last 1,024 keys are kept.
+    /// engine does this itself for suspects it requeues. See [`Excuses`].
     pub fn excuse(&mut self, key: u64) {
-        if self.excused.len() == EXCUSED_CAPACITY {
-            self.excused.pop_front();
-        }
-        self.excused.push_back(key);
+        self.excused.add(key);
+    }
+
+    /// Shares `excuses` with the other engines of the process (see [`Excuses`]): a suspect
+    /// one of them put back can be fetched by another. By default an engine keeps its own.
+    pub fn with_excuses(mut self, excuses: Excuses) -> Self {
+        self.excused = excuses;
+        self
     }
 
     fn take_excuse(&mut self, key: u64) -> bool {
-        match self.excused.iter().position(|i| *i == key) {
-            Some(at) => {
-                self.excused.remove(at);
-                true
-            }
-            None => false,
-        }
+        self.excused.take(key)
     }
 
     /// The handler's outcome for a delivery the engine asked to run. Call
@@ -714,13 +723,14 @@ impl<D> Engine<D> {
             self.timers.push((now + wait, id));
             return Ok(());
         }
-        let (lane, key) = (live.lane, live.excuse_key);
+        let (lane, key, evidence) = (live.lane, live.excuse_key, live.evidence);
         if confirm == Confirm::Ack {
             self.settle(id, Settlement::Ack, terminal);
             return Ok(());
         }
-        if lane == Lane::Isolation {
-            // Requeued, it comes back redelivered from the isolation queue: not a crash.
+        if lane == Lane::Isolation && !evidence {
+            // Requeued, it comes back redelivered from the isolation queue: not a crash. One
+            // that showed a crash keeps that evidence: its crash was never recorded.
             self.excuse(key);
         }
         self.settle(

@@ -235,6 +235,7 @@ mod config;
 mod consumer;
 mod decision;
 mod engine;
+mod excuses;
 mod facts;
 mod handler;
 pub mod headers;
@@ -256,6 +257,7 @@ pub use decision::{Admission, AttemptState, Decision, Lane, Outcome, admit, deci
 pub use engine::{
     Action, Confirm, DeliveryId, Engine, EngineError, PlanMismatch, Publish, Settlement, Terminal,
 };
+pub use excuses::Excuses;
 pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedRecord};
 pub use handler::{FailureKind, Handler, HandlerError};
 pub use headers::{DeadLetterReason, HeaderValue, Headers};

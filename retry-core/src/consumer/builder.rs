@@ -375,7 +375,8 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             topology = customize(topology);
         }
         let plan = topology.build()?;
-        let mut engine = Engine::new(self.policy, &plan)?;
+        let gate = self.gate.unwrap_or_else(SoloGate::process);
+        let mut engine = Engine::new(self.policy, &plan)?.with_excuses(gate.excuses().clone());
         if let Some(seed) = self.token_seed {
             engine = engine.with_token_seed(seed);
         }
@@ -394,7 +395,7 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
                 suspect_poll: self.suspect_poll,
                 provision: self.provision,
                 storm: self.storm,
-                gate: self.gate.unwrap_or_else(SoloGate::process),
+                gate,
             },
             observer: self.observer,
             on_storm: self.on_storm,

@@ -12,6 +12,8 @@
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll, Waker};
 
+use crate::excuses::Excuses;
+
 /// The gate that consumers sharing one failure domain (a process) pass through to run
 /// suspects alone; see [`ConsumerBuilder::with_solo_gate`](crate::ConsumerBuilder::with_solo_gate).
 ///
@@ -29,7 +31,10 @@ use std::task::{Context, Poll, Waker};
 /// assert!(SoloGate::process().same_as(&SoloGate::process()));
 /// ```
 #[derive(Clone, Debug, Default)]
-pub struct SoloGate(Arc<Mutex<State>>);
+pub struct SoloGate {
+    state: Arc<Mutex<State>>,
+    excuses: Excuses,
+}
 
 #[derive(Debug, Default)]
 struct State {
@@ -65,12 +70,18 @@ impl SoloGate {
 
     /// Whether `other` is the same gate.
     pub fn same_as(&self, other: &SoloGate) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        Arc::ptr_eq(&self.state, &other.state)
     }
 
     /// Consumers passing through the gate now.
     pub fn members(&self) -> usize {
         self.lock().members.len()
+    }
+
+    /// The excuses of the consumers passing through the gate, which share them: any of
+    /// them may fetch a suspect another one put back.
+    pub fn excuses(&self) -> &Excuses {
+        &self.excuses
     }
 
     /// Joins the gate as a quiet member.
@@ -92,7 +103,7 @@ impl SoloGate {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -175,6 +186,11 @@ impl GateMember {
         if before != (s.holder, s.queue.len()) {
             s.changed();
         }
+    }
+
+    /// Whether the process has excused suspects that have not come back yet.
+    pub(super) fn excuses_pending(&self) -> bool {
+        !self.gate.excuses.is_empty()
     }
 
     /// Ready once the gate has changed since this member last looked; it then looks again.

@@ -137,6 +137,17 @@ pub(super) struct Lanes<Tag> {
     held: usize,
     receive_backoff: Backoff,
     subscribe_backoff: Backoff,
+    fetch_backoff: Backoff,
+    /// A fetch timed out: the transport may hold its message, on its way, for the next
+    /// fetch. The solo phase lasts until a fetch answers, so that message never waits
+    /// beside running work; this is when to fetch again.
+    refetch_at: Option<Timestamp>,
+    /// Suspects fetched while shutting down, to put back fresh the ones this process
+    /// excused (see `washing`).
+    washes: u32,
+    /// A suspect this process excused is back in the isolation queue: fetch before any
+    /// work, whatever the turn or the solo limit.
+    claim_due: bool,
     fatal: Option<ConsumerError>,
     receive_errors: u64,
     io: VecDeque<Io<Tag>>,
@@ -206,6 +217,10 @@ impl<Tag> Lanes<Tag> {
             held: 0,
             receive_backoff: Backoff::new(),
             subscribe_backoff: Backoff::new(),
+            fetch_backoff: Backoff::new(),
+            refetch_at: None,
+            washes: 0,
+            claim_due: false,
             fatal: None,
             receive_errors: 0,
             io: VecDeque::new(),
@@ -230,7 +245,10 @@ impl<Tag> Lanes<Tag> {
     /// lane's turn, or of a storm cool-down.
     pub(super) fn poll_timeout(&self) -> Option<Timestamp> {
         let storm = self.storm.as_ref().and_then(Storm::poll_timeout);
-        [self.turn_until, storm].into_iter().flatten().min()
+        [self.turn_until, storm, self.refetch_at]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Time has passed: ends the work lane's turn or a storm cool-down when due. Safe to
@@ -255,13 +273,27 @@ impl<Tag> Lanes<Tag> {
     }
 
     /// Whether the consumer is done: it reads nothing more and holds nothing, and no
-    /// subscribe, fetch or flush is under way.
+    /// subscribe, fetch or flush is under way or due.
     pub(super) fn finished(&self) -> bool {
         (self.shutting_down || !self.receiving)
             && self.held == 0
             && !self.fetching
+            && self.refetch_at.is_none()
+            && !self.claim_due
             && !self.subscribing
             && !self.flushing
+            && !(self.suspects && self.washing())
+    }
+
+    /// Shutting down while the process holds excuses: suspects it knows went back to the
+    /// isolation queue through no crash of their own. The next process would not know, and
+    /// would charge them a crash, so they are fetched and put back fresh now (a few, within
+    /// the shutdown grace): an excused one without its crash evidence, any other as it is.
+    fn washing(&self) -> bool {
+        self.shutting_down
+            && self.fatal.is_none()
+            && self.washes < self.settings.solo_runs
+            && self.gate.excuses_pending()
     }
 
     /// Why the consumer must stop, once everything held is finished.
@@ -355,6 +387,10 @@ impl<Tag> Lanes<Tag> {
         result: Result<Option<Delivery<Tag>>, TransportError>,
     ) {
         self.fetching = false;
+        if result.is_ok() {
+            self.fetch_backoff.succeeded();
+            self.claim_due = false;
+        }
         match result {
             Ok(Some(delivery)) => {
                 if let Phase::Solo { runs, .. } = &mut self.phase {
@@ -370,6 +406,16 @@ impl<Tag> Lanes<Tag> {
                 }
             }
             Ok(None) => self.suspects = false,
+            Err(e) if retryable(&e) => {
+                // The transport may hold the message of a fetch that timed out, on its way,
+                // for the next fetch: the solo phase lasts until a fetch answers, so that
+                // it never waits beside running work.
+                self.receive_errors += 1;
+                let wait = self.fetch_backoff.failed();
+                self.fetch_backoff.pending = None;
+                self.refetch_at = Some(now.saturating_add(wait));
+                warn!(queue = %self.settings.isolation, error = &e as &dyn Error, retry_in = %format_delay(wait), "fetching a suspect failed; fetching again before anything else runs");
+            }
             Err(e) => self.isolation_error(now, e),
         }
     }
@@ -389,10 +435,14 @@ impl<Tag> Lanes<Tag> {
     }
 
     /// A delivery's settlement is done (or failed); `back_in_isolation` when it left a
-    /// message in the isolation queue: a suspect's clone, or a suspect put back.
-    pub(super) fn handle_released(&mut self, back_in_isolation: bool) {
+    /// message in the isolation queue: a suspect's clone, or a suspect put back. `excused`
+    /// when that suspect went back redelivered through no crash (its settlement failed, or
+    /// it was requeued) and the process holds its excuse: it is claimed again before any
+    /// work runs, since a crash of that work would leave the next process to charge it.
+    pub(super) fn handle_released(&mut self, back_in_isolation: bool, excused: bool) {
         self.held = self.held.saturating_sub(1);
         self.suspects |= back_in_isolation;
+        self.claim_due |= excused;
     }
 
     /// A handler run of the work lane ended (storm control watches them): `failed` is
@@ -420,6 +470,8 @@ impl<Tag> Lanes<Tag> {
     fn fail(&mut self, fatal: ConsumerError) {
         error_once(&self.fatal, &fatal);
         self.fatal.get_or_insert(fatal);
+        self.refetch_at = None;
+        self.claim_due = false;
         self.stop_receiving();
     }
 
@@ -483,7 +535,10 @@ impl<Tag> Lanes<Tag> {
         loop {
             match self.phase {
                 Phase::Work => {
-                    let due = self.suspects && self.turn_over(now) && self.receiving;
+                    let due = self.claim_due
+                        || (self.suspects
+                            && self.turn_over(now)
+                            && (self.receiving || self.washing()));
                     if due || self.gate.others_asking() {
                         if due {
                             self.gate.request();
@@ -553,10 +608,10 @@ impl<Tag> Lanes<Tag> {
                     self.phase = Phase::Quiet;
                 }
                 Phase::Quiet => {
-                    let want = self.suspects
-                        && self.turn_over(now)
-                        && !self.shutting_down
-                        && self.fatal.is_none();
+                    let want = self.claim_due
+                        || (self.suspects
+                            && self.turn_over(now)
+                            && ((!self.shutting_down && self.fatal.is_none()) || self.washing()));
                     if want {
                         self.gate.request();
                         if !self.gate.try_enter() {
@@ -581,15 +636,29 @@ impl<Tag> Lanes<Tag> {
                     if self.held > 0 || self.fetching {
                         break;
                     }
+                    if let Some(at) = self.refetch_at {
+                        // Whatever the limit, and even when shutting down: a suspect the
+                        // timed-out fetch took may be on its way, and is claimed now (and,
+                        // shutting down, declined). A fatal error clears it.
+                        if now < at {
+                            break;
+                        }
+                        self.refetch_at = None;
+                        self.fetching = true;
+                        self.io.push_back(Io::Fetch);
+                        break;
+                    }
                     let spent = now.saturating_duration_since(started);
                     let limit_reached =
                         runs >= self.settings.solo_runs || spent >= self.settings.solo_time;
-                    if self.suspects
-                        && self.turn_over(now)
-                        && !limit_reached
-                        && !self.shutting_down
-                        && self.fatal.is_none()
+                    let washing = self.washing();
+                    if self.claim_due
+                        || (self.suspects
+                            && self.turn_over(now)
+                            && !limit_reached
+                            && ((!self.shutting_down && self.fatal.is_none()) || washing))
                     {
+                        self.washes += u32::from(washing);
                         self.fetching = true;
                         self.io.push_back(Io::Fetch);
                         break;

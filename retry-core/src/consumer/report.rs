@@ -42,6 +42,10 @@ pub struct RunReport {
     pub requeued: u64,
     /// Still held when the shutdown grace ran out, left for the broker to redeliver.
     pub left_unsettled: u64,
+    /// Of the `isolated`, suspects fetched once shutdown had begun (or after a fatal
+    /// error): not run, but put back in the isolation queue as fresh copies, so that they
+    /// do not come back redelivered and get charged a crash.
+    pub declined: u64,
     /// Deliveries whose settlement failed; the broker redelivers them.
     pub settle_errors: u64,
     /// Handler runs that panicked (each counted as a transient failure).
@@ -84,5 +88,59 @@ impl RunReport {
             Terminal::Requeued { .. } => &mut self.requeued,
         };
         *counter += 1;
+    }
+}
+
+/// Adds the counts of another run, for the total of several consumers.
+///
+/// ```
+/// use retry_core::RunReport;
+///
+/// let mut total = RunReport::default();
+/// let mut one = RunReport::default();
+/// one.received = 2;
+/// one.handled = 2;
+/// total += one;
+/// total += one;
+/// assert_eq!((total.received, total.handled), (4, 4));
+/// ```
+impl std::ops::AddAssign for RunReport {
+    fn add_assign(&mut self, other: RunReport) {
+        let RunReport {
+            received,
+            suspects,
+            handled,
+            retried,
+            isolated,
+            diverted,
+            dead_lettered,
+            dropped,
+            requeued,
+            left_unsettled,
+            declined,
+            settle_errors,
+            handler_panics,
+            handler_timeouts,
+            receive_errors,
+            storm_pauses,
+            probes,
+        } = other;
+        self.received += received;
+        self.suspects += suspects;
+        self.handled += handled;
+        self.retried += retried;
+        self.isolated += isolated;
+        self.diverted += diverted;
+        self.dead_lettered += dead_lettered;
+        self.dropped += dropped;
+        self.requeued += requeued;
+        self.left_unsettled += left_unsettled;
+        self.declined += declined;
+        self.settle_errors += settle_errors;
+        self.handler_panics += handler_panics;
+        self.handler_timeouts += handler_timeouts;
+        self.receive_errors += receive_errors;
+        self.storm_pauses += storm_pauses;
+        self.probes += probes;
     }
 }

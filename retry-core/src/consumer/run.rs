@@ -95,6 +95,8 @@ pub(super) struct Held<Tag> {
     lane: Lane,
     /// What an excuse for it is keyed by, should its settlement fail.
     excuse_key: u64,
+    /// It came from the isolation queue showing a crash the engine counts.
+    evidence: bool,
     /// Taken while storm control was probing.
     probe: bool,
     /// When its handler run, or its clone's publish, started.
@@ -435,15 +437,21 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             span: span.clone(),
             lane,
             excuse_key: facts.excuse_key(),
+            evidence: false,
             probe,
             since: now,
         };
         let id = if declined {
+            self.report.declined += 1;
             info!(parent: &span, "shutting down: the suspect goes back to the isolation queue unrun");
             self.engine.handle_declined(now, facts, held)
         } else {
             self.engine.handle_delivery(now, lane, facts, held)
         };
+        let evidence = self.engine.counts_crash(id).unwrap_or(false);
+        if let Some(held) = self.engine.data_mut(id) {
+            held.evidence = evidence;
+        }
         span.record("delivery", display_value(&id));
         if !facts.malformed.is_empty() {
             warn!(
@@ -613,7 +621,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
             Event::Fetched(result) => self.lanes.handle_fetched(now, result),
             Event::ProbeAcked(result) => {
                 self.settling -= 1;
-                self.lanes.handle_released(false);
+                self.lanes.handle_released(false, false);
                 match result {
                     Ok(()) => self.report.probes += 1,
                     Err(e) => {
@@ -632,7 +640,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
         result: Result<(), TransportError>,
     ) {
         self.settling -= 1;
-        let back_in_isolation = match result {
+        let (back_in_isolation, excused) = match result {
             Ok(()) => {
                 if terminal == Terminal::Isolated
                     && let Some(subscription) = self.subscription.clone()
@@ -651,12 +659,16 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 if let Some(observer) = self.observer {
                     observer(&held.message, &terminal);
                 }
-                // A clone just went into the isolation queue: it waits for a solo run.
+                // A clone just went into the isolation queue: it waits for a solo run. A
+                // suspect requeued there was excused by the engine.
                 match terminal {
-                    Terminal::Isolated => true,
-                    Terminal::Diverted { delay, .. } => delay.is_zero(),
-                    Terminal::Requeued { .. } => held.lane == Lane::Isolation,
-                    _ => false,
+                    Terminal::Isolated => (true, false),
+                    Terminal::Diverted { delay, .. } => (delay.is_zero(), false),
+                    Terminal::Requeued { .. } => {
+                        let isolation = held.lane == Lane::Isolation;
+                        (isolation, isolation && !held.evidence)
+                    }
+                    _ => (false, false),
                 }
             }
             Err(e) => {
@@ -667,15 +679,19 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     "settling failed; the broker will redeliver",
                 );
                 // The broker puts it back in the isolation queue redelivered, and this
-                // process knows why: not a crash.
+                // process knows why: not a crash. Unless it showed a crash that its clone
+                // records, or that a requeue leaves on it; and a requeue the engine decided
+                // was excused by the engine already.
                 let isolation = held.lane == Lane::Isolation;
-                if isolation {
+                let requeued = matches!(terminal, Terminal::Requeued { .. });
+                let excused = isolation && !held.evidence;
+                if excused && !requeued {
                     self.engine.excuse(held.excuse_key);
                 }
-                isolation
+                (isolation, excused)
             }
         };
-        self.lanes.handle_released(back_in_isolation);
+        self.lanes.handle_released(back_in_isolation, excused);
     }
 
     /// The engine's outcome of a handler run, and its metrics label.

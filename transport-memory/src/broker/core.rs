@@ -124,6 +124,36 @@ impl State {
         &mut self.timers
     }
 
+    /// Whether a watch of `queue` fails now (an injected fault), recorded in the trace.
+    pub(crate) fn fail_watch(&mut self, queue: &str) -> bool {
+        self.injected(Faults::on_watch, || format!("a watch of {queue} fails"))
+    }
+
+    /// Whether a subscribe to `queue` fails now (an injected fault), recorded in the trace.
+    pub(crate) fn fail_subscribe(&mut self, queue: &str) -> bool {
+        self.injected(Faults::on_subscribe, || {
+            format!("a subscribe to {queue} fails")
+        })
+    }
+
+    /// Whether a fetch from `queue` that found a message gives up before it arrives (an
+    /// injected fault), recorded in the trace.
+    pub(crate) fn late_fetch(&mut self, queue: &str) -> bool {
+        self.injected(Faults::on_fetch, || {
+            format!("a fetch from {queue} gives up with its message on the way")
+        })
+    }
+
+    fn injected(&mut self, draw: fn(&mut Faults) -> bool, what: impl FnOnce() -> String) -> bool {
+        let hit = draw(&mut self.faults);
+        if hit {
+            self.record(|| EventKind::Fault {
+                description: Arc::from(what()),
+            });
+        }
+        hit
+    }
+
     pub(crate) fn faults(&mut self) -> &mut Faults {
         &mut self.faults
     }
@@ -199,6 +229,13 @@ impl State {
         MessageKey(self.last_key)
     }
 
+    /// A new identity that the trace and the simulation follow by `label`, whatever the
+    /// message's id.
+    pub(crate) fn new_labelled(&mut self, label: &str) -> (MessageKey, Arc<str>) {
+        self.last_key += 1;
+        (MessageKey(self.last_key), Arc::from(label))
+    }
+
     fn new_identity(&mut self, properties: &Properties) -> (MessageKey, Arc<str>) {
         self.last_key += 1;
         let key = MessageKey(self.last_key);
@@ -243,13 +280,17 @@ impl State {
             }
             _ => {}
         }
-        let Some(targets) = self.route(&p.exchange, &p.routing_key) else {
+        let Some(mut targets) = self.route(&p.exchange, &p.routing_key) else {
             trace(
                 self,
                 PublishOutcome::Failed(Arc::from(format!("no exchange '{}'", p.exchange))),
             );
             return Err(BrokerError::ExchangeNotFound(p.exchange.to_string()));
         };
+        if fault == Some(PublishFault::Return) {
+            // As if the binding were gone: routed nowhere.
+            targets.clear();
+        }
         if targets.is_empty() {
             self.routes = targets;
             if p.mandatory {

@@ -1,5 +1,7 @@
-//! Fault injection on the broker side: refused, lost and unconfirmed publishes, and
-//! duplicated deliveries, counted or at seeded random rates.
+//! Fault injection on the broker side: refused, lost, unconfirmed and returned publishes,
+//! duplicated deliveries, failed watches and subscribes, fetches that give up with their
+//! message on the way, and returns reported against the wrong publish, counted or at seeded
+//! random rates.
 
 use retry_core::splitmix64;
 
@@ -14,11 +16,15 @@ pub(crate) enum PublishFault {
     Refuse,
     /// Routed, but the confirm never arrives; the publisher sees a failure.
     LoseConfirm,
+    /// Routed nowhere, as if its binding were missing: a `mandatory` publish comes back
+    /// returned.
+    Return,
 }
 
 /// Probabilities of faults, drawn from a seeded generator so a run can be replayed. Each is
-/// a probability between 0 and 1, per publish through a connection (or per delivery for
-/// duplicates).
+/// a probability between 0 and 1: per publish through a connection, per delivery for
+/// duplicates, per watch, subscribe or fetch for those, per batch of confirms for
+/// misattributed returns.
 ///
 /// ```
 /// use transport_memory::{Broker, FaultRates};
@@ -32,6 +38,11 @@ pub struct FaultRates {
     refuse: f64,
     lose_confirm: f64,
     duplicate: f64,
+    returned: f64,
+    watch: f64,
+    subscribe: f64,
+    late_fetch: f64,
+    misattribute: f64,
 }
 
 impl FaultRates {
@@ -61,6 +72,44 @@ impl FaultRates {
     /// Deliveries followed by a second copy of the same message.
     pub fn duplicate_deliveries(mut self, p: f64) -> Self {
         self.duplicate = p;
+        self
+    }
+
+    /// Publishes that route nowhere, as if their binding had gone: they come back
+    /// returned.
+    pub fn return_publishes(mut self, p: f64) -> Self {
+        self.returned = p;
+        self
+    }
+
+    /// Watches of a queue ([`Transport::ready`](retry_core::Transport::ready)) that fail
+    /// with a lost connection.
+    pub fn fail_watches(mut self, p: f64) -> Self {
+        self.watch = p;
+        self
+    }
+
+    /// Subscribes ([`Transport::consume`](retry_core::Transport::consume)) that fail with a
+    /// lost connection.
+    pub fn fail_subscribes(mut self, p: f64) -> Self {
+        self.subscribe = p;
+        self
+    }
+
+    /// Fetches that give up (time out) while the broker has already sent them a message:
+    /// the message arrives after the fetch failed, and the next fetch on the connection
+    /// gets it.
+    pub fn late_fetches(mut self, p: f64) -> Self {
+        self.late_fetch = p;
+        self
+    }
+
+    /// Batches of publisher confirms that the client completes in any order, handing each
+    /// return to whichever confirm completes first, as lapin 4.12 does: a return can be
+    /// reported against the wrong publish. Only a transport that pairs returns by their
+    /// own stamp ([`retry_core::ReturnMatcher`]) stays right.
+    pub fn misattribute_returns(mut self, p: f64) -> Self {
+        self.misattribute = p;
         self
     }
 }
@@ -102,6 +151,11 @@ pub(crate) struct Faults {
     refuse: u32,
     lose_confirm: u32,
     duplicate: u32,
+    returned: u32,
+    watch: u32,
+    subscribe: u32,
+    late_fetch: u32,
+    misattribute: u32,
     random: Option<(FaultRates, Rng)>,
 }
 
@@ -126,6 +180,31 @@ impl Faults {
         self.duplicate += n;
     }
 
+    /// The next `n` publishes through connections route nowhere.
+    pub(crate) fn return_publishes(&mut self, n: u32) {
+        self.returned += n;
+    }
+
+    /// The next `n` watches fail.
+    pub(crate) fn fail_watches(&mut self, n: u32) {
+        self.watch += n;
+    }
+
+    /// The next `n` subscribes fail.
+    pub(crate) fn fail_subscribes(&mut self, n: u32) {
+        self.subscribe += n;
+    }
+
+    /// The next `n` fetches that find a message give up before it arrives.
+    pub(crate) fn late_fetches(&mut self, n: u32) {
+        self.late_fetch += n;
+    }
+
+    /// The next `n` batches of confirms are completed out of order.
+    pub(crate) fn misattribute_returns(&mut self, n: u32) {
+        self.misattribute += n;
+    }
+
     /// Faults at random from now on, drawn from a generator seeded with `seed`.
     pub(crate) fn random(&mut self, seed: u64, rates: FaultRates) {
         self.random = Some((rates, Rng::new(seed)));
@@ -147,6 +226,9 @@ impl Faults {
         if take(&mut self.lose_confirm) {
             return Some(PublishFault::LoseConfirm);
         }
+        if take(&mut self.returned) {
+            return Some(PublishFault::Return);
+        }
         let (rates, rng) = self.random.as_mut()?;
         if rng.chance(rates.lose) {
             Some(PublishFault::Lose)
@@ -154,9 +236,54 @@ impl Faults {
             Some(PublishFault::Refuse)
         } else if rng.chance(rates.lose_confirm) {
             Some(PublishFault::LoseConfirm)
+        } else if rng.chance(rates.returned) {
+            Some(PublishFault::Return)
         } else {
             None
         }
+    }
+
+    /// Whether a watch fails.
+    pub(crate) fn on_watch(&mut self) -> bool {
+        self.counted_or_random(|f| &mut f.watch, |r| r.watch)
+    }
+
+    /// Whether a subscribe fails.
+    pub(crate) fn on_subscribe(&mut self) -> bool {
+        self.counted_or_random(|f| &mut f.subscribe, |r| r.subscribe)
+    }
+
+    /// Whether a fetch that found a message gives up before it arrives.
+    pub(crate) fn on_fetch(&mut self) -> bool {
+        self.counted_or_random(|f| &mut f.late_fetch, |r| r.late_fetch)
+    }
+
+    /// For a batch of confirms completed out of order, the seed of its order.
+    pub(crate) fn on_confirm_batch(&mut self) -> Option<u64> {
+        if take(&mut self.misattribute) {
+            return Some(self.random.as_mut().map_or(0, |(_, rng)| rng.next_u64()));
+        }
+        let (rates, rng) = self.random.as_mut()?;
+        rng.chance(rates.misattribute).then(|| rng.next_u64())
+    }
+
+    /// Whether misattributed returns may happen at all, counted or at random: confirms are
+    /// then batched.
+    pub(crate) fn misattributes(&self) -> bool {
+        self.misattribute > 0 || self.random.as_ref().is_some_and(|(r, _)| r.misattribute > 0.0)
+    }
+
+    fn counted_or_random(
+        &mut self,
+        counted: impl FnOnce(&mut Faults) -> &mut u32,
+        rate: impl FnOnce(&FaultRates) -> f64,
+    ) -> bool {
+        if take(counted(self)) {
+            return true;
+        }
+        self.random
+            .as_mut()
+            .is_some_and(|(rates, rng)| rng.chance(rate(rates)))
     }
 
     /// A fresh copy of `m` to deliver again, if a duplicate is due.

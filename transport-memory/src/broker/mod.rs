@@ -396,6 +396,45 @@ impl Broker {
         });
     }
 
+    /// The next `n` publishes through any connection route nowhere, as if their binding
+    /// were gone: a `mandatory` one comes back
+    /// [`PublishResult::Returned`](retry_core::PublishResult::Returned).
+    pub fn return_publishes(&self, n: u32) {
+        self.fault(format!("return the next {n} publishes"), |f| {
+            f.return_publishes(n);
+        });
+    }
+
+    /// The next `n` watches of a queue ([`Transport::ready`](retry_core::Transport::ready))
+    /// fail with a lost connection.
+    pub fn fail_watches(&self, n: u32) {
+        self.fault(format!("fail the next {n} watches"), |f| f.fail_watches(n));
+    }
+
+    /// The next `n` subscribes ([`Transport::consume`](retry_core::Transport::consume)) fail
+    /// with a lost connection.
+    pub fn fail_subscribes(&self, n: u32) {
+        self.fault(format!("fail the next {n} subscribes"), |f| {
+            f.fail_subscribes(n);
+        });
+    }
+
+    /// The next `n` fetches that find a message give up (time out) before it arrives; the
+    /// next fetch on the same connection gets it.
+    pub fn late_fetches(&self, n: u32) {
+        self.fault(format!("make the next {n} fetches late"), |f| {
+            f.late_fetches(n);
+        });
+    }
+
+    /// The next `n` batches of publisher confirms are completed out of order, each return
+    /// handed to whichever confirm completes first, as lapin 4.12 does.
+    pub fn misattribute_returns(&self, n: u32) {
+        self.fault(format!("misattribute the returns of the next {n} confirm batches"), |f| {
+            f.misattribute_returns(n);
+        });
+    }
+
     /// From now on, faults at random with these rates, from a generator seeded with `seed`.
     pub fn random_faults(&self, seed: u64, rates: FaultRates) {
         self.fault(format!("random faults, seed {seed}: {rates:?}"), |f| {

@@ -111,6 +111,21 @@ impl SimulationBuilder {
         self
     }
 
+    /// How many consumers each process runs (default 1): they share the process's
+    /// connection and its [`SoloGate`](retry_core::SoloGate), and a crash takes them all
+    /// down together.
+    pub fn with_consumers_per_process(mut self, n: u32) -> Self {
+        self.settings.per_process = n.max(1);
+        self
+    }
+
+    /// How long each fetch's answer takes to arrive, in virtual time (default none): a
+    /// shutdown or a crash can then come while a fetch is under way.
+    pub fn with_fetch_latency(mut self, latency: Duration) -> Self {
+        self.settings.fetch_latency = latency;
+        self
+    }
+
     /// How long after a crash its replacement process starts (default 1 s).
     pub fn with_restart_delay(mut self, delay: Duration) -> Self {
         self.settings.restart_delay = delay;
@@ -241,6 +256,8 @@ impl Simulation {
                 handler: None,
                 storm: None,
                 seed: 0,
+                per_process: 1,
+                fetch_latency: Duration::ZERO,
             },
             seed: 0,
             crash_rate: 0.0,

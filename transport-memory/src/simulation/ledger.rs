@@ -311,8 +311,16 @@ pub(crate) struct Begun {
     pub(crate) drop_connection: bool,
 }
 
-/// The id the simulation follows a message by: its `message-id`.
+/// The header that names the message a copy is of, for messages published with
+/// [`Simulation::publish_labelled`](crate::Simulation::publish_labelled), whose ids or
+/// bodies may be shared.
+pub(crate) const LABEL: &str = "x-simulation-label";
+
+/// The id the simulation follows a message by: its label, or else its `message-id`.
 pub(crate) fn message_id(msg: &Message) -> &str {
+    if let Some(label) = msg.headers().get(LABEL).and_then(|v| v.as_str()) {
+        return label;
+    }
     msg.properties()
         .message_id
         .as_deref()

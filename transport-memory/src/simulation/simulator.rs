@@ -4,13 +4,14 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use retry_core::{
-    Consumer, DelayStrategy, Handler, QueueType, RetryPolicy, RunReport, SoloGate, StormControl,
-    Timestamp, TopologyPlan, splitmix64,
+    Consumer, ConsumerError, DelayStrategy, Handler, QueueType, RetryPolicy, RunReport, SoloGate,
+    StormControl, Timestamp, TopologyPlan, splitmix64,
 };
 
 use crate::broker::Broker;
@@ -19,10 +20,11 @@ use crate::broker::trace::{EventKind, Publisher};
 use crate::simulation::error::SimulationError;
 use crate::simulation::executor::{Executor, TaskId};
 use crate::simulation::handler::SimHandler;
-use crate::simulation::ledger::Ledger;
+use crate::simulation::ledger::{LABEL, Ledger};
 use crate::simulation::lock;
 use crate::simulation::report::{ConsumerReport, ConsumerState, Report, Stop};
 use crate::simulation::script::Script;
+use crate::transport::connection::MemoryTransport;
 use crate::transport::link::LinkHandle;
 
 /// Something to do at a virtual time, set with [`Simulation::schedule`].
@@ -48,6 +50,21 @@ pub enum SimEvent {
     LoseConfirms(u32),
     /// Deliver the next `n` deliveries twice.
     DuplicateDeliveries(u32),
+    /// Route the next `n` publishes through connections nowhere, as if their bindings had
+    /// gone: they come back returned.
+    ReturnPublishes(u32),
+    /// Fail the next `n` watches of a queue with a lost connection.
+    FailWatches(u32),
+    /// Fail the next `n` subscribes with a lost connection.
+    FailSubscribes(u32),
+    /// Make the next `n` fetches that find a message give up before it arrives.
+    LateFetches(u32),
+    /// Complete the next `n` batches of publisher confirms out of order, handing returns to
+    /// the wrong publish, as lapin 4.12 does.
+    MisattributeReturns(u32),
+    /// Stop every consumer process gracefully, as a deploy does; each starts again after the
+    /// restart delay.
+    RestartConsumers,
 }
 
 /// The consumer settings every simulated consumer process is built with.
@@ -67,6 +84,10 @@ pub(crate) struct Settings {
     pub(crate) horizon: Duration,
     pub(crate) handler: Option<Arc<dyn Handler>>,
     pub(crate) storm: Option<StormControl>,
+    /// Consumers in each process, sharing its connection and its fate.
+    pub(crate) per_process: u32,
+    /// How long a fetch's answer takes to arrive.
+    pub(crate) fetch_latency: Duration,
     /// The simulation's seed, from which each process's suspect tokens are drawn.
     pub(crate) seed: u64,
 }
@@ -142,6 +163,8 @@ struct Slot {
     shutdown: Arc<Signal>,
     outcome: Outcome,
     crashed: bool,
+    /// Stopped on purpose, to start again once it has returned.
+    restart: Arc<AtomicBool>,
 }
 
 impl Simulation {
@@ -234,6 +257,52 @@ impl Simulation {
         }
     }
 
+    /// Publishes `message` with the script its handler runs follow, followed by `label`
+    /// rather than by its `message-id`: several messages can then share an id or a body,
+    /// as real ones do. The label travels in an `x-simulation-label` header.
+    ///
+    /// ```
+    /// use retry_core::RetryPolicy;
+    /// use transport_memory::{Fate, Outgoing, Script, Simulation};
+    ///
+    /// let mut sim = Simulation::builder("orders", RetryPolicy::default()).build()?;
+    /// for label in ["first", "second"] {
+    ///     let same = Outgoing::to_queue("orders", b"same body".to_vec()).with_message_id("order-1");
+    ///     sim.publish_labelled(label, same, Script::succeed())?;
+    /// }
+    /// let report = sim.run_until_quiet();
+    /// assert!(matches!(report.fate("first"), Some(Fate::Handled { .. })));
+    /// assert!(matches!(report.fate("second"), Some(Fate::Handled { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn publish_labelled(
+        &mut self,
+        label: impl Into<String>,
+        message: Outgoing,
+        script: Script,
+    ) -> Result<(), SimulationError> {
+        let label = label.into();
+        if self.ledger.contains(&label) {
+            return Err(SimulationError::DuplicateId(label));
+        }
+        let message = message.with_header(LABEL, label.as_str());
+        let now = self.broker.now();
+        let (confirm, key) = self.broker.shared.with(|s| {
+            let mut publishing = Publishing::from(message);
+            let identity = s.new_labelled(&label);
+            let key = identity.0;
+            publishing.identity = Some(identity);
+            (s.publish(Publisher::Producer, publishing), key)
+        });
+        match confirm? {
+            retry_core::Confirm::Ack => {
+                self.ledger.add(&label, now, script, key);
+                Ok(())
+            }
+            confirm => Err(SimulationError::NotConfirmed { id: label, confirm }),
+        }
+    }
+
     /// Does `event` once the virtual clock has moved `after` past now.
     pub fn schedule(&mut self, after: Duration, event: SimEvent) {
         let at = self.broker.now() + after;
@@ -250,6 +319,24 @@ impl Simulation {
             .collect();
         for n in live {
             self.crash(n, "crashed by the test");
+        }
+        self.drain_ready();
+    }
+
+    /// Stops every live consumer process gracefully now, as a deploy does: each finishes
+    /// what it holds within its shutdown grace, returns, and starts again after the restart
+    /// delay.
+    pub fn restart_consumers(&mut self) {
+        self.broker.shared.with(|s| {
+            s.record(|| EventKind::Fault {
+                description: Arc::from("graceful restart of every consumer process"),
+            });
+        });
+        for slot in &self.consumers {
+            if !slot.crashed && self.executor.is_live(slot.task) {
+                slot.restart.store(true, AtomicOrdering::SeqCst);
+                slot.shutdown.fire();
+            }
         }
         self.drain_ready();
     }
@@ -313,7 +400,10 @@ impl Simulation {
 
     fn attach(&mut self) -> Result<(), SimulationError> {
         let number = u32::try_from(self.consumers.len() + 1).unwrap_or(u32::MAX);
-        let transport = self.broker.connect();
+        let transport = self
+            .broker
+            .connect()
+            .with_fetch_latency(self.settings.fetch_latency);
         let link = transport.link_handle();
         let connection = transport.connection_id();
         self.broker.shared.with(|s| {
@@ -322,43 +412,32 @@ impl Simulation {
                 connection,
             });
         });
-        let handler = SimHandler {
-            ledger: self.ledger.clone(),
-            broker: self.broker.clone(),
-            consumer: number,
-            link: link.clone(),
-            custom: self.settings.handler.clone(),
-            isolation: Arc::from(self.plan.isolation_queue()),
-        };
-        let s = &self.settings;
-        let (queue_type, limit, strategy) = (s.queue_type, s.delivery_limit, s.strategy.clone());
-        let (ledger, broker) = (self.ledger.clone(), self.broker.clone());
-        let mut consumer = Consumer::builder(transport, s.queue.clone(), s.policy.clone(), handler)
-            .with_prefetch(s.prefetch)
-            .with_handler_timeout(s.handler_timeout)
-            .with_shutdown_grace(s.shutdown_grace)
-            .with_consumer_timeout(s.consumer_timeout.unwrap_or(Duration::MAX))
-            .with_topology(move |b| {
-                let b = b.with_queue_type(queue_type).with_strategy(strategy);
-                match limit {
-                    Some(n) => b.with_delivery_limit(n),
-                    None => b,
-                }
-            })
-            .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
-            // A simulated process is a failure domain of its own, and replays exactly.
-            .with_solo_gate(SoloGate::new())
-            .with_token_seed(splitmix64(s.seed ^ u64::from(number)));
-        if let Some(storm) = &s.storm {
-            consumer = consumer.with_storm_control(storm.clone());
+        // The consumers of one process share its connection, its gate and its fate; their
+        // suspect tokens are drawn from the simulation's seed, so that runs replay exactly.
+        let transport = Arc::new(transport);
+        let gate = SoloGate::new();
+        let mut consumers = Vec::new();
+        for k in 0..self.settings.per_process.max(1) {
+            let seed = splitmix64(self.settings.seed ^ u64::from(number) ^ (u64::from(k) << 32));
+            consumers.push(self.consumer(number, &transport, &link, &gate, seed)?);
         }
-        let consumer = consumer.build()?;
         let shutdown = Arc::new(Signal::default());
         let outcome: Outcome = Arc::default();
+        let restart = Arc::new(AtomicBool::new(false));
         let (signal, out, broker) = (shutdown.clone(), outcome.clone(), self.broker.clone());
-        let exits = self.exits.clone();
+        let (exits, again) = (self.exits.clone(), restart.clone());
         let task = self.executor.spawn(async move {
-            let result = consumer.run(signal.wait()).await;
+            let runs = consumers.into_iter().map(|c| c.run(signal.clone().wait()));
+            let mut result: Result<RunReport, ConsumerError> = Ok(RunReport::default());
+            for one in futures::future::join_all(runs).await {
+                result = match (result, one) {
+                    (Ok(mut total), Ok(r)) => {
+                        total += r;
+                        Ok(total)
+                    }
+                    (Err(e), _) | (_, Err(e)) => Err(e),
+                };
+            }
             let text: Arc<str> = match &result {
                 Ok(r) => Arc::from(format!(
                     "run returned: {} received, {} handled",
@@ -374,8 +453,9 @@ impl Simulation {
             });
             let failed = result.is_err();
             *lock(&out) = Some(result.map_err(|e| e.to_string()));
-            if failed {
-                // A process whose consumer gave up exits; its supervisor starts another.
+            if failed || again.load(AtomicOrdering::SeqCst) {
+                // A process whose consumer gave up exits, and one stopped for a deploy
+                // exits: its supervisor starts another.
                 lock(&exits).push(number);
             }
         });
@@ -386,8 +466,51 @@ impl Simulation {
             shutdown,
             outcome,
             crashed: false,
+            restart,
         });
         Ok(())
+    }
+
+    /// One consumer of process `number`.
+    fn consumer(
+        &self,
+        number: u32,
+        transport: &Arc<MemoryTransport>,
+        link: &LinkHandle,
+        gate: &SoloGate,
+        seed: u64,
+    ) -> Result<Consumer<Arc<MemoryTransport>, SimHandler>, SimulationError> {
+        let handler = SimHandler {
+            ledger: self.ledger.clone(),
+            broker: self.broker.clone(),
+            consumer: number,
+            link: link.clone(),
+            custom: self.settings.handler.clone(),
+            isolation: Arc::from(self.plan.isolation_queue()),
+        };
+        let s = &self.settings;
+        let (queue_type, limit, strategy) = (s.queue_type, s.delivery_limit, s.strategy.clone());
+        let (ledger, broker) = (self.ledger.clone(), self.broker.clone());
+        let mut consumer =
+            Consumer::builder(transport.clone(), s.queue.clone(), s.policy.clone(), handler)
+                .with_prefetch(s.prefetch)
+                .with_handler_timeout(s.handler_timeout)
+                .with_shutdown_grace(s.shutdown_grace)
+                .with_consumer_timeout(s.consumer_timeout.unwrap_or(Duration::MAX))
+                .with_topology(move |b| {
+                    let b = b.with_queue_type(queue_type).with_strategy(strategy);
+                    match limit {
+                        Some(n) => b.with_delivery_limit(n),
+                        None => b,
+                    }
+                })
+                .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
+                .with_solo_gate(gate.clone())
+                .with_token_seed(seed);
+        if let Some(storm) = &s.storm {
+            consumer = consumer.with_storm_control(storm.clone());
+        }
+        Ok(consumer.build()?)
     }
 
     /// Kills consumer `number`: its future is dropped mid-flight and its connection closes
@@ -491,6 +614,12 @@ impl Simulation {
                 SimEvent::RefusePublishes(n) => self.broker.refuse_publishes(n),
                 SimEvent::LoseConfirms(n) => self.broker.lose_confirms(n),
                 SimEvent::DuplicateDeliveries(n) => self.broker.duplicate_deliveries(n),
+                SimEvent::ReturnPublishes(n) => self.broker.return_publishes(n),
+                SimEvent::FailWatches(n) => self.broker.fail_watches(n),
+                SimEvent::FailSubscribes(n) => self.broker.fail_subscribes(n),
+                SimEvent::LateFetches(n) => self.broker.late_fetches(n),
+                SimEvent::MisattributeReturns(n) => self.broker.misattribute_returns(n),
+                SimEvent::RestartConsumers => self.restart_consumers(),
             },
         }
     }

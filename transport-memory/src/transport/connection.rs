@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
+use retry_core::returns::stamp_headers;
 use retry_core::{
     Capabilities, Confirm, Delivery, Message, Publish, PublishResult, Settlement, Timestamp,
     TopologyPlan, Transport, TransportError,
@@ -18,6 +19,7 @@ use crate::broker::core::State;
 use crate::broker::error::BrokerError;
 use crate::broker::message::{MessageKey, Outgoing, Publishing};
 use crate::broker::trace::{EventKind, MessageRef, PublishOutcome, Publisher};
+use crate::transport::confirms::{self, SharedConfirms, YieldOnce};
 use crate::transport::delivery::{DeliveryTag, identity_of, receive};
 use crate::transport::link::{Link, LinkHandle, SubscriptionState, lock_link};
 use crate::transport::subscription::MemorySubscription;
@@ -71,6 +73,11 @@ impl Broker {
 pub struct MemoryTransport {
     broker: Broker,
     link: Arc<Mutex<Link>>,
+    confirms: SharedConfirms,
+    /// How long a fetch's answer takes to arrive.
+    fetch_latency: Duration,
+    /// A message a fetch took but gave up on before it arrived: the next fetch gets it.
+    unclaimed: Mutex<Option<Delivery<DeliveryTag>>>,
 }
 
 impl fmt::Debug for MemoryTransport {
@@ -86,7 +93,18 @@ impl MemoryTransport {
         MemoryTransport {
             broker,
             link: Arc::new(Mutex::new(Link::new(id))),
+            confirms: SharedConfirms::default(),
+            fetch_latency: Duration::ZERO,
+            unclaimed: Mutex::new(None),
         }
+    }
+
+    /// The same connection, whose fetches answer `latency` of virtual time after the broker
+    /// handed them their message, as a `basic.get` over a network does. A shutdown can then
+    /// come while a fetch is under way.
+    pub fn with_fetch_latency(mut self, latency: Duration) -> Self {
+        self.fetch_latency = latency;
+        self
     }
 
     fn link(&self) -> MutexGuard<'_, Link> {
@@ -184,6 +202,21 @@ impl MemoryTransport {
         })
     }
 
+    /// Fails with a lost connection when the fault `injected` (drawn on the broker) says so.
+    fn injected(
+        &self,
+        queue: &str,
+        doing: &str,
+        injected: fn(&mut State, &str) -> bool,
+    ) -> Result<(), TransportError> {
+        if self.broker.shared.with(|s| injected(s, queue)) {
+            return Err(TransportError::connection_lost(format!(
+                "{doing} {queue}: connection dropped (injected)"
+            )));
+        }
+        Ok(())
+    }
+
     /// The open connection to use for a new operation: a closed one is recovered first
     /// (unless recovery is off).
     fn ensure_open(&self) -> Result<usize, TransportError> {
@@ -235,6 +268,7 @@ impl Transport for MemoryTransport {
         prefetch: u16,
     ) -> Result<MemorySubscription, TransportError> {
         let id = self.ensure_open()?;
+        self.injected(queue, "subscribing to", State::fail_subscribe)?;
         let consumer = self
             .broker
             .shared
@@ -258,13 +292,32 @@ impl Transport for MemoryTransport {
 
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<DeliveryTag>>, TransportError> {
         let id = self.ensure_open()?;
-        self.broker
-            .shared
-            .with(|s| s.get(id, queue, receive))
-            .map_err(TransportError::from)
+        // Handed over even if its connection has closed since, as a client library hands
+        // over what it received before a drop: the driver runs it, its settle fails, and the
+        // process knows why the broker's copy comes back redelivered.
+        if let Some(delivery) = lock(&self.unclaimed).take() {
+            return Ok(Some(delivery));
+        }
+        let (got, late) = self.broker.shared.with(|s| {
+            let got = s.get(id, queue, receive)?;
+            let late = got.is_some() && s.late_fetch(queue);
+            Ok::<_, BrokerError>((got, late))
+        })?;
+        if !self.fetch_latency.is_zero() {
+            self.broker.sleep(self.fetch_latency).await;
+        }
+        if late {
+            *lock(&self.unclaimed) = got;
+            return Err(TransportError::Timeout {
+                operation: "fetch",
+                after: self.fetch_latency,
+            });
+        }
+        Ok(got)
     }
 
     async fn ready(&self, queue: &str, _poll: Duration) -> Result<(), TransportError> {
+        self.injected(queue, "watching", State::fail_watch)?;
         futures::future::poll_fn(|cx| {
             match self.broker.shared.with(|s| s.watch(queue, cx.waker())) {
                 Ok(true) => Poll::Ready(Ok(())),
@@ -276,9 +329,17 @@ impl Transport for MemoryTransport {
     }
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
-        let headers = publish.clone_headers(original);
-        let identity = identity_of(&self.broker.shared.lock(), original);
-        self.publish_inner(Publishing {
+        let mut headers = publish.clone_headers(original);
+        let (identity, batched) = self.broker.shared.with(|s| {
+            (identity_of(s, original), s.faults().misattributes())
+        });
+        // With returns misattributed, answers come in batches and are paired by stamp.
+        let stamp = batched.then(|| {
+            let stamp = confirms::lock(&self.confirms).register();
+            stamp_headers(&mut headers, stamp);
+            stamp
+        });
+        let result = self.publish_inner(Publishing {
             identity,
             exchange: publish.route.exchange.clone(),
             routing_key: publish.route.routing_key.clone(),
@@ -287,7 +348,31 @@ impl Transport for MemoryTransport {
             headers,
             expiration: publish.expiration,
             mandatory: true,
-        })
+        });
+        let Some(stamp) = stamp else {
+            return result;
+        };
+        confirms::lock(&self.confirms).answered(stamp, &result);
+        YieldOnce::new().await;
+        if confirms::lock(&self.confirms).pending() {
+            let shuffle = self.broker.shared.with(|s| s.faults().on_confirm_batch());
+            let misattributed = confirms::lock(&self.confirms).hand_over(shuffle);
+            if misattributed > 0 {
+                let description =
+                    Arc::from(format!("{misattributed} returns handed to another publish's confirm"));
+                self.broker
+                    .shared
+                    .with(|s| s.record(|| EventKind::Fault { description }));
+            }
+        }
+        let verdict =
+            futures::future::poll_fn(|cx| confirms::lock(&self.confirms).poll_verdict(stamp, cx))
+                .await;
+        match (verdict, result) {
+            // The broker's own error says more than the verdict.
+            (Confirm::Failed, failed @ PublishResult::Failed(_)) => failed,
+            (verdict, _) => confirms::result_of(verdict),
+        }
     }
 
     async fn settle(
@@ -306,4 +391,8 @@ impl Transport for MemoryTransport {
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         Box::pin(self.broker.sleep(duration))
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

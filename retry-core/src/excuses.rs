@@ -1,0 +1,68 @@
+//! `Excuses`: the suspects a process knows went back to the isolation queue through no
+//! crash of their own.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// How many excuses are remembered; the oldest are forgotten first.
+const CAPACITY: usize = 1024;
+
+/// The suspects that went back to the isolation queue redelivered through no crash of their
+/// own, as seen by this process: a suspect whose connection dropped while it ran, or that
+/// was requeued because its clone could not be published. Each is keyed by its
+/// [`DeliveryFacts::excuse_key`](crate::DeliveryFacts::excuse_key), the token of that very
+/// copy, and used once: its next redelivery from the isolation queue is not a crash.
+///
+/// Any consumer of the process may fetch the suspect next, so the engines of one process
+/// share their excuses: each [`Consumer`](crate::Consumer) uses those of its
+/// [`SoloGate`](crate::SoloGate), and an embedder running several engines shares one with
+/// [`Engine::with_excuses`](crate::Engine::with_excuses). The last 1,024 are kept.
+///
+/// ```
+/// use retry_core::Excuses;
+///
+/// let shared = Excuses::new();
+/// let other_engine = shared.clone();
+/// shared.add(42);
+/// assert!(other_engine.take(42));
+/// assert!(!shared.take(42), "an excuse is used once");
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct Excuses(Arc<Mutex<VecDeque<u64>>>);
+
+impl Excuses {
+    /// None yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Excuses the suspect copy keyed `key`.
+    pub fn add(&self, key: u64) {
+        let mut keys = self.lock();
+        if keys.len() == CAPACITY {
+            keys.pop_front();
+        }
+        keys.push_back(key);
+    }
+
+    /// Uses the excuse of the copy keyed `key`, if there is one.
+    pub fn take(&self, key: u64) -> bool {
+        let mut keys = self.lock();
+        match keys.iter().position(|k| *k == key) {
+            Some(at) => {
+                keys.remove(at);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether no excuse is waiting to be used.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, VecDeque<u64>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
