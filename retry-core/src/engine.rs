@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use slotmap::{Key as _, KeyData, SlotMap};
 
-use crate::excuses::Excuses;
 use crate::decision::{
     Admission, AttemptState, CRASH_CAUSE, Decision, Lane, Outcome, admit, decide, recorded_cause,
 };
+use crate::excuses::Excuses;
 use crate::facts::DeliveryFacts;
 use crate::headers::DeadLetterReason;
 use crate::headers::{EngineHeaders, Headers, Origin};
@@ -377,7 +377,6 @@ fn random_seed() -> u64 {
     h.write_u64(ENGINES.fetch_add(1, Ordering::Relaxed));
     h.finish()
 }
-
 
 /// The retry state machine for one work queue.
 ///

@@ -123,7 +123,10 @@ fn mix(seed: u64) -> Mix {
     }
     let mut events = Vec::new();
     for _ in 0..d.below(3) {
-        events.push((Duration::from_millis(d.below(20_000)), SimEvent::RestartConsumers));
+        events.push((
+            Duration::from_millis(d.below(20_000)),
+            SimEvent::RestartConsumers,
+        ));
     }
     for _ in 0..d.below(3) {
         let at = Duration::from_millis(d.below(20_000));
@@ -135,7 +138,10 @@ fn mix(seed: u64) -> Mix {
         events.push((at, event));
     }
     if one_process && d.chance(50) {
-        events.push((Duration::from_millis(d.below(20_000)), SimEvent::CloseConnections));
+        events.push((
+            Duration::from_millis(d.below(20_000)),
+            SimEvent::CloseConnections,
+        ));
     }
     let count = 6 + d.below(6) as usize;
     let poison = 1 + d.below(2) as usize;
@@ -227,7 +233,10 @@ fn violations(mix: &Mix, report: &Report) -> Vec<String> {
             other => format!("{other:?}"),
         };
         if fate != kind.expected() {
-            wrong.push(format!("{name}: ended {fate}, its script says {}", kind.expected()));
+            wrong.push(format!(
+                "{name}: ended {fate}, its script says {}",
+                kind.expected()
+            ));
         }
         let charged = m
             .terminals
@@ -293,7 +302,10 @@ fn explain(seed: u64) -> String {
 
 #[test]
 fn no_loss_and_no_blame_under_every_fault_class_over_thousands_of_seeds() {
-    if let Some(seed) = std::env::var("FAULT_SEED").ok().and_then(|s| s.parse().ok()) {
+    if let Some(seed) = std::env::var("FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         let (mix, report) = simulate(seed, false);
         assert!(violations(&mix, &report).is_empty(), "{}", explain(seed));
         return;
@@ -358,14 +370,22 @@ fn the_seeds_exercise_every_fault_class() {
         count("subscribes failed", trace.matches("a subscribe to").count());
         count(
             "fetches given up with their message on the way",
-            trace.matches("gives up with its message on the way").count(),
+            trace
+                .matches("gives up with its message on the way")
+                .count(),
         );
-        count("publishes returned", trace.matches("returned unroutable").count());
+        count(
+            "publishes returned",
+            trace.matches("returned unroutable").count(),
+        );
         count(
             "confirm batches with returns handed to the wrong publish",
             trace.matches("handed to another publish's confirm").count(),
         );
-        count("graceful restarts", trace.matches("graceful restart").count());
+        count(
+            "graceful restarts",
+            trace.matches("graceful restart").count(),
+        );
         count("connections dropped", trace.matches("close conn").count());
         let declined: u64 = report
             .consumers
@@ -375,7 +395,10 @@ fn the_seeds_exercise_every_fault_class() {
                 _ => None,
             })
             .sum();
-        count("suspects fetched after shutdown began, put back unrun", declined as usize);
+        count(
+            "suspects fetched after shutdown began, put back unrun",
+            declined as usize,
+        );
         let crashes = trace.matches("CRASH").count();
         count("processes crashed by poison", crashes);
         if mix.per_process == 2 {
@@ -392,4 +415,62 @@ fn the_seeds_exercise_every_fault_class() {
     for (name, n) in &counts {
         assert!(*n > 0, "no seed exercised: {name}");
     }
+}
+
+/// A sweep over the moments a connection can drop while suspects run alone, in a process
+/// of two consumers, with a graceful restart soon after or none: the process that saw the
+/// drop knows the suspect it held comes back through no crash, whichever of its consumers
+/// fetches it next, and puts it back fresh before a restart.
+#[test]
+fn a_suspect_whose_connection_drops_while_it_runs_alone_is_never_charged() {
+    let mut runs = 0;
+    for drop_at in (0..48).map(|i| Duration::from_millis(1_000 + i * 125)) {
+        for restart in [None, Some(Duration::from_millis(150))] {
+            let policy = RetryPolicy::delays([Duration::from_secs(1)])
+                .with_crash_limit(CRASH_LIMIT)
+                .with_crash_delay(Duration::from_secs(1))
+                .build()
+                .unwrap();
+            let mut sim = Simulation::builder(QUEUE, policy)
+                .with_consumers_per_process(2)
+                .with_prefetch(2)
+                .with_trace(false)
+                .build()
+                .unwrap();
+            // The poison takes its process down with everything it held, so every other
+            // message runs alone, as a suspect, soon after.
+            sim.publish(
+                "poison",
+                Script::always(Step::Crash).taking(Duration::from_millis(300)),
+            )
+            .unwrap();
+            for i in 0..6 {
+                let script = Script::succeed().taking(Duration::from_millis(400 + i * 50));
+                sim.publish(format!("healthy-{i}"), script).unwrap();
+            }
+            sim.schedule(drop_at, SimEvent::CloseConnections);
+            if let Some(after) = restart {
+                sim.schedule(drop_at + after, SimEvent::RestartConsumers);
+            }
+            let report = sim.run_until_quiet();
+            for i in 0..6 {
+                let m = report.message(&format!("healthy-{i}")).unwrap();
+                assert!(
+                    matches!(m.fate, Fate::Handled { .. }) && m.crashes == 0,
+                    "drop at {drop_at:?}, restart {restart:?}: healthy-{i} charged {} crashes\n{}",
+                    m.crashes,
+                    m.timeline(report.started_at)
+                );
+            }
+            let poison = report.message("poison").unwrap();
+            assert_eq!(
+                poison.fate,
+                Fate::Parked {
+                    reason: "crash-loop".into()
+                }
+            );
+            runs += 1;
+        }
+    }
+    assert_eq!(runs, 96);
 }

@@ -270,7 +270,11 @@ impl Faults {
     /// Whether misattributed returns may happen at all, counted or at random: confirms are
     /// then batched.
     pub(crate) fn misattributes(&self) -> bool {
-        self.misattribute > 0 || self.random.as_ref().is_some_and(|(r, _)| r.misattribute > 0.0)
+        self.misattribute > 0
+            || self
+                .random
+                .as_ref()
+                .is_some_and(|(r, _)| r.misattribute > 0.0)
     }
 
     fn counted_or_random(

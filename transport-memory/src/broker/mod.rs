@@ -430,9 +430,12 @@ impl Broker {
     /// The next `n` batches of publisher confirms are completed out of order, each return
     /// handed to whichever confirm completes first, as lapin 4.12 does.
     pub fn misattribute_returns(&self, n: u32) {
-        self.fault(format!("misattribute the returns of the next {n} confirm batches"), |f| {
-            f.misattribute_returns(n);
-        });
+        self.fault(
+            format!("misattribute the returns of the next {n} confirm batches"),
+            |f| {
+                f.misattribute_returns(n);
+            },
+        );
     }
 
     /// From now on, faults at random with these rates, from a generator seeded with `seed`.

@@ -491,22 +491,26 @@ impl Simulation {
         let s = &self.settings;
         let (queue_type, limit, strategy) = (s.queue_type, s.delivery_limit, s.strategy.clone());
         let (ledger, broker) = (self.ledger.clone(), self.broker.clone());
-        let mut consumer =
-            Consumer::builder(transport.clone(), s.queue.clone(), s.policy.clone(), handler)
-                .with_prefetch(s.prefetch)
-                .with_handler_timeout(s.handler_timeout)
-                .with_shutdown_grace(s.shutdown_grace)
-                .with_consumer_timeout(s.consumer_timeout.unwrap_or(Duration::MAX))
-                .with_topology(move |b| {
-                    let b = b.with_queue_type(queue_type).with_strategy(strategy);
-                    match limit {
-                        Some(n) => b.with_delivery_limit(n),
-                        None => b,
-                    }
-                })
-                .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
-                .with_solo_gate(gate.clone())
-                .with_token_seed(seed);
+        let mut consumer = Consumer::builder(
+            transport.clone(),
+            s.queue.clone(),
+            s.policy.clone(),
+            handler,
+        )
+        .with_prefetch(s.prefetch)
+        .with_handler_timeout(s.handler_timeout)
+        .with_shutdown_grace(s.shutdown_grace)
+        .with_consumer_timeout(s.consumer_timeout.unwrap_or(Duration::MAX))
+        .with_topology(move |b| {
+            let b = b.with_queue_type(queue_type).with_strategy(strategy);
+            match limit {
+                Some(n) => b.with_delivery_limit(n),
+                None => b,
+            }
+        })
+        .with_on_terminal(move |msg, terminal| ledger.terminal(&broker, msg, terminal))
+        .with_solo_gate(gate.clone())
+        .with_token_seed(seed);
         if let Some(storm) = &s.storm {
             consumer = consumer.with_storm_control(storm.clone());
         }

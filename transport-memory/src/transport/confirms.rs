@@ -91,7 +91,8 @@ impl Confirms {
         for raw in batch {
             let carried = waiting.pop_front();
             misattributed += usize::from(carried.is_some_and(|c| c != raw.stamp));
-            self.matcher.answer(raw.stamp, raw.answer, carried.map(Some));
+            self.matcher
+                .answer(raw.stamp, raw.answer, carried.map(Some));
         }
         self.collect();
         misattributed

@@ -330,9 +330,10 @@ impl Transport for MemoryTransport {
 
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
         let mut headers = publish.clone_headers(original);
-        let (identity, batched) = self.broker.shared.with(|s| {
-            (identity_of(s, original), s.faults().misattributes())
-        });
+        let (identity, batched) = self
+            .broker
+            .shared
+            .with(|s| (identity_of(s, original), s.faults().misattributes()));
         // With returns misattributed, answers come in batches and are paired by stamp.
         let stamp = batched.then(|| {
             let stamp = confirms::lock(&self.confirms).register();
@@ -358,8 +359,9 @@ impl Transport for MemoryTransport {
             let shuffle = self.broker.shared.with(|s| s.faults().on_confirm_batch());
             let misattributed = confirms::lock(&self.confirms).hand_over(shuffle);
             if misattributed > 0 {
-                let description =
-                    Arc::from(format!("{misattributed} returns handed to another publish's confirm"));
+                let description = Arc::from(format!(
+                    "{misattributed} returns handed to another publish's confirm"
+                ));
                 self.broker
                     .shared
                     .with(|s| s.record(|| EventKind::Fault { description }));
