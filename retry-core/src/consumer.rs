@@ -242,16 +242,20 @@ impl<T: Transport, H: Handler> Consumer<T, H> {
     ///
     /// On shutdown the consumer stops receiving and lets in-flight handlers, publishes and
     /// settlements continue for the [shutdown grace](ConsumerBuilder::with_shutdown_grace).
-    /// Deliveries still unfinished then are left unsettled: the broker redelivers them. Nothing
-    /// is acknowledged that was not handled. Before `run` returns, the subscription's
-    /// batched acknowledgements are sent, so every delivery the report counts as settled is
-    /// settled on the broker.
+    /// A suspect whose fetch answers after shutdown began is not run: a fresh copy of it goes
+    /// back to the isolation queue ([`RunReport::declined`]). Suspects this process knows
+    /// went back to the isolation queue through no crash (see [`Excuses`](crate::Excuses))
+    /// are fetched and put back fresh too, so that the next process does not charge them.
+    /// Deliveries still unfinished when the grace ends are left unsettled: the broker
+    /// redelivers them. Nothing is acknowledged that was not handled. Before `run` returns,
+    /// the subscription's batched acknowledgements are sent, so every delivery the report
+    /// counts as settled is settled on the broker.
     ///
     /// If `shutdown` resolves before consuming has started, `run` returns an empty report.
     ///
-    /// A lost connection while receiving is retried after a short backoff; settlement
-    /// failures are logged and counted in the report, since the broker redelivers what it did
-    /// not see settled.
+    /// A lost connection while receiving, subscribing or fetching is retried after a short
+    /// backoff; settlement failures are logged and counted in the report, since the broker
+    /// redelivers what it did not see settled.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<RunReport, ConsumerError> {
         run::run(self, shutdown).await
     }

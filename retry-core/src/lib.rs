@@ -127,6 +127,8 @@
 //! | `x-retry-previous-reason` | string | on replayed copies: the reason it had been parked with |
 //! | `x-retry-previous-error` | string | on replayed copies: the last error it had been parked with |
 //! | `x-retry-probe` | any | marks a topology probe: consumers acknowledge it without running the handler |
+//! | `x-retry-suspect` | integer | on a suspect's copy in the isolation queue: a token unique to that copy, which excuses are keyed by |
+//! | `x-retry-publish-id` | integer | a transport's stamp on one publish, so that a returned message names its publish ([`ReturnMatcher`]); clones drop it |
 //!
 //! Counters above [`MAX_COUNTER`], negative numbers, times past the year 9999, wrong types
 //! and garbage bytes are read as absent and reported in [`Malformed`]. The broker's own
@@ -157,9 +159,27 @@
 //!    back to the isolation queue ([`Terminal::Diverted`]), and past the crash limit it is
 //!    parked with reason `crash-loop`. A suspect whose connection dropped while it ran, in a
 //!    process that saw the drop, or that was requeued after its clone could not be
-//!    published, is excused by that process ([`Engine::excuse`]).
+//!    published, is excused by that process ([`Engine::excuse`], [`Excuses`]): the excuse
+//!    is keyed by the token the engine wrote on that very copy (`x-retry-suspect`), so
+//!    another message with the same id or body cannot use it, and the process claims the
+//!    suspect again before any work runs.
 //! 4. A suspect that succeeds is handled; one that fails takes the normal retry path, back
 //!    to the work queue through its delay queues.
+//!
+//! "Alone" holds for the process, since a crash takes the whole process down: consumers
+//! of one process pass through one [`SoloGate`], and while one of them runs suspects, every
+//! other one has drained, flushed its acknowledgements and starts nothing. They share
+//! their excuses through it too. The [`Consumer`] keeps to the rules that make a crash the
+//! only way a suspect can come back redelivered from the isolation queue:
+//!
+//! * a solo phase ends only with nothing held and no fetch under way; a fetch that fails
+//!   keeps the solo phase and is tried again before anything else runs, since a transport
+//!   may hold the message of a fetch that gave up, on its way, for the next fetch;
+//! * a suspect fetched once shutdown has begun is not run but put back as a fresh copy
+//!   ([`Engine::handle_declined`], [`RunReport::declined`]), and a graceful shutdown puts
+//!   back fresh the suspects the process excused, which the next process could not know;
+//! * a requeue of a suspect that showed a crash keeps that crash: it is recorded nowhere
+//!   else.
 //!
 //! The path of a poison message that kills every consumer running it, with a crash limit
 //! of 2:

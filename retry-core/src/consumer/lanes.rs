@@ -350,7 +350,7 @@ impl<Tag> Lanes<Tag> {
         match result {
             Ok(Some(delivery)) => {
                 self.receive_backoff.succeeded();
-                let room = self.held < self.work_limit();
+                let room = self.held < self.work_limit() && !self.gate.others_asking();
                 let isolating = self.phase == Phase::Draining
                     && self.held > 0
                     && delivery.facts.crash_evidence() > 0;
@@ -686,6 +686,183 @@ fn error_once(previous: &Option<ConsumerError>, fatal: &ConsumerError) {
         tracing::error!(
             error = fatal as &dyn Error,
             "finishing the deliveries held, then stopping"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::consumer::SoloGate;
+    use crate::facts::BrokerSignals;
+    use crate::message::MessageParts;
+
+    fn settings() -> LaneSettings {
+        LaneSettings {
+            queue: "q".into(),
+            isolation: "q.suspect".into(),
+            prefetch: 2,
+            solo_runs: 2,
+            solo_time: Duration::from_secs(5),
+            suspect_poll: Duration::from_secs(5),
+        }
+    }
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    fn delivery(tag: u32, redelivered: bool) -> Delivery<u32> {
+        let parts = MessageParts {
+            body: tag.to_le_bytes().to_vec(),
+            ..MessageParts::default()
+        };
+        let signals = BrokerSignals {
+            redelivered,
+            delivery_count: None,
+        };
+        Delivery::new(tag, parts, signals)
+    }
+
+    /// Every IO request now, by kind.
+    fn drain(lanes: &mut Lanes<u32>, now: Timestamp) -> Vec<String> {
+        std::iter::from_fn(|| lanes.poll_io(now))
+            .map(|io| match io {
+                Io::Admit { delivery, lane, .. } => format!("admit {} {lane:?}", delivery.tag),
+                Io::Decline { delivery } => format!("decline {}", delivery.tag),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    /// Lanes past their first, empty, solo phase: subscribed and receiving.
+    fn working(gate: &SoloGate) -> Lanes<u32> {
+        let mut lanes = Lanes::new(settings(), None, gate.join());
+        assert_eq!(drain(&mut lanes, at(0)), ["Fetch"]);
+        lanes.handle_fetched(at(0), Ok(None));
+        assert_eq!(drain(&mut lanes, at(0)), ["Subscribe { after: None }"]);
+        lanes.handle_subscribed(Ok(()));
+        assert_eq!(
+            drain(&mut lanes, at(0)),
+            ["Watch", "Receive { after: None }"]
+        );
+        lanes
+    }
+
+    #[test]
+    fn a_watch_error_while_a_suspect_runs_alone_leaves_the_phase_alone() {
+        let gate = SoloGate::new();
+        let mut lanes = working(&gate);
+        // A redelivered work delivery is isolated; its clone in the isolation queue ends
+        // the work lane's turn.
+        lanes.handle_received(Ok(Some(delivery(1, true))));
+        assert_eq!(
+            drain(&mut lanes, at(0)),
+            ["admit 1 Work", "Receive { after: None }"]
+        );
+        lanes.handle_released(true, false);
+        assert_eq!(drain(&mut lanes, at(0)), ["Flush"]);
+        lanes.handle_flushed();
+        assert_eq!(drain(&mut lanes, at(0)), ["Fetch"]);
+        lanes.handle_fetched(at(0), Ok(Some(delivery(2, false))));
+        assert_eq!(drain(&mut lanes, at(0)), ["admit 2 Isolation"]);
+        // The watch started while work ran fails now: nothing else may start.
+        lanes.handle_watch(at(1), Err(TransportError::connection_lost("gone")));
+        assert_eq!(drain(&mut lanes, at(1)), Vec::<String>::new());
+        assert!(matches!(lanes.phase, Phase::Solo { .. }));
+    }
+
+    #[test]
+    fn a_failed_fetch_is_tried_again_before_any_work_whatever_the_limit() {
+        let gate = SoloGate::new();
+        let mut lanes = Lanes::new(settings(), None, gate.join());
+        assert_eq!(drain(&mut lanes, at(0)), ["Fetch"]);
+        let timeout = || TransportError::Timeout {
+            operation: "fetch",
+            after: Duration::from_secs(1),
+        };
+        lanes.handle_fetched(at(10_000), Err(timeout()));
+        assert_eq!(lanes.poll_timeout(), Some(at(10_100)));
+        assert_eq!(drain(&mut lanes, at(10_050)), Vec::<String>::new());
+        lanes.handle_timeout(at(10_100));
+        assert_eq!(
+            drain(&mut lanes, at(10_100)),
+            ["Fetch"],
+            "past the solo time"
+        );
+        lanes.handle_fetched(at(10_100), Err(timeout()));
+        assert_eq!(lanes.poll_timeout(), Some(at(10_300)), "the wait doubles");
+    }
+
+    #[test]
+    fn a_fetch_answered_after_shutdown_is_declined_and_keeps_the_run_alive() {
+        let gate = SoloGate::new();
+        let mut lanes = Lanes::new(settings(), None, gate.join());
+        assert_eq!(drain(&mut lanes, at(0)), ["Fetch"]);
+        lanes.handle_shutdown();
+        assert_eq!(drain(&mut lanes, at(0)), ["StopReceiving"]);
+        assert!(!lanes.finished(), "the fetch is under way");
+        lanes.handle_fetched(at(1), Ok(Some(delivery(7, false))));
+        assert_eq!(drain(&mut lanes, at(1)), ["decline 7"]);
+        assert!(!lanes.finished());
+        lanes.handle_released(true, false);
+        assert_eq!(drain(&mut lanes, at(1)), Vec::<String>::new());
+        assert!(lanes.finished());
+    }
+
+    #[test]
+    fn a_delivery_arriving_in_a_storm_pause_waits_unstarted() {
+        let gate = SoloGate::new();
+        let storm = StormControl::consecutive_failures(1);
+        let mut lanes = Lanes::new(settings(), Some(storm), gate.join());
+        assert_eq!(drain(&mut lanes, at(0)), ["Fetch"]);
+        lanes.handle_fetched(at(0), Ok(None));
+        drain(&mut lanes, at(0));
+        lanes.handle_subscribed(Ok(()));
+        drain(&mut lanes, at(0));
+        lanes.handle_received(Ok(Some(delivery(1, false))));
+        assert_eq!(
+            drain(&mut lanes, at(0)),
+            ["admit 1 Work", "Receive { after: None }"]
+        );
+        // The run fails and trips the pause while a receive is under way.
+        lanes.handle_run_ended(at(1), Lane::Work, false, Some(true));
+        assert!(matches!(
+            lanes.poll_event(),
+            Some(StormEvent::Paused { .. })
+        ));
+        lanes.handle_released(false, false);
+        lanes.handle_received(Ok(Some(delivery(2, false))));
+        assert_eq!(drain(&mut lanes, at(2)), Vec::<String>::new());
+        // Probing takes it first.
+        lanes.handle_timeout(at(6_000));
+        assert_eq!(lanes.poll_event(), Some(StormEvent::Probing));
+        assert_eq!(drain(&mut lanes, at(6_000)), ["admit 2 Work"]);
+    }
+
+    #[test]
+    fn another_consumer_asking_for_the_gate_drains_this_one() {
+        let gate = SoloGate::new();
+        let mut lanes = working(&gate);
+        lanes.handle_received(Ok(Some(delivery(1, false))));
+        assert_eq!(
+            drain(&mut lanes, at(0)),
+            ["admit 1 Work", "Receive { after: None }"]
+        );
+        let other = gate.join();
+        other.request();
+        lanes.handle_received(Ok(Some(delivery(2, false))));
+        assert_eq!(drain(&mut lanes, at(0)), Vec::<String>::new(), "2 waits");
+        assert!(!other.try_enter(), "1 still runs");
+        lanes.handle_released(false, false);
+        assert_eq!(drain(&mut lanes, at(0)), ["Flush"]);
+        lanes.handle_flushed();
+        drain(&mut lanes, at(0));
+        assert!(other.try_enter(), "this consumer is quiet");
+        other.leave();
+        assert_eq!(
+            drain(&mut lanes, at(0)),
+            ["admit 2 Work", "Receive { after: None }"]
         );
     }
 }
