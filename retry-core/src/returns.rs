@@ -324,7 +324,7 @@ mod tests {
                     (next..end).filter(|&i| !routable[i]).map(|i| sent[i]).collect();
                 let mut order: Vec<usize> = (next..end).collect();
                 let seed = shuffles[batch % shuffles.len()];
-                order.sort_by_key(|&i| crate::splitmix64(seed ^ i as u64));
+                order.sort_by_key(|&i| crate::jitter::splitmix64(seed ^ i as u64));
                 let answers: Vec<(u64, Option<Option<u64>>)> = order
                     .iter()
                     .map(|&i| (sent[i], waiting_returns.pop_front().map(Some)))
@@ -332,7 +332,7 @@ mod tests {
                 // The application reads them in another order, registering one more
                 // publish (sent later) halfway when there is one to send.
                 let mut reads = answers;
-                reads.sort_by_key(|(s, _)| crate::splitmix64(seed.rotate_left(17) ^ s));
+                reads.sort_by_key(|(s, _)| crate::jitter::splitmix64(seed.rotate_left(17) ^ s));
                 for (k, (stamp, returned)) in reads.into_iter().enumerate() {
                     if k == 1 && sent.len() < routable.len() {
                         sent.push(m.register());
