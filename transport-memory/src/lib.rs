@@ -158,12 +158,15 @@
 //!
 //! ## Faults
 //!
-//! [`Broker::lose_publishes`], [`Broker::refuse_publishes`], [`Broker::lose_confirms`] and
-//! [`Broker::duplicate_deliveries`] affect the next N operations; [`Broker::random_faults`]
-//! draws them from a seeded generator; [`Broker::close_connection`] drops a connection. In a
-//! simulation, [`SimEvent`]s schedule them at virtual times, and
-//! [`SimulationBuilder::with_crash_rate`] and [`SimulationBuilder::with_connection_drop_rate`] add
-//! seeded crashes and disconnections to handler runs.
+//! [`Broker::lose_publishes`], [`Broker::refuse_publishes`], [`Broker::lose_confirms`],
+//! [`Broker::return_publishes`], [`Broker::misattribute_returns`],
+//! [`Broker::duplicate_deliveries`], [`Broker::fail_watches`], [`Broker::fail_subscribes`]
+//! and [`Broker::late_fetches`] affect the next N operations; [`Broker::random_faults`]
+//! draws them from a seeded generator ([`FaultRates`]); [`Broker::close_connection`] drops a
+//! connection. In a simulation, [`SimEvent`]s schedule them (and graceful restarts) at
+//! virtual times, and [`SimulationBuilder::with_crash_rate`] and
+//! [`SimulationBuilder::with_connection_drop_rate`] add seeded crashes and disconnections to
+//! handler runs.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
