@@ -130,6 +130,8 @@ async fn consume(
                     engine.handle_outcome(now(), delivery, outcome)?;
                 }
                 // A clone, to a delay queue or the parking queue: publish it, await its confirm.
+                // One at a time on this channel, so lapin's confirm carries this clone's own
+                // return; with several in flight, publish with `embed::Publisher` instead.
                 Action::Publish { delivery, publish } => {
                     let original = &engine.data(delivery).ok_or("not in flight")?.message;
                     let (exchange, key) = (&*publish.route.exchange, &*publish.route.routing_key);

@@ -1,11 +1,17 @@
 //! The pieces a lapin consumer of your own needs to run [`retry_core::Engine`] without
 //! [`AmqpTransport`](crate::AmqpTransport): read a delivery as the engine does, write a
-//! clone's properties, read a publisher confirm, and declare or delete a plan on a plain
-//! [`lapin::Connection`].
+//! clone's properties, publish clones and read their confirms, and declare or delete a plan
+//! on a plain [`lapin::Connection`].
 //!
-//! Your code keeps its own `basic_consume`, `basic_publish` and `basic_ack`; the engine
-//! decides. `cargo run -p transport-amqp091 --example embedded` is a complete consumer built
-//! this way.
+//! Your code keeps its own `basic_consume` and `basic_ack`; the engine decides.
+//! `cargo run -p transport-amqp091 --example embedded` is a complete consumer built this way.
+//!
+//! **Publishing clones.** lapin 4.12 can hand a `basic.return` to the wrong publish when
+//! several are in flight on one channel, so a clone that reached no queue can come back as a
+//! plain positive confirm, and acknowledging its original then loses the message. Either
+//! publish one clone at a time per channel, awaiting each confirm before the next publish
+//! (as below; [`confirm`] reads it), or publish with [`Publisher`], which pairs every
+//! confirm with its return by a stamp and may have any number in flight.
 //!
 //! ```no_run
 //! use lapin::options::{BasicAckOptions, BasicPublishOptions};
@@ -41,11 +47,16 @@
 //! # Ok(()) }
 //! ```
 
+use std::time::Duration;
+
 use lapin::{BasicProperties, Connection};
-use retry_core::{Confirm, Delivery, Message, Publish, TopologyPlan, TransportError};
+use retry_core::{
+    Confirm, Delivery, Message, Publish, PublishResult, TopologyPlan, TransportError,
+};
 
 use crate::ProvisionReport;
 use crate::convert::{properties_to_amqp, received};
+use crate::publisher::PublisherSlot;
 
 /// A lapin delivery from `queue` as the engine reads it: the message, its
 /// [`DeliveryFacts`](retry_core::DeliveryFacts) decoded from its headers and redelivered
@@ -103,6 +114,13 @@ pub fn clone_properties(original: &Message, publish: &Publish) -> BasicPropertie
 /// confirmed it; a negative confirm is [`Confirm::Nack`]; an error, or a channel not in
 /// confirm mode, is [`Confirm::Failed`].
 ///
+/// **Only sound with one publish in flight on the channel**: lapin attaches a
+/// `basic.return` to whichever confirm it completes next, so with several in flight the
+/// return of an unroutable clone can come with another publish's confirm and this reads
+/// [`Confirm::Ack`] for a clone that reached no queue. Await each confirm before the next
+/// `basic_publish` on that channel, never drop one unread (a later confirm would then carry
+/// its return), or publish with [`Publisher`].
+///
 /// ```
 /// use lapin::Confirmation;
 /// use retry_core::Confirm;
@@ -158,4 +176,80 @@ pub async fn provision(
 /// ```
 pub async fn teardown(conn: &Connection, plan: &TopologyPlan) -> Result<(), TransportError> {
     crate::provision::teardown(conn, plan).await
+}
+
+/// Publishes the engine's clones on a confirm channel of its own, any number in flight at
+/// once, each result paired with the broker's `basic.return`s by a stamp the clone carries
+/// (the [`PUBLISH_ID`](retry_core::headers::PUBLISH_ID) header, see
+/// [`ReturnMatcher`](retry_core::ReturnMatcher)) rather than by lapin's pairing. This is
+/// how [`AmqpTransport`](crate::AmqpTransport) publishes.
+///
+/// * Clones are published `mandatory` to `publish.route`, with `original`'s body and
+///   [`clone_properties`] plus the stamp.
+/// * Each publish is sent and its confirm awaited in a tokio task of its own (call it
+///   within a tokio runtime): dropping the future of [`publish`](Self::publish) stops
+///   waiting for the result, never the reading of the confirm, which may carry another
+///   clone's return.
+/// * A confirm that does not come within the confirm timeout fails every publish in flight
+///   on the channel, which is closed; so does a channel error or a lost connection. The
+///   next publish opens a new channel on the connection it is given. A failed publish
+///   means: requeue the original (a duplicate at worst, never a loss).
+///
+/// ```no_run
+/// # async fn f(conn: lapin::Connection, engine: &mut retry_core::Engine<retry_core::Delivery<u64>>) -> Result<(), Box<dyn std::error::Error>> {
+/// use retry_core::{Action, Timestamp};
+/// use std::time::Duration;
+/// use transport_amqp091::embed;
+///
+/// let publisher = embed::Publisher::new(Duration::from_secs(30));
+/// let now = || Timestamp::from_system_time(std::time::SystemTime::now());
+/// while let Some(action) = engine.poll_action() {
+///     if let Action::Publish { delivery, publish } = action {
+///         let original = engine.data(delivery).expect("in flight").message.clone();
+///         let result = publisher.publish(&conn, &original, &publish).await;
+///         engine.handle_confirm(now(), delivery, result.confirm())?;
+///     }
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Publisher {
+    slot: PublisherSlot,
+    confirm_timeout: Duration,
+}
+
+impl Publisher {
+    /// A publisher that gives a confirm `confirm_timeout` (the transport's default is 30 s).
+    /// It opens its channel on the first publish.
+    pub fn new(confirm_timeout: Duration) -> Self {
+        Publisher {
+            slot: PublisherSlot::default(),
+            confirm_timeout,
+        }
+    }
+
+    /// Publishes `original`'s clone as `publish` asks on `connection` and waits for the
+    /// broker's answer: [`PublishResult::Confirmed`] only when the clone reached a queue and
+    /// was confirmed. Feed [`PublishResult::confirm`] to the engine.
+    ///
+    /// The channel is opened on `connection` and kept while it can be used (open, or its
+    /// connection recovering); once it cannot (after a channel error, a confirm timeout or
+    /// its connection's close), the next publish opens one on the `connection` given then.
+    pub async fn publish(
+        &self,
+        connection: &Connection,
+        original: &Message,
+        publish: &Publish,
+    ) -> PublishResult {
+        self.slot
+            .publish(connection, 0, original, publish, self.confirm_timeout)
+            .await
+    }
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("confirm_timeout", &self.confirm_timeout)
+            .finish_non_exhaustive()
+    }
 }

@@ -14,6 +14,11 @@
 //!   [`AmqpTransport::teardown_cascade`] deletes it.
 //! * Clones are published `mandatory` with confirms: the original is acknowledged only after
 //!   a plain positive confirm. Returned, nacked, timed-out or failed publishes requeue it.
+//!   Each clone carries a stamp (`x-retry-publish-id`) by which its confirm is paired with
+//!   the broker's `basic.return`s ([`ReturnMatcher`](retry_core::ReturnMatcher)): lapin 4.12
+//!   can attach a return to another publish's confirm when several are in flight. A confirm
+//!   timeout fails every publish in flight on the channel, which is replaced.
+//!   [`embed::Publisher`] publishes the same way for consumers of your own.
 //! * Acknowledgements are batched with `multiple` where it is safe, per subscription, and
 //!   sent before a consumer stops and when the transport closes; several confirms are in
 //!   flight at once. A batch goes out once it fills half the prefetch window, or at once
@@ -45,6 +50,7 @@ mod error;
 mod link;
 mod nodes;
 mod provision;
+mod publisher;
 mod subscription;
 mod tag;
 pub mod testing;

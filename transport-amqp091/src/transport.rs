@@ -4,11 +4,9 @@ use std::sync::{Arc, Mutex as StdMutex, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Confirmation, Connection};
+use lapin::{Channel, Connection};
 use retry_core::{
     Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement,
     TopologyPlan, Transport, TransportError,
@@ -18,10 +16,11 @@ use tracing::{debug, info};
 
 use crate::acks::Acks;
 use crate::config::AmqpConfig;
-use crate::convert::{properties_to_amqp, received};
+use crate::convert::received;
 use crate::error::{connection_error, queue_error, short};
 use crate::link::Link;
 use crate::provision::{self, ProvisionReport};
+use crate::publisher::{Publisher, PublisherSlot};
 use crate::subscription::{self, AmqpSubscription};
 use crate::tag::AmqpTag;
 use crate::walk::ChannelWalk;
@@ -60,9 +59,8 @@ use crate::walk::ChannelWalk;
 pub struct AmqpTransport {
     config: AmqpConfig,
     link: Arc<Link>,
-    // Shared, not cloned, per use: a lapin `Channel` is a dozen reference counts to clone
-    // and drop, and every publish takes the publishing channel.
-    publish_channel: Mutex<Option<Arc<Channel>>>,
+    /// The publishing channel and the matcher of its returns (see the `publisher` module).
+    publisher: PublisherSlot,
     get_channel: Mutex<Option<Arc<Channel>>>,
     inspect_channel: Mutex<Option<Arc<Channel>>>,
     /// The batchers of the subscriptions still alive, for `close` and `flush_acks`.
@@ -93,7 +91,7 @@ impl AmqpTransport {
     /// Passwords are never shown.
     pub async fn connect(config: AmqpConfig) -> Result<Self, TransportError> {
         let link = Link::open(config.clone()).await?;
-        let publish_channel = confirm_channel(&link.get()).await?;
+        let publisher = Publisher::open(&link.get(), link.recoveries()).await?;
         info!(
             node = link
                 .nodes()
@@ -105,7 +103,7 @@ impl AmqpTransport {
         Ok(AmqpTransport {
             config,
             link,
-            publish_channel: Mutex::new(Some(Arc::new(publish_channel))),
+            publisher: PublisherSlot::with(publisher),
             get_channel: Mutex::new(None),
             inspect_channel: Mutex::new(None),
             subscriptions: StdMutex::new(Vec::new()),
@@ -266,13 +264,12 @@ impl AmqpTransport {
         result
     }
 
-    /// The channel in `slot`, opened (in confirm mode if `confirms`) when there is none yet
-    /// or a channel error closed it (a missing exchange or queue) while the connection is
-    /// fine; a lost connection is left to automatic recovery.
+    /// The channel in `slot`, opened when there is none yet or a channel error closed it (a
+    /// missing queue) while the connection is fine; a lost connection is left to automatic
+    /// recovery.
     async fn channel_in(
         &self,
         slot: &Mutex<Option<Arc<Channel>>>,
-        confirms: bool,
     ) -> Result<Arc<Channel>, TransportError> {
         let mut slot = slot.lock().await;
         let connection = self.link.get();
@@ -281,62 +278,15 @@ impl AmqpTransport {
         {
             return Ok(Arc::clone(channel));
         }
-        let channel = if confirms {
-            confirm_channel(&connection).await?
-        } else {
-            connection
-                .create_channel()
-                .await
-                .map_err(connection_error)?
-        };
-        debug!(channel = channel.id(), confirms, "channel opened");
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(connection_error)?;
+        debug!(channel = channel.id(), "channel opened");
         let channel = Arc::new(channel);
         *slot = Some(Arc::clone(&channel));
         Ok(channel)
     }
-
-    async fn publish_inner(
-        &self,
-        original: &Message,
-        publish: &Publish,
-    ) -> Result<Confirmation, TransportError> {
-        let headers = publish.clone_headers(original);
-        let properties = properties_to_amqp(
-            original.properties(),
-            &headers,
-            &original.parts().native,
-            publish.expiration,
-        );
-        let exchange = short(&publish.route.exchange)?;
-        let routing_key = short(&publish.route.routing_key)?;
-        let channel = self.channel_in(&self.publish_channel, true).await?;
-        let confirm = channel
-            .basic_publish(
-                exchange,
-                routing_key,
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                original.body(),
-                properties,
-            )
-            .await
-            .map_err(connection_error)?;
-        confirm.await.map_err(connection_error)
-    }
-}
-
-async fn confirm_channel(connection: &Connection) -> Result<Channel, TransportError> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(connection_error)?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(connection_error)?;
-    Ok(channel)
 }
 
 /// Flushes batched acks on a timer, so a quiet consumer never sits on finished deliveries.
@@ -404,7 +354,7 @@ impl Transport for AmqpTransport {
     }
 
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
-        let channel = self.channel_in(&self.get_channel, false).await?;
+        let channel = self.channel_in(&self.get_channel).await?;
         let got = channel
             .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
             .await
@@ -421,7 +371,7 @@ impl Transport for AmqpTransport {
     async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
         let name = short(queue)?;
         loop {
-            let channel = self.channel_in(&self.inspect_channel, false).await?;
+            let channel = self.channel_in(&self.inspect_channel).await?;
             let declared = channel
                 .queue_declare(
                     name.clone(),
@@ -440,25 +390,24 @@ impl Transport for AmqpTransport {
         }
     }
 
+    /// Publishes `mandatory` on the transport's publishing channel, with the publish's stamp
+    /// in its [`PUBLISH_ID`](retry_core::headers::PUBLISH_ID) header: the result is paired
+    /// with the broker's `basic.return`s by that stamp, never by lapin (see
+    /// [`ReturnMatcher`](retry_core::ReturnMatcher)). A confirm that does not come within
+    /// the confirm timeout fails every publish in flight on the channel, which is closed
+    /// and replaced by the next publish.
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
+        let connection = self.link.get();
         let timeout = self.config.confirm_timeout();
-        match tokio::time::timeout(timeout, self.publish_inner(original, publish)).await {
-            Err(_) => PublishResult::Failed(TransportError::Timeout {
-                operation: "publisher confirm",
-                after: timeout,
-            }),
-            Ok(Ok(Confirmation::Ack(None))) => PublishResult::Confirmed,
-            Ok(Ok(Confirmation::Ack(Some(returned)))) => {
-                debug!(reply = returned.reply_code, "clone returned as unroutable");
-                PublishResult::Returned
-            }
-            Ok(Ok(Confirmation::Nack(Some(_)))) => PublishResult::Returned,
-            Ok(Ok(Confirmation::Nack(None))) => PublishResult::Refused,
-            Ok(Ok(Confirmation::NotRequested)) => PublishResult::Failed(TransportError::Other(
-                "the publishing channel is not in confirm mode".into(),
-            )),
-            Ok(Err(e)) => PublishResult::Failed(e),
-        }
+        self.publisher
+            .publish(
+                &connection,
+                self.link.recoveries(),
+                original,
+                publish,
+                timeout,
+            )
+            .await
     }
 
     async fn settle(&self, tag: &AmqpTag, settlement: Settlement) -> Result<(), TransportError> {
