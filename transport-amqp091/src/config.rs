@@ -42,6 +42,7 @@ pub struct AmqpConfig {
     node_order: NodeOrder,
     reconnect_delay: (Duration, Duration),
     confirm_timeout: Duration,
+    connect_timeout: Duration,
     connection_name: Option<String>,
     ack_flush_interval: Duration,
     auto_recover: bool,
@@ -49,7 +50,7 @@ pub struct AmqpConfig {
 
 impl AmqpConfig {
     /// Settings for `url` (`amqp://` or `amqps://`), with the defaults: a 30 s confirm
-    /// timeout, acks flushed at least every 20 ms, automatic recovery on, nodes in order,
+    /// timeout, a 20 s connect timeout, acks flushed at least every 20 ms, automatic recovery on, nodes in order,
     /// reconnect delays from 100 ms to 5 s.
     ///
     /// `url` may list the nodes of a cluster separated by commas. A list that cannot be used
@@ -64,6 +65,7 @@ impl AmqpConfig {
             node_order: NodeOrder::InOrder,
             reconnect_delay: (Duration::from_millis(100), Duration::from_secs(5)),
             confirm_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(20),
             connection_name: None,
             ack_flush_interval: Duration::from_millis(20),
             auto_recover: true,
@@ -195,6 +197,29 @@ impl AmqpConfig {
         self
     }
 
+    /// How long opening a connection may take, from the TCP connect to the end of the AMQP
+    /// handshake, when connecting and when a stalled recovery is replaced by a new connection
+    /// (20 s by default). A node that accepts TCP but never answers the handshake is given up
+    /// on after it, and the next node, or the same one again later, is tried.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// let config = AmqpConfig::new("amqp://127.0.0.1:5672/%2f")
+    ///     .with_connect_timeout(Duration::from_secs(5));
+    /// assert_eq!(config.connect_timeout(), Duration::from_secs(5));
+    /// ```
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The connect timeout.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
     /// The connection name the broker shows (and `rabbitmqctl list_connections` prints).
     pub fn with_connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
@@ -261,6 +286,7 @@ impl fmt::Debug for AmqpConfig {
             .field("node_order", &self.node_order)
             .field("reconnect_delay", &self.reconnect_delay)
             .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
             .field("connection_name", &self.connection_name)
             .field("ack_flush_interval", &self.ack_flush_interval)
             .field("auto_recover", &self.auto_recover)

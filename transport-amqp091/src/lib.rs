@@ -47,6 +47,7 @@ mod config;
 mod convert;
 pub mod embed;
 mod error;
+mod handed;
 mod link;
 mod nodes;
 mod provision;

@@ -8,21 +8,29 @@
 //! IO loop waits for the dead socket to drain it, and the connection stays "reconnecting"
 //! forever, with no attempt or with one that never completes.
 //!
-//! A watchdog checks the connection every second. When it has been reconnecting for
-//! [`STALL`] without asking the node list for a new stream, a new connection is opened on
-//! the next live node and takes the old one's place: the publishing and fetching channels reopen
-//! on it as they are next used, and every subscription consumes again on a channel of the
-//! new connection (see `AmqpSubscription`), with a new acknowledgement epoch, so that a tag
-//! from the old connection is never settled on the new one. The stalled connection's IO
-//! thread is left blocked; the broker has already put back what it held. Should lapin
-//! recover the old connection after all, it is closed at once, so that its recovered
-//! consumers hold no deliveries nobody reads.
+//! A watchdog checks the connection every second. When it has been reconnecting (or stuck
+//! in a recovery's handshake) for [`STALL`] without asking the node list for a new stream,
+//! a new connection is opened on the next live node and takes the old one's place: the
+//! publishing and fetching channels reopen on it as they are next used, and every
+//! subscription consumes again on a channel of the new connection (see
+//! `AmqpSubscription`), with a new acknowledgement epoch, so that a tag from the old
+//! connection is never settled on the new one. Opening a connection takes at most the
+//! connect timeout; a rebuild that fails is tried again after the maximum reconnect delay.
+//!
+//! A connection given up on (replaced, or not open in time) has its socket shut down and
+//! every further stream refused, so that lapin's IO loop for it ends (see the `handed`
+//! module); the broker has already put back what it held. The one loop this cannot reach is
+//! the one stalled on a `close-ok`: it no longer waits on its socket, and its thread stays
+//! blocked. Should lapin recover the old connection after all, it is closed at once, so that
+//! its recovered consumers hold no deliveries nobody reads.
 
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use lapin::tcp::AsyncTcpStream;
 use lapin::{Connection, ConnectionProperties, Event};
 use retry_core::TransportError;
 use tokio::sync::watch;
@@ -30,6 +38,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::AmqpConfig;
 use crate::error::{closes_only_a_channel, connection_error};
+use crate::handed::{Handed, refusal};
 use crate::nodes::{self, NodeOrder, Nodes};
 
 /// How many rounds over the nodes a recovery makes before it gives up, each after a pause
@@ -48,6 +57,8 @@ pub(crate) struct Link {
     config: AmqpConfig,
     nodes: Arc<Nodes>,
     current: RwLock<Arc<Connection>>,
+    /// The socket lapin was handed for the current connection.
+    handed: std::sync::Mutex<Arc<Handed>>,
     /// Bumped each time the connection is replaced; subscriptions watch it.
     generation: watch::Sender<u64>,
     recoveries: AtomicU64,
@@ -94,12 +105,13 @@ impl Link {
                 source,
             ));
         }
-        let connection = connect(&config, &nodes).await?;
+        let (connection, handed) = connect(&config, &nodes).await?;
         nodes.established();
         let link = Arc::new(Link {
             config,
             nodes,
             current: RwLock::new(Arc::new(connection)),
+            handed: std::sync::Mutex::new(handed),
             generation: watch::Sender::new(0),
             recoveries: AtomicU64::new(0),
             closed: AtomicBool::new(false),
@@ -132,10 +144,17 @@ impl Link {
     /// Stops the watchdog and closes the connection.
     pub(crate) async fn close(&self) -> Result<(), TransportError> {
         self.closed.store(true, Ordering::Relaxed);
-        self.get()
+        let closed = self
+            .get()
             .close(200, "closing".into())
             .await
-            .map_err(connection_error)
+            .map_err(connection_error);
+        self.handed().release();
+        closed
+    }
+
+    fn handed(&self) -> Arc<Handed> {
+        Arc::clone(&self.handed.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Logs every loss and recovery of the current connection, and counts the recoveries.
@@ -179,14 +198,20 @@ impl Link {
         });
     }
 
-    /// Opens a new connection and puts it in place of the stalled one.
+    /// Opens a new connection and puts it in place of the stalled one, which is given up:
+    /// its IO loop ends if it waits on its socket (see the `handed` module).
     async fn rebuild(self: &Arc<Self>) -> Result<(), TransportError> {
-        let connection = connect(&self.config, &self.nodes).await?;
+        let (connection, handed) = connect(&self.config, &self.nodes).await?;
         let (left, reached) = self.nodes.established();
         let old = std::mem::replace(
             &mut *self.current.write().unwrap_or_else(|e| e.into_inner()),
             Arc::new(connection),
         );
+        let old_handed = std::mem::replace(
+            &mut *self.handed.lock().unwrap_or_else(|e| e.into_inner()),
+            handed,
+        );
+        old_handed.give_up();
         close_if_it_recovers(old);
         self.watch_events();
         let n = self.recoveries.fetch_add(1, Ordering::Relaxed) + 1;
@@ -235,13 +260,17 @@ fn log_recovery(n: u64, left: &str, reached: &str, by: &'static str) {
 }
 
 /// Every second: a connection that has been reconnecting for [`STALL`] without asking for a
-/// new stream is rebuilt. Ends when the link is dropped or closed.
+/// new stream is rebuilt; a rebuild that fails is tried again after the maximum reconnect
+/// delay, for as long as the connection stays stalled. Ends when the link is dropped or
+/// closed.
 fn spawn_watchdog(link: Weak<Link>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // The stream count last seen, and since when it has not changed while reconnecting.
         let mut last = (0, Instant::now());
+        // When to try again after a rebuild that failed.
+        let mut retry_at: Option<Instant> = None;
         loop {
             tick.tick().await;
             let Some(link) = link.upgrade() else { return };
@@ -249,24 +278,40 @@ fn spawn_watchdog(link: Weak<Link>) {
                 return;
             }
             let attempts = link.nodes.attempts();
-            if !link.get().status().reconnecting() || attempts != last.0 {
+            // A recovery is `Connecting` during its handshake: one that never completes
+            // stalls as surely as one that never starts.
+            let status = link.get().status().clone();
+            if !(status.reconnecting() || status.connecting()) {
                 last = (attempts, Instant::now());
+                retry_at = None;
                 continue;
             }
-            if last.1.elapsed() < STALL {
-                continue;
+            match retry_at {
+                Some(at) if Instant::now() < at => continue,
+                Some(_) => {}
+                None if attempts != last.0 => {
+                    last = (attempts, Instant::now());
+                    continue;
+                }
+                None if last.1.elapsed() < STALL => continue,
+                None => warn!(
+                    node = link.nodes.current().map_or("", |i| link.nodes.address(i)),
+                    quiet = ?last.1.elapsed(),
+                    "recovery made no attempt; opening a new connection"
+                ),
             }
-            warn!(
-                node = link.nodes.current().map_or("", |i| link.nodes.address(i)),
-                quiet = ?last.1.elapsed(),
-                "recovery made no attempt; opening a new connection"
-            );
-            if let Err(e) = link.rebuild().await {
-                warn!(
-                    error = &e as &dyn std::error::Error,
-                    "no node answers; trying again"
-                );
-            }
+            retry_at = match link.rebuild().await {
+                Ok(()) => None,
+                Err(e) => {
+                    let again = link.config.reconnect_delay().1;
+                    warn!(
+                        error = &e as &dyn std::error::Error,
+                        ?again,
+                        "no node answers; trying again"
+                    );
+                    Some(Instant::now() + again)
+                }
+            };
             last = (link.nodes.attempts(), Instant::now());
         }
     });
@@ -292,8 +337,13 @@ fn close_if_it_recovers(old: Arc<Connection>) {
 }
 
 /// A lapin connection to the first node of `nodes` that answers, recovered by lapin through
-/// the node list.
-async fn connect(config: &AmqpConfig, nodes: &Arc<Nodes>) -> Result<Connection, TransportError> {
+/// the node list, with the socket it was handed. Opening it (TCP, TLS and the AMQP
+/// handshake) takes at most the connect timeout; a connection not open by then, or that
+/// failed, is given up, so that its IO loop ends.
+async fn connect(
+    config: &AmqpConfig,
+    nodes: &Arc<Nodes>,
+) -> Result<(Connection, Arc<Handed>), TransportError> {
     let (min_delay, max_delay) = config.reconnect_delay();
     let mut properties = ConnectionProperties::default();
     if config.auto_recover() {
@@ -308,17 +358,44 @@ async fn connect(config: &AmqpConfig, nodes: &Arc<Nodes>) -> Result<Connection, 
     }
     let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
     let streams = Arc::clone(nodes);
-    Connection::connector(
+    let handed = Handed::new();
+    let keeper = Arc::clone(&handed);
+    let connecting = Connection::connector(
         nodes.handshake_uri(),
         runtime,
-        async move |_uri, runtime| streams.stream(&runtime).await,
+        async move |_uri, runtime| {
+            if keeper.given_up() {
+                return Ok(refusal(&runtime).await?);
+            }
+            let stream = streams.stream(&runtime).await?;
+            let socket = match &stream {
+                AsyncTcpStream::Plain(plain) => plain.get_ref().as_fd().try_clone_to_owned(),
+                AsyncTcpStream::Rustls(tls) => {
+                    tls.get_ref().0.get_ref().as_fd().try_clone_to_owned()
+                }
+                _ => Err(std::io::Error::other("a stream of another kind")),
+            };
+            keeper.keep(socket.ok().map(std::net::TcpStream::from));
+            Ok(stream)
+        },
         properties,
-    )
-    .await
-    .map_err(|e| {
+    );
+    let timeout = config.connect_timeout();
+    let failed = |source: Box<dyn std::error::Error + Send + Sync>| {
+        handed.give_up();
         let node = nodes
             .current()
             .map_or_else(|| config.redacted_url(), |i| nodes.address(i).to_owned());
-        TransportError::connection_failed(format!("cannot connect to {node}"), e)
-    })
+        TransportError::connection_failed(format!("cannot connect to {node}"), source)
+    };
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(Ok(connection)) => Ok((connection, handed)),
+        Ok(Err(e)) => Err(failed(Box::new(e))),
+        Err(_) => Err(failed(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the connection was not open within {timeout:?} (TCP, TLS and the AMQP handshake)"
+            ),
+        )))),
+    }
 }

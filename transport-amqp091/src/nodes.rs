@@ -237,7 +237,8 @@ pub(crate) struct Nodes {
     attempts: AtomicU64,
 }
 
-/// How long a probe of one node (TCP connect and `connection.start`) may take.
+/// How long a probe of one node (TCP connect and `connection.start`), or the TCP (and TLS)
+/// connect of a stream, may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Nodes {
@@ -416,11 +417,11 @@ impl Nodes {
                 }
             }
             let tls = OwnedTLSConfig::default();
-            match node
-                .uri
-                .connect_with_config_async(tls.as_ref(), runtime)
+            let connecting = node.uri.connect_with_config_async(tls.as_ref(), runtime);
+            let connected = tokio::time::timeout(PROBE_TIMEOUT, connecting)
                 .await
-            {
+                .unwrap_or_else(|_| Err(timed_out("no connection")));
+            match connected {
                 Ok(stream) => {
                     self.lock().current = Some(i);
                     info!(node = %node.address, "connecting");
@@ -451,11 +452,16 @@ async fn reach<RK: RuntimeKit + Send + Sync>(
             let _ = stream?.close().await;
             Ok(())
         }
-        Err(_) => Err(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection within {PROBE_TIMEOUT:?}"),
-        )),
+        Err(_) => Err(timed_out("no connection")),
     }
+}
+
+/// A timeout of `what` after [`PROBE_TIMEOUT`].
+fn timed_out(what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("{what} within {PROBE_TIMEOUT:?}"),
+    )
 }
 
 /// Opens a connection to `uri`'s node, sends the protocol header and reads `connection.start`
@@ -487,10 +493,7 @@ async fn probe<RK: RuntimeKit + Send + Sync>(
     };
     match tokio::time::timeout(PROBE_TIMEOUT, exchange).await {
         Ok(answer) => answer,
-        Err(_) => Err(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection.start within {PROBE_TIMEOUT:?}"),
-        )),
+        Err(_) => Err(timed_out("no connection.start")),
     }
 }
 

@@ -8,15 +8,19 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
 use retry_core::{QueueType, RetryPolicy, Subscription, TopologyPlan, Transport};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use transport_amqp091::testing::{LogRecorder, print_uncaptured};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
+
+/// The tests of this file count the process's lapin IO threads: they run one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// `connection.close` with reply code 320, as a method frame on channel 0.
 fn connection_close() -> Vec<u8> {
@@ -62,6 +66,7 @@ async fn proxy(upstream: &str, cut: Arc<Notify>) -> u16 {
 
 #[tokio::test]
 async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consuming_resumes() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let Some(config) = broker("stall").await else {
         return;
     };
@@ -108,6 +113,7 @@ async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consu
     let logs = LogRecorder::up_to(tracing::Level::WARN);
     let _ = tracing::subscriber::set_global_default(logs.clone());
     let t = Arc::new(t);
+    let io_threads_before = io_loop_threads();
     let mut after = None;
     for round in 0..6 {
         let busy = tokio::spawn({
@@ -172,12 +178,169 @@ async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consu
     }
     let stalls = logs.containing("recovery made no attempt").len();
     print_uncaptured(&format!(
-        "6 cuts, {stalls} of them stalled lapin's recovery and were rebuilt\n"
+        "6 cuts, {stalls} of them stalled lapin's recovery and were rebuilt; lapin IO threads {io_threads_before} before, {} after\n",
+        io_loop_threads()
     ));
     assert!(after.is_some());
     // The new connection serves the other channels too.
     sub.flush().await.unwrap();
     t.provision(&plan).await.unwrap();
     assert_eq!(ready_and_unacked_settled(&q).await, (0, 0));
+    t.close().await.unwrap();
+}
+
+/// How many of this process's threads are lapin IO loops (one per connection).
+fn io_loop_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|name| name.trim_end() == "lapin-io-loop")
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// What the holding proxy does with a connection it accepts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Accept {
+    /// Forwards it to the broker.
+    Forward,
+    /// Takes it and never answers: a node that accepts TCP and stalls the handshake.
+    Hold,
+}
+
+/// Forwards or holds each connection as `accept` says when it arrives; when `cut` is
+/// notified, every forwarded connection is reset. Returns its port and how many it held.
+async fn holding_proxy(
+    upstream: String,
+    accept: watch::Receiver<Accept>,
+    cut: Arc<Notify>,
+) -> (u16, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let held = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&held);
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            if *accept.borrow() == Accept::Hold {
+                counted.fetch_add(1, Ordering::SeqCst);
+                // Reads what the client sends and answers nothing, until it closes.
+                tokio::spawn(async move {
+                    let mut sink = tokio::io::sink();
+                    let _ = tokio::io::copy(&mut client, &mut sink).await;
+                });
+                continue;
+            }
+            let upstream = upstream.clone();
+            let cut = Arc::clone(&cut);
+            tokio::spawn(async move {
+                let Ok(mut server) = TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                    _ = cut.notified() => {
+                        let _ = client.set_zero_linger();
+                    }
+                }
+            });
+        }
+    });
+    (port, held)
+}
+
+/// On a one-node list, the node drops the connection and then accepts TCP but never answers
+/// the handshake: lapin's recovery waits on it for good, and so did the connection that
+/// replaces it. Every connection attempt has a timeout, the replacement is tried again until
+/// the node answers, and the IO loops of the attempts given up on end.
+#[tokio::test]
+async fn a_node_that_accepts_tcp_but_never_answers_delays_the_rebuild_but_does_not_stop_it() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let Some(config) = broker("stall-hold").await else {
+        return;
+    };
+    let upstream = url();
+    let authority = upstream
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5672")
+        .to_owned();
+    let (accept, accepting) = watch::channel(Accept::Forward);
+    let cut = Arc::new(Notify::new());
+    let (port, held) = holding_proxy(authority, accepting, Arc::clone(&cut)).await;
+    let name = config.connection_name().unwrap().to_owned();
+    let through_proxy = AmqpConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"))
+        .with_connection_name(name)
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_reconnect_delay(Duration::from_millis(100), Duration::from_secs(1));
+    let q = unique("stall-hold");
+    let policy = RetryPolicy::delays([Duration::from_secs(30)])
+        .build()
+        .unwrap();
+    let plan = TopologyPlan::builder(&q, &policy)
+        .with_queue_type(QueueType::Classic)
+        .build()
+        .unwrap();
+    let mut cleanup = Cleanup::new(&config);
+    cleanup.plan(&plan);
+    let t = AmqpTransport::connect(through_proxy).await.unwrap();
+    t.provision(&plan).await.unwrap();
+    let sub = t.consume(&q, 10).await.unwrap();
+    let (_conn, ch) = raw().await;
+    let io_threads_before = io_loop_threads();
+
+    for round in 0..3 {
+        let recoveries = t.recoveries();
+        // The node goes away and comes back holding every connection: lapin's recovery
+        // attempt is held, and after the stall so is the first attempt to replace it.
+        accept.send_replace(Accept::Hold);
+        let held_before = held.load(Ordering::SeqCst);
+        cut.notify_waiters();
+        let two_held = poll_until(
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            || std::future::ready(held.load(Ordering::SeqCst) - held_before),
+            |n| *n >= 2,
+        )
+        .await;
+        assert!(
+            two_held >= 2,
+            "round {round}: lapin's attempt and a rebuild reached the node ({two_held} held; {:?})",
+            t.connection().status()
+        );
+        accept.send_replace(Accept::Forward);
+
+        let id = format!("after-{round}");
+        publish(&ch, &q, id.as_bytes(), &id).await;
+        let delivery = tokio::time::timeout(Duration::from_secs(60), sub.recv())
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: consuming resumes once the node answers"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(delivery.message.body(), id.as_bytes());
+        t.settle(&delivery.tag, retry_core::Settlement::Ack)
+            .await
+            .unwrap();
+        assert!(recoveries_reaching(&t, recoveries + 1).await > recoveries);
+
+        // Every connection given up on has let go of its IO thread: one per connection
+        // in use, as before.
+        let threads = poll_until(
+            Duration::from_secs(30),
+            Duration::from_millis(100),
+            || std::future::ready(io_loop_threads()),
+            |n| *n == io_threads_before,
+        )
+        .await;
+        assert_eq!(
+            threads, io_threads_before,
+            "round {round}: lapin IO threads, against {io_threads_before} before the stalls"
+        );
+    }
+    sub.flush().await.unwrap();
     t.close().await.unwrap();
 }
