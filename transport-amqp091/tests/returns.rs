@@ -59,6 +59,7 @@ fn to(routing_key: &str) -> Publish {
             last_error: None,
             reason: None,
             delay: None,
+            suspect: None,
         },
     }
 }
