@@ -22,6 +22,7 @@ use retry_core::{
 
 use crate::convert::{Originals, read_application_properties, write_application_properties};
 use crate::profile::{BrokerProfile, NativeDelay};
+use crate::scan;
 
 /// The header under which a received message keeps what only AMQP 1.0 can express, so that
 /// its clones carry it unchanged. It is removed before anything is sent, and an application
@@ -76,12 +77,17 @@ impl Native {
         let Some(HeaderValue::Bytes(bytes)) = headers.get(NATIVE_HEADER) else {
             return Native::default();
         };
+        // A message from another transport may carry anything under this name: nothing is
+        // decoded that could be nested deep enough to overflow the decoder's stack.
+        if scan::check_values(bytes).is_err() {
+            return Native::default();
+        }
         let Ok(Value::Map(map)) = serde_amqp::from_slice::<Value>(bytes) else {
             return Native::default();
         };
         let get = |k: &str| map.get(&Value::Symbol(Symbol::from(k)));
         let part = |k: &str| match get(k) {
-            Some(Value::Binary(b)) => Some(b.to_vec()),
+            Some(Value::Binary(b)) if scan::check_values(b).is_ok() => Some(b.to_vec()),
             _ => None,
         };
         Native {
@@ -329,6 +335,7 @@ pub(crate) fn build_clone(
 /// Body sections from their encoding; a message that holds only body sections is a valid
 /// encoded message.
 fn decode_sections(bytes: &[u8]) -> Option<Body<Value>> {
+    scan::check_message(bytes).ok()?;
     serde_amqp::from_slice::<Deserializable<AmqpMessage<Body<Value>>>>(bytes)
         .ok()
         .map(|m| m.0.body)
@@ -584,6 +591,61 @@ mod tests {
         assert!(
             kept_annotations(MessageAnnotations::default()).is_none(),
             "nothing to keep"
+        );
+    }
+
+    /// Lists (list32, one element each) nested `depth` deep around an empty one.
+    fn nested_lists(depth: usize) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(9 * depth + 1);
+        for level in 0..depth {
+            let size = u32::try_from(4 + 9 * (depth - level - 1) + 1).expect("fits");
+            bytes.push(0xd0);
+            bytes.extend_from_slice(&size.to_be_bytes());
+            bytes.extend_from_slice(&1u32.to_be_bytes());
+        }
+        bytes.push(0x45);
+        bytes
+    }
+
+    #[test]
+    fn a_native_record_nested_too_deep_is_ignored_not_decoded() {
+        // What another transport may hand in under the name: decoding it would recurse
+        // 100 000 deep and abort the process.
+        let msg = Message::new(MessageParts {
+            queue: "q".into(),
+            body: b"plain".to_vec(),
+            headers: [(NATIVE_HEADER, HeaderValue::Bytes(nested_lists(100_000)))]
+                .into_iter()
+                .collect(),
+            ..MessageParts::default()
+        });
+        let clone = build_clone(&msg, &publish(None), None);
+        assert_eq!(
+            clone.body,
+            Body::Data(vec![Data(Binary::from(b"plain".to_vec()))].into())
+        );
+    }
+
+    #[test]
+    fn encoded_sections_nested_too_deep_are_sent_as_data_not_decoded() {
+        let native = Native {
+            encoded_body: true,
+            ..Native::default()
+        };
+        let mut sections = vec![0x00, 0x53, 0x77];
+        sections.extend_from_slice(&nested_lists(100_000));
+        let msg = Message::new(MessageParts {
+            queue: "q".into(),
+            body: sections.clone(),
+            headers: [(NATIVE_HEADER, HeaderValue::Bytes(native.encode()))]
+                .into_iter()
+                .collect(),
+            ..MessageParts::default()
+        });
+        let clone = build_clone(&msg, &publish(None), None);
+        assert_eq!(
+            clone.body,
+            Body::Data(vec![Data(Binary::from(sections))].into())
         );
     }
 

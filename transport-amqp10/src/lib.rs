@@ -157,6 +157,7 @@ mod fetch;
 mod profile;
 mod publisher;
 mod receiver;
+mod scan;
 mod subscription;
 mod transport;
 mod verification;
