@@ -118,15 +118,17 @@ impl Amqp10Config {
     }
 
     /// How long a [`fetch`](retry_core::Transport::fetch) waits for a message after granting
-    /// its one credit, before it takes the credit back and reports the queue empty. Default:
-    /// 250 ms; never more than the operation timeout.
+    /// its one credit, before it takes the credit back and reports the queue empty; also how
+    /// long it waits for the broker's count before granting. Default: 250 ms; never more than
+    /// the operation timeout.
     ///
-    /// RabbitMQ 3.x cannot say that a queue is empty over AMQP 1.0 (a drain ends the session
-    /// there), so every empty fetch waits this long. A message that is ready arrives within a
-    /// few milliseconds of the grant on a local broker: the wait only has to cover a slow or
-    /// distant one. Too short, and a message still on its way when the credit is taken back
-    /// returns to the queue marked redelivered; too long, and each look at an empty isolation
-    /// queue keeps the consumer's work lane paused for longer.
+    /// On RabbitMQ a fetch grants only after the broker counted a ready message, which then
+    /// arrives within a few milliseconds on a local broker, and answers an empty queue at
+    /// once: the wait matters only when another consumer took that message first. On a
+    /// generic broker, which need not count, every empty fetch waits this long. Too short,
+    /// and a message still on its way when the credit is taken back returns to the queue
+    /// marked redelivered; too long, and each empty look keeps the consumer's work lane
+    /// paused for longer.
     pub fn with_fetch_wait(mut self, wait: Duration) -> Self {
         self.fetch_wait = wait;
         self

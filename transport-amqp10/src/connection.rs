@@ -17,6 +17,7 @@ use tokio::time::timeout;
 use tracing::warn;
 
 use crate::config::{Amqp10Config, Endpoint, Nodes};
+use crate::tap::Tap;
 
 static LINK_NAMES: AtomicU64 = AtomicU64::new(0);
 
@@ -29,11 +30,14 @@ pub(crate) fn link_name(role: &str) -> String {
 /// Opens a connection on the first node that answers, from the one that answered last;
 /// `role` tells the broker's connection list which one this is. A move to another node is
 /// logged with both. Fails with the last node's error when none answers.
+///
+/// Everything that comes in on the connection passes through a [`Tap`] first: messages are
+/// checked before fe2o3 decodes them, and the broker's `flow` frames are reported.
 pub(crate) async fn open(
     nodes: &Nodes,
     config: &Amqp10Config,
     role: &str,
-) -> Result<ConnectionHandle<()>, TransportError> {
+) -> Result<(ConnectionHandle<()>, Tap), TransportError> {
     let after = config.connect_timeout();
     let several = nodes.list.len() > 1;
     let mut last = None;
@@ -67,7 +71,7 @@ async fn open_inner(
     endpoint: &Endpoint,
     config: &Amqp10Config,
     role: &str,
-) -> Result<ConnectionHandle<()>, TransportError> {
+) -> Result<(ConnectionHandle<()>, Tap), TransportError> {
     let failed = |what: &str, e: Box<dyn std::error::Error + Send + Sync>| {
         TransportError::connection_failed(format!("{what} {}", endpoint.redacted), e)
     };
@@ -110,11 +114,16 @@ async fn open_inner(
             .connect(name, tcp)
             .await
             .map_err(|e| failed("TLS handshake with", e.into()))?;
-        builder.open_with_stream(stream).await
+        let (stream, tap) = Tap::wrap(stream);
+        (builder.open_with_stream(stream).await, tap)
     } else {
-        builder.open_with_stream(tcp).await
+        let (stream, tap) = Tap::wrap(tcp);
+        (builder.open_with_stream(stream).await, tap)
     };
-    opened.map_err(|e| failed("opening AMQP 1.0 on", e.into()))
+    let (opened, tap) = opened;
+    opened
+        .map(|connection| (connection, tap))
+        .map_err(|e| failed("opening AMQP 1.0 on", e.into()))
 }
 
 /// The `webpki-roots` authorities with rustls' `ring` provider, chosen explicitly so that no

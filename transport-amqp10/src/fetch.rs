@@ -4,34 +4,47 @@
 //! unsettled on the link until it closes it.
 //!
 //! A task owns a connection of its own and, on it, a session with one receiver in manual
-//! credit. A fetch grants a credit of exactly 1 and waits for the transfer. If none comes
-//! within the fetch wait, the credit is taken back by detaching the link and ending its
-//! session; the next fetch attaches a new one. After a fetch that got a message the link
-//! stays attached, with no credit left, so a run of suspects costs one grant each.
+//! credit. On RabbitMQ a fetch first asks how many messages the queue has ready, with a
+//! `flow` that grants nothing: the broker answers every `flow` with one that carries the
+//! count (`available`), which the connection's [`Tap`] reads. With none ready the answer is
+//! `Ok(None)` at once, and no credit was ever granted. Otherwise (or where the broker does
+//! not answer) the fetch grants a credit of exactly 1 and waits for the transfer. If none
+//! comes within the fetch wait, the credit is taken back by detaching the link and ending
+//! its session, unless the broker's answer to the grant says the queue had a message ready
+//! when the credit took effect: that message is on its way to this link, and the fetch
+//! waits on for it (up to the operation timeout). The next fetch after a take-back attaches
+//! a new link. After a fetch that got a message the link stays attached, with no credit
+//! left, so a run of suspects costs one count and one grant each.
+//!
+//! Why: nothing can take an unanswered credit back without a race on RabbitMQ 3.10. A
+//! message the broker dispatches to the link before it handles the detach is dropped unread
+//! by fe2o3 (which ignores transfers once it has sent a detach), or never sent, and is put
+//! back when the session ends with `first-acquirer = false`: redelivered. From the isolation
+//! queue, the engine reads that as a crash of a suspect that never ran. Measured
+//! (`tests/fetch_race.rs`): with a message published as each empty fetch gave up, 22 to 33
+//! of 120 came back marked; counting first, a message the broker counted could still take
+//! longer than a short fetch wait to arrive on a busy broker (answers took up to 76 ms), and
+//! with a 100 µs wait 13 of 40 came back marked. Counting first and waiting for what the
+//! grant's answer announces, both are 0. The take-back is left for the case where another
+//! consumer took the counted message, and a message that crosses it then is logged when
+//! fe2o3 drops its transfer.
 //!
 //! Why not a drain: measured on RabbitMQ 3.10.8, a `flow` with `drain = true` that finds a
 //! classic queue empty ends the session with `amqp:internal-error` (a `function_clause` in
 //! `rabbit_classic_queue:handle_event` on `send_drained`, 3 to 8 ms after the flow, every
 //! time); on a quorum queue the drain is answered within 3 ms, but a later grant on that
-//! link delivered nothing within 3 s. fe2o3 0.18 does not surface the peer's `flow` to the application either,
-//! so an answered drain could not be told from one still under way.
+//! link delivered nothing within 3 s. fe2o3 0.18 does not surface the peer's `flow` to the
+//! application either, so an answered drain could not be told from one still under way.
 //!
-//! Why not a flow with credit 0: sent while a transfer is on its way or unread, it carries a
-//! delivery count that misses that transfer, and RabbitMQ 3.10 computes the new credit as
-//! 0 − 1 (its answer said 255). The crossing transfer is refused by fe2o3 once the local
-//! credit is 0 (`TransferLimitExceeded`), with no way left to settle it. And the broker
-//! echoes every `flow` with its delivery count, which fe2o3 writes over the link's even while
-//! a transfer it includes waits unread, then counts that transfer again when it is read: the
-//! next grant is then one too many. Detaching takes the credit back without any of this: a
-//! message that crosses the detach stays unsettled on the session, ending the session puts
-//! it back, and it comes back with `first-acquirer = false`.
-//! That is the one cost: a message dispatched in the last few milliseconds before the broker
-//! handles the detach, too late for the last look, is counted as redelivered once. Measured
-//! with fetches back to back and a message every 23 ms on average: 22 of 177 empty fetches
-//! did that, a window of about 3 ms per empty fetch (a consumer makes one per suspect poll).
-//! The detach is awaited before the fetch answers: a message published after `Ok(None)` is
-//! never caught. Granting only on a link with no credit and nothing on the way is what keeps
-//! the echo harmless everywhere else.
+//! Why not a flow with credit 0 to take a grant back: sent while a transfer is on its way or
+//! unread, it carries a delivery count that misses that transfer, and RabbitMQ 3.10 computes
+//! the new credit as 0 − 1 (its answer said 255). The crossing transfer is refused by fe2o3
+//! once the local credit is 0 (`TransferLimitExceeded`), with no way left to settle it. And
+//! the broker echoes every `flow` with its delivery count, which fe2o3 writes over the
+//! link's even while a transfer it includes waits unread, then counts that transfer again
+//! when it is read: the next grant is then one too many. A flow with credit 0 on a link
+//! with no credit and nothing on the way (the count) has none of these problems: the
+//! counts agree, and the broker's credit stays 0.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -44,7 +57,7 @@ use fe2o3_amqp::types::messaging::Body;
 use fe2o3_amqp::types::primitives::Value;
 use futures::FutureExt;
 use retry_core::{Delivery, DeliveryFacts, Message, Settlement, TransportError};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
@@ -55,6 +68,7 @@ use crate::profile::BrokerProfile;
 use crate::receiver::{
     Amqp10Tag, Command, Fetched, already_settled, attach_receiver, dispose, stale,
 };
+use crate::tap::{FlowSeen, Tap};
 
 /// Starts the task of a fetch link on `queue`. Nothing is opened until the first fetch.
 pub(crate) fn spawn(nodes: &Nodes, config: &Amqp10Config, queue: &str) -> mpsc::Sender<Command> {
@@ -70,6 +84,7 @@ pub(crate) fn spawn(nodes: &Nodes, config: &Amqp10Config, queue: &str) -> mpsc::
         unclaimed: None,
         generation: 0,
         attachments: 0,
+        received: 0,
         own: commands.downgrade(),
     };
     tokio::spawn(task.run(command_rx));
@@ -81,7 +96,8 @@ struct FetchTask {
     config: Amqp10Config,
     profile: BrokerProfile,
     queue: String,
-    connection: Option<ConnectionHandle<()>>,
+    /// The connection, and the tap on what comes in on it.
+    connection: Option<(ConnectionHandle<()>, Tap)>,
     /// The attached link. Its credit is 0 on both ends whenever it is kept between fetches.
     link: Option<(SessionHandle<()>, Receiver)>,
     /// The delivery ids handed out and not yet settled on the attached link. A consumer
@@ -94,8 +110,18 @@ struct FetchTask {
     /// The attachment `link` is, counted from 0.
     generation: u64,
     attachments: u64,
+    /// Transfers fe2o3 handed over on the current connection: what the tap counted beyond
+    /// these, fe2o3 dropped.
+    received: u64,
     /// For tags; weak, so that the task ends once the transport and every tag are gone.
     own: mpsc::WeakSender<Command>,
+}
+
+/// What waiting for the transfer of a grant came to.
+enum Received {
+    Delivery(Box<fe2o3_amqp::link::delivery::Delivery<Body<Value>>>),
+    /// Nothing within the wait; the credit is taken back.
+    Nothing,
 }
 
 impl FetchTask {
@@ -157,32 +183,57 @@ impl FetchTask {
                 facts,
             }));
         }
-        let after = self.config.operation_timeout();
-        let wait = self.config.fetch_wait().min(after);
-        self.grant().await?;
-        let Some((_, receiver)) = self.link.as_mut() else {
+        let answers = self.profile.answers_flows();
+        if answers && self.count().await? == Some(0) {
+            return Ok(None);
+        }
+        // The broker's answer to the grant, from here on, says whether a message is on its
+        // way (see `receive`).
+        let answer = match self.connection.as_ref() {
+            Some((_, tap)) if answers => {
+                let flows = tap.flows();
+                let asked = flows.borrow().seq;
+                Some((flows, asked))
+            }
+            _ => None,
+        };
+        self.flow(1).await?;
+        match self.receive(answer).await? {
+            Received::Delivery(delivery) => self.hand_out(*delivery),
+            Received::Nothing => Ok(None),
+        }
+    }
+
+    /// How many messages the queue has ready, as the broker says in its answer to a `flow`
+    /// that grants nothing; `None` if no answer came within the operation timeout. Sent only
+    /// on a link with no credit and nothing on the way, where it changes nothing. (A busy
+    /// broker can take tens of milliseconds to answer; granting without the count would leave
+    /// an empty queue with a credit to take back.)
+    async fn count(&mut self) -> Result<Option<u32>, TransportError> {
+        self.attach().await?;
+        let Some((_, tap)) = self.connection.as_ref() else {
             return Err(TransportError::Closed);
         };
-        match timeout(wait, receiver.recv::<Body<Value>>()).await {
-            Ok(Ok(delivery)) => self.hand_out(delivery),
-            Ok(Err(e)) => Err(self.lost(e)),
-            Err(_) => {
-                // A transfer that arrived just as the wait ended is still within the credit.
-                match receiver.recv::<Body<Value>>().now_or_never() {
-                    Some(Ok(delivery)) => self.hand_out(delivery),
-                    Some(Err(e)) => Err(self.lost(e)),
-                    None => {
-                        self.take_back().await;
-                        Ok(None)
-                    }
-                }
+        let mut flows = tap.flows();
+        let asked = flows.borrow().seq;
+        self.flow(0).await?;
+        let wait = self.config.operation_timeout();
+        match timeout(wait, flows.wait_for(|seen| seen.seq > asked)).await {
+            Ok(Ok(seen)) => {
+                debug!(queue = %self.queue, available = ?seen.available, "counted");
+                Ok(seen.available)
+            }
+            _ => {
+                debug!(queue = %self.queue, "no count from the broker; granting to find out");
+                Ok(None)
             }
         }
     }
 
-    /// Grants a credit of 1 on a link that has none. A link that died while idle had nothing
-    /// granted and holds nothing: it is replaced, once, without an error.
-    async fn grant(&mut self) -> Result<(), TransportError> {
+    /// Sets the link's credit to `credit` (0 to ask for a count, 1 to take a message) on a
+    /// link that has none. A link that died while idle had nothing granted and holds
+    /// nothing: it is replaced, once, without an error.
+    async fn flow(&mut self, credit: u32) -> Result<(), TransportError> {
         let after = self.config.operation_timeout();
         let mut replaced = false;
         loop {
@@ -190,7 +241,7 @@ impl FetchTask {
             let Some((_, receiver)) = self.link.as_mut() else {
                 return Err(TransportError::Closed);
             };
-            let failure = match timeout(after, receiver.set_credit(1)).await {
+            let failure = match timeout(after, receiver.set_credit(credit)).await {
                 Ok(Ok(())) => return Ok(()),
                 Ok(Err(e)) => TransportError::connection_failed(
                     format!("granting credit on {}", self.queue),
@@ -210,6 +261,54 @@ impl FetchTask {
         }
     }
 
+    /// Waits for the transfer of the credit just granted; takes the credit back if none
+    /// comes within the fetch wait and `answer` (the broker's flows and how many had come
+    /// before the grant) does not say one is on its way.
+    ///
+    /// RabbitMQ answers the grant with the queue's count of ready messages: taken before the
+    /// queue dispatches on a classic queue, after it on a quorum queue. A count above 0 means
+    /// the queue had a message when this credit took effect, and since a ready message means
+    /// no other consumer was waiting with credit, it went to this link: on a busy broker it
+    /// can take longer than the fetch wait to arrive, and taking the credit back then would
+    /// send it back to the queue marked redelivered. So the fetch waits on for it, up to the
+    /// operation timeout.
+    async fn receive(
+        &mut self,
+        answer: Option<(watch::Receiver<FlowSeen>, u64)>,
+    ) -> Result<Received, TransportError> {
+        let after = self.config.operation_timeout();
+        let wait = self.config.fetch_wait().min(after);
+        let Some((_, receiver)) = self.link.as_mut() else {
+            return Err(TransportError::Closed);
+        };
+        let mut received = match timeout(wait, receiver.recv::<Body<Value>>()).await {
+            Ok(result) => Some(result),
+            // A transfer that arrived just as the wait ended is still within the credit.
+            Err(_) => receiver.recv::<Body<Value>>().now_or_never(),
+        };
+        if received.is_none()
+            && let Some((mut flows, asked)) = answer
+            && on_its_way(&mut flows, asked, after).await
+        {
+            debug!(queue = %self.queue, "a message is on its way to the fetch link; waiting for it");
+            received = timeout(after, receiver.recv::<Body<Value>>()).await.ok();
+            if received.is_none() {
+                warn!(queue = %self.queue, ?after, "a message the broker dispatched to the fetch link did not arrive; taking the credit back, which puts it back marked redelivered");
+            }
+        }
+        match received {
+            Some(Ok(delivery)) => {
+                self.received += 1;
+                Ok(Received::Delivery(Box::new(delivery)))
+            }
+            Some(Err(e)) => Err(self.lost(e)),
+            None => {
+                self.take_back().await;
+                Ok(Received::Nothing)
+            }
+        }
+    }
+
     /// Makes sure a link is attached, on a new connection if the last one is gone.
     async fn attach(&mut self) -> Result<(), TransportError> {
         if self
@@ -220,11 +319,16 @@ impl FetchTask {
             return Ok(());
         }
         self.discard();
-        if self.connection.as_ref().is_none_or(|c| c.is_closed()) {
+        if self
+            .connection
+            .as_ref()
+            .is_none_or(|(connection, _)| connection.is_closed())
+        {
             self.connection = None;
             self.connection = Some(connection::open(&self.nodes, &self.config, "fetcher").await?);
+            self.received = 0;
         }
-        let Some(connection) = self.connection.as_mut() else {
+        let Some((connection, _)) = self.connection.as_mut() else {
             return Err(TransportError::Closed);
         };
         let after = self.config.operation_timeout();
@@ -327,6 +431,18 @@ impl FetchTask {
         if let Some((mut session, receiver)) = self.link.take() {
             let after = self.config.operation_timeout();
             let _ = timeout(after, receiver.detach()).await;
+            if let Some((_, tap)) = self.connection.as_ref() {
+                // fe2o3 drops a transfer that arrives once it has sent the detach.
+                let crossed = tap.transfers().saturating_sub(self.received);
+                if crossed > 0 {
+                    self.received += crossed;
+                    warn!(
+                        queue = %self.queue,
+                        crossed,
+                        "a message reached the fetch link as its credit was taken back: the broker puts it back marked redelivered, so a consumer of an isolation queue counts a crash when it next fetches it"
+                    );
+                }
+            }
             tokio::spawn(async move { end_session(&mut session).await });
         }
     }
@@ -336,6 +452,10 @@ impl FetchTask {
     fn discard(&mut self) {
         self.held.clear();
         self.unclaimed = None;
+        if let Some((_, tap)) = self.connection.as_ref() {
+            // Whatever that link had coming goes back with it, known: not a crossing.
+            self.received = tap.transfers();
+        }
         if let Some((mut session, receiver)) = self.link.take() {
             let after = self.config.operation_timeout();
             tokio::spawn(async move {
@@ -346,7 +466,7 @@ impl FetchTask {
     }
 
     async fn close_connection(&mut self) {
-        if let Some(mut connection) = self.connection.take() {
+        if let Some((mut connection, _)) = self.connection.take() {
             let _ = timeout(self.config.operation_timeout(), connection.close()).await;
         }
     }
@@ -364,6 +484,16 @@ impl FetchTask {
         }
         self.close_connection().await;
         info!(queue = %self.queue, "fetch link closed");
+    }
+}
+
+/// Whether the broker's answer to a grant (the first link flow after the `asked`-th) says
+/// the queue had a message ready when the credit took effect; `false` if none came within
+/// `within`.
+async fn on_its_way(flows: &mut watch::Receiver<FlowSeen>, asked: u64, within: Duration) -> bool {
+    match timeout(within, flows.wait_for(|seen| seen.seq > asked)).await {
+        Ok(Ok(answer)) => answer.available.is_some_and(|n| n > 0),
+        _ => false,
     }
 }
 

@@ -25,19 +25,24 @@
 //!   new grant, and fe2o3 refuses a transfer beyond its credit, which can then never be
 //!   settled.) A tag names its link, so settling reaches the subscription (or fetch) that
 //!   received the delivery and no other.
-//! * **Fetch is a credit of one, taken back by detaching.**
-//!   [`fetch`](retry_core::Transport::fetch) grants exactly 1 on the queue's fetch link and
-//!   waits [`Amqp10Config::with_fetch_wait`] (250 ms by default) for the transfer; a ready
-//!   message arrives within milliseconds. If none comes the link is detached and its session
+//! * **Fetch counts, then takes a credit of one.** [`fetch`](retry_core::Transport::fetch)
+//!   first asks how many messages the queue has ready, with a `flow` that grants nothing:
+//!   RabbitMQ answers every `flow` with the count (`available`), which the transport reads
+//!   off the connection's incoming frames (fe2o3 keeps it to itself). With none ready the
+//!   answer is `Ok(None)` at once, and no credit was ever granted. Otherwise it grants exactly
+//!   1 on the queue's fetch link and waits [`Amqp10Config::with_fetch_wait`] (250 ms by
+//!   default) for the transfer; a ready message arrives within milliseconds, and one the
+//!   broker's answer to the grant says is on its way is waited for up to the operation
+//!   timeout. If none comes (another consumer took it) the link is detached and its session
 //!   ended, which takes the credit back, and the answer is `Ok(None)`. RabbitMQ 3.10 cannot
 //!   drain (a drain that finds a classic queue empty ends the session with an internal
 //!   error), and a flow with credit 0 that crosses a transfer leaves fe2o3 and the broker
-//!   disagreeing about the credit. The one cost: a message that reaches an empty queue in the
-//!   last few milliseconds before the broker handles the detach goes back to it marked
-//!   redelivered (about 3 ms per empty fetch, measured; a consumer makes one empty fetch per
-//!   suspect poll).
-//!   [`ready`](retry_core::Transport::ready) just sleeps its poll interval: the plugin cannot
-//!   count a queue's messages, so the consumer looks with a fetch.
+//!   disagreeing about the credit. The detach races: a message the broker dispatches in its
+//!   last few milliseconds goes back to the queue marked redelivered, which from the
+//!   isolation queue reads as a crash. Counting first leaves that race only to two
+//!   consumers fetching from one queue at once.
+//!   [`ready`](retry_core::Transport::ready) just sleeps its poll interval, and the consumer
+//!   looks with a fetch.
 //! * **Settlement:** ack is `accepted`, reject is `rejected` (the broker dead-letters it), and
 //!   requeue is `released` on RabbitMQ 3.x (which ends the session on `modified`) or
 //!   `modified` with `delivery-failed` elsewhere, so the broker counts the attempt.
@@ -159,6 +164,7 @@ mod publisher;
 mod receiver;
 mod scan;
 mod subscription;
+mod tap;
 mod transport;
 mod verification;
 mod walk;

@@ -173,6 +173,13 @@ impl BrokerProfile {
         !matches!(self, BrokerProfile::RabbitMq3)
     }
 
+    /// Whether the broker answers every `flow` a receiver sends with one that carries the
+    /// queue's count of ready messages (`available`), even a `flow` that grants nothing.
+    /// RabbitMQ 3.x does; the specification leaves it to the broker.
+    pub(crate) fn answers_flows(&self) -> bool {
+        matches!(self, BrokerProfile::RabbitMq3)
+    }
+
     /// The native delay annotation, if the profile has one.
     pub fn native_delay(&self) -> Option<NativeDelay> {
         match self {

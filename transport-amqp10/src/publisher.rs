@@ -73,7 +73,9 @@ impl Publisher {
             let _ = timeout(self.config.operation_timeout(), stale.connection.close()).await;
         }
         if live.is_none() {
-            let mut connection = connection::open(&self.nodes, &self.config, "publisher").await?;
+            // Nothing is received on it: its tap has nothing to report.
+            let (mut connection, _) =
+                connection::open(&self.nodes, &self.config, "publisher").await?;
             let session = timeout(
                 self.config.operation_timeout(),
                 Session::begin(&mut connection),

@@ -142,7 +142,7 @@ pub(crate) async fn start(
 ) -> Result<Link, TransportError> {
     let profile = config.profile();
     let after = config.operation_timeout();
-    let mut connection = connection::open(nodes, config, "consumer").await?;
+    let (mut connection, _) = connection::open(nodes, config, "consumer").await?;
     let attached = timeout(
         after,
         attach_receiver(&mut connection, "consumer", queue, &profile),

@@ -508,7 +508,9 @@ impl Transport for Amqp10Transport {
         Amqp10Subscription::start(Arc::clone(&self.shared), queue, prefetch).await
     }
 
-    /// Takes at most one message with a credit of exactly 1 on the queue's fetch link. If
+    /// Takes at most one message on the queue's fetch link. On RabbitMQ it first asks for
+    /// the queue's count of ready messages, with a `flow` that grants nothing, and answers
+    /// `Ok(None)` at once if there are none. Otherwise it grants a credit of exactly 1; if
     /// nothing arrives within [`Amqp10Config::with_fetch_wait`], the credit is taken back by
     /// detaching the link, and the answer is `Ok(None)`; the link's session then ends, which
     /// puts back any fetched delivery still unsettled. A queue that does not exist fails
@@ -536,10 +538,9 @@ impl Transport for Amqp10Transport {
         fetch::ask(&link, &self.shared.config).await
     }
 
-    /// Sleeps `poll`, then resolves: RabbitMQ 3.x's AMQP 1.0 plugin cannot count a queue's
-    /// messages (its answer carries the count, but fe2o3 does not surface it), so the
-    /// consumer finds out with a [`fetch`](Transport::fetch). Every look at an empty queue
-    /// therefore costs a fetch wait ([`Amqp10Config::with_fetch_wait`]).
+    /// Sleeps `poll`, then resolves: the consumer finds out with a
+    /// [`fetch`](Transport::fetch), which on RabbitMQ answers an empty queue after one
+    /// round trip (elsewhere after a fetch wait, [`Amqp10Config::with_fetch_wait`]).
     async fn ready(&self, _queue: &str, poll: Duration) -> Result<(), TransportError> {
         tokio::time::sleep(poll).await;
         Ok(())
