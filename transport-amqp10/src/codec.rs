@@ -29,6 +29,30 @@ use crate::scan;
 /// property of the same name arriving from the network is discarded.
 pub const NATIVE_HEADER: &str = "x-amqp10-native";
 
+/// The header of a message this transport could not decode, saying why (a string).
+///
+/// Such a message never reaches the engine: a subscription or a
+/// [`fetch`](retry_core::Transport::fetch) settles it with `rejected`, and the queue
+/// dead-letters it (a plan's work and isolation queues into its parking queue). Only a walk
+/// of a queue ([`Transport::walk`](retry_core::Transport::walk), which the
+/// [`ParkingLot`](retry_core::ParkingLot) reads with) hands one out, with this header, its
+/// sections as they came as its body when the transport refused them before decoding (too
+/// deeply nested, or no valid encoding), and nothing else. A clone of it cannot be
+/// published (there is nothing of it to copy that is known to be right); it can be left or
+/// purged. An application property of this name arriving from the network is discarded.
+///
+/// ```
+/// use retry_core::Headers;
+/// use transport_amqp10::UNDECODABLE_HEADER;
+///
+/// // How a parking-lot browser tells it from a parked message.
+/// fn undecodable(headers: &Headers) -> Option<&str> {
+///     headers.get(UNDECODABLE_HEADER).and_then(|why| why.as_str())
+/// }
+/// assert_eq!(undecodable(&Headers::new()), None);
+/// ```
+pub const UNDECODABLE_HEADER: &str = "x-amqp10-undecodable";
+
 /// AMQP 1.0's default priority, used when a message has none.
 const DEFAULT_PRIORITY: u8 = 4;
 
@@ -132,10 +156,13 @@ pub(crate) fn read_message<T>(
         .as_ref()
         .map(read_application_properties)
         .unwrap_or_default();
-    // The name is this transport's; a peer must not be able to smuggle parts into clones.
+    // The names are this transport's: a peer must not be able to smuggle parts into clones,
+    // or pass a message off as undecodable.
     headers.remove(NATIVE_HEADER);
+    headers.remove(UNDECODABLE_HEADER);
     native.originals = originals;
     native.originals.swap_remove(NATIVE_HEADER);
+    native.originals.swap_remove(UNDECODABLE_HEADER);
 
     let (body, encoded_body) = read_body(body);
     native.encoded_body = encoded_body;
@@ -179,6 +206,28 @@ pub(crate) fn read_message<T>(
         native: Default::default(),
     };
     Delivery::new(tag, parts, signals)
+}
+
+/// A message that could not be decoded, as a walk hands it out: `why` in
+/// [`UNDECODABLE_HEADER`], its sections as they came (if kept) as the body.
+pub(crate) fn undecodable_message<T>(
+    queue: &str,
+    why: String,
+    sections: Option<Vec<u8>>,
+    tag: T,
+) -> Delivery<T> {
+    let mut headers = Headers::new();
+    headers.insert_static(UNDECODABLE_HEADER, why);
+    let parts = MessageParts {
+        queue: queue.to_owned(),
+        exchange: String::new(),
+        routing_key: queue.to_owned(),
+        body: sections.unwrap_or_default(),
+        properties: Properties::default(),
+        headers,
+        native: Default::default(),
+    };
+    Delivery::new(tag, parts, BrokerSignals::default())
 }
 
 /// The broker's signals. RabbitMQ 3.x leaves `delivery-count` at 0 and marks a redelivery
@@ -647,6 +696,50 @@ mod tests {
             clone.body,
             Body::Data(vec![Data(Binary::from(sections))].into())
         );
+    }
+
+    #[test]
+    fn an_undecodable_mark_from_the_network_is_discarded() {
+        // Left in, it would make every clone of the message fail to publish.
+        let mut props = ApplicationProperties::default();
+        props.0.insert(
+            UNDECODABLE_HEADER.to_owned(),
+            SimpleValue::String("forged".into()),
+        );
+        props
+            .0
+            .insert("kept".to_owned(), SimpleValue::String("yes".into()));
+        let incoming = AmqpMessage {
+            header: None,
+            delivery_annotations: None,
+            message_annotations: None,
+            properties: None,
+            application_properties: Some(props),
+            body: Body::<Value>::Empty,
+            footer: None,
+        };
+        let received = read_message(incoming, "q", &rabbit(), ());
+        assert_eq!(received.message.headers().get(UNDECODABLE_HEADER), None);
+        assert!(received.message.headers().get("kept").is_some());
+        let clone = build_clone(&received.message, &publish(None), None);
+        let written = clone
+            .application_properties
+            .expect("application properties");
+        assert!(!written.0.contains_key(UNDECODABLE_HEADER));
+    }
+
+    #[test]
+    fn an_undecodable_message_is_its_sections_and_why() {
+        let d = undecodable_message("q", "why".into(), Some(vec![0x00, 0x53]), ());
+        assert_eq!(d.message.body(), [0x00, 0x53]);
+        assert_eq!(
+            d.message
+                .headers()
+                .get(UNDECODABLE_HEADER)
+                .and_then(|v| v.as_str()),
+            Some("why")
+        );
+        assert!(!d.facts.redelivered);
     }
 
     #[test]

@@ -45,6 +45,11 @@
 //! when it is read: the next grant is then one too many. A flow with credit 0 on a link
 //! with no credit and nothing on the way (the count) has none of these problems: the
 //! counts agree, and the broker's credit stays 0.
+//!
+//! A message that cannot be decoded (see [`crate::tap`]) is rejected on a fetch, so that the
+//! queue dead-letters it, and the fetch goes on to the next message; a walk, which reads
+//! parking queues that dead-letter nowhere, hands it out marked instead
+//! ([`UNDECODABLE_HEADER`](crate::UNDECODABLE_HEADER)).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -52,6 +57,7 @@ use std::time::Duration;
 use fe2o3_amqp::Receiver;
 use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::link::delivery::DeliveryInfo;
+use fe2o3_amqp::link::{MessageDecodeError, RecvError};
 use fe2o3_amqp::session::SessionHandle;
 use fe2o3_amqp::types::messaging::Body;
 use fe2o3_amqp::types::primitives::Value;
@@ -61,23 +67,42 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use crate::codec::read_message;
+use crate::codec::{read_message, undecodable_message};
 use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{self, end_session};
 use crate::profile::BrokerProfile;
 use crate::receiver::{
-    Amqp10Tag, Command, Fetched, already_settled, attach_receiver, dispose, stale,
+    Amqp10Tag, Command, Fetched, Undecodable, already_settled, attach_receiver, dispose,
+    reject_undecodable, stale,
 };
 use crate::tap::{FlowSeen, Tap};
 
+/// What a fetch link is for, which decides what becomes of a message that cannot be
+/// decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    /// [`Transport::fetch`](retry_core::Transport::fetch): such a message is rejected (the
+    /// queue dead-letters it) and the fetch takes the next.
+    Fetch,
+    /// A walk of a queue (the parking lot), which may dead-letter nowhere: such a message is
+    /// handed out, marked, and settled as the walk decides.
+    Walk,
+}
+
 /// Starts the task of a fetch link on `queue`. Nothing is opened until the first fetch.
-pub(crate) fn spawn(nodes: &Nodes, config: &Amqp10Config, queue: &str) -> mpsc::Sender<Command> {
+pub(crate) fn spawn(
+    nodes: &Nodes,
+    config: &Amqp10Config,
+    queue: &str,
+    purpose: Purpose,
+) -> mpsc::Sender<Command> {
     let (commands, command_rx) = mpsc::channel(16);
     let task = FetchTask {
         nodes: nodes.clone(),
         config: config.clone(),
         profile: config.profile(),
         queue: queue.to_owned(),
+        purpose,
         connection: None,
         link: None,
         held: BTreeSet::new(),
@@ -96,6 +121,7 @@ struct FetchTask {
     config: Amqp10Config,
     profile: BrokerProfile,
     queue: String,
+    purpose: Purpose,
     /// The connection, and the tap on what comes in on it.
     connection: Option<(ConnectionHandle<()>, Tap)>,
     /// The attached link. Its credit is 0 on both ends whenever it is kept between fetches.
@@ -110,8 +136,8 @@ struct FetchTask {
     /// The attachment `link` is, counted from 0.
     generation: u64,
     attachments: u64,
-    /// Transfers fe2o3 handed over on the current connection: what the tap counted beyond
-    /// these, fe2o3 dropped.
+    /// Transfers fe2o3 handed over on the current connection, decodable or not: what the
+    /// tap counted beyond these, fe2o3 dropped.
     received: u64,
     /// For tags; weak, so that the task ends once the transport and every tag are gone.
     own: mpsc::WeakSender<Command>,
@@ -120,6 +146,7 @@ struct FetchTask {
 /// What waiting for the transfer of a grant came to.
 enum Received {
     Delivery(Box<fe2o3_amqp::link::delivery::Delivery<Body<Value>>>),
+    Undecodable(MessageDecodeError),
     /// Nothing within the wait; the credit is taken back.
     Nothing,
 }
@@ -184,23 +211,31 @@ impl FetchTask {
             }));
         }
         let answers = self.profile.answers_flows();
-        if answers && self.count().await? == Some(0) {
-            return Ok(None);
-        }
-        // The broker's answer to the grant, from here on, says whether a message is on its
-        // way (see `receive`).
-        let answer = match self.connection.as_ref() {
-            Some((_, tap)) if answers => {
-                let flows = tap.flows();
-                let asked = flows.borrow().seq;
-                Some((flows, asked))
+        // Each turn either answers or settles one undecodable message, which has then left
+        // the queue: the loop ends.
+        loop {
+            if answers && self.count().await? == Some(0) {
+                return Ok(None);
             }
-            _ => None,
-        };
-        self.flow(1).await?;
-        match self.receive(answer).await? {
-            Received::Delivery(delivery) => self.hand_out(*delivery),
-            Received::Nothing => Ok(None),
+            // The broker's answer to the grant, from here on, says whether a message is on
+            // its way (see `receive`).
+            let answer = match self.connection.as_ref() {
+                Some((_, tap)) if answers => {
+                    let flows = tap.flows();
+                    let asked = flows.borrow().seq;
+                    Some((flows, asked))
+                }
+                _ => None,
+            };
+            self.flow(1).await?;
+            match self.receive(answer).await? {
+                Received::Delivery(delivery) => return self.hand_out(*delivery),
+                Received::Nothing => return Ok(None),
+                Received::Undecodable(error) => match self.purpose {
+                    Purpose::Walk => return self.hand_out_undecodable(error),
+                    Purpose::Fetch => self.reject(error).await?,
+                },
+            }
         }
     }
 
@@ -301,6 +336,10 @@ impl FetchTask {
                 self.received += 1;
                 Ok(Received::Delivery(Box::new(delivery)))
             }
+            Some(Err(RecvError::MessageDecode(error))) => {
+                self.received += 1;
+                Ok(Received::Undecodable(error))
+            }
             Some(Err(e)) => Err(self.lost(e)),
             None => {
                 self.take_back().await;
@@ -374,6 +413,48 @@ impl FetchTask {
             generation: self.generation,
         };
         Ok(Some(read_message(message, &self.queue, &self.profile, tag)))
+    }
+
+    /// A walk's undecodable message: handed out with its sections as its body, when the tap
+    /// kept them, and why in [`UNDECODABLE_HEADER`](crate::UNDECODABLE_HEADER).
+    fn hand_out_undecodable(&mut self, error: MessageDecodeError) -> Fetched {
+        let Some(link) = self.own.upgrade() else {
+            return Err(TransportError::Closed);
+        };
+        let Some((_, tap)) = self.connection.as_ref() else {
+            return Err(TransportError::Closed);
+        };
+        let Undecodable { info, why, payload } = Undecodable::new(tap, error);
+        warn!(queue = %self.queue, delivery_id = info.delivery_id(), %why, "a message in the queue cannot be decoded");
+        self.held.insert(info.delivery_id());
+        let tag = Amqp10Tag {
+            link,
+            info,
+            generation: self.generation,
+        };
+        Ok(Some(undecodable_message(&self.queue, why, payload, tag)))
+    }
+
+    /// Rejects an undecodable message: the queue dead-letters it.
+    async fn reject(&mut self, error: MessageDecodeError) -> Result<(), TransportError> {
+        let (Some((_, receiver)), Some((_, tap))) = (self.link.as_ref(), self.connection.as_ref())
+        else {
+            return Err(TransportError::Closed);
+        };
+        let after = self.config.operation_timeout();
+        let rejected =
+            match timeout(after, reject_undecodable(receiver, tap, &self.queue, error)).await {
+                Ok(result) => result,
+                Err(_) => Err(TransportError::Timeout {
+                    operation: "rejecting an undecodable message",
+                    after,
+                }),
+            };
+        if rejected.is_err() {
+            // Whether the broker saw it is unknown; a new link starts clean.
+            self.discard();
+        }
+        rejected
     }
 
     /// Settles one delivery held, at once.

@@ -46,6 +46,14 @@
 //! * **Settlement:** ack is `accepted`, reject is `rejected` (the broker dead-letters it), and
 //!   requeue is `released` on RabbitMQ 3.x (which ends the session on `modified`) or
 //!   `modified` with `delivery-failed` elsewhere, so the broker counts the attempt.
+//! * **Every incoming message is checked before it is decoded.** Each connection reads what
+//!   comes in before fe2o3 does: a message must be a valid AMQP 1.0 encoding nested no
+//!   deeper than 64 levels, since fe2o3 decodes by recursing once per
+//!   level with no limit and a deeply nested message would overflow the stack and abort the
+//!   process. A message that fails, or that fe2o3 cannot decode, is settled `rejected`, so
+//!   the queue dead-letters it (a plan's work and isolation queues into its parking queue);
+//!   it never reaches the engine and is never received twice. A walk of a parking queue
+//!   hands it out marked with [`UNDECODABLE_HEADER`] instead.
 //! * **Facts** come from `header.first-acquirer` (RabbitMQ 3.x: `false` means redelivered),
 //!   `header.delivery-count` (elsewhere) and the engine's headers, which this transport keeps
 //!   in `application-properties` (see [`convert`]). Values that a header cannot carry
@@ -169,7 +177,7 @@ mod transport;
 mod verification;
 mod walk;
 
-pub use codec::NATIVE_HEADER;
+pub use codec::{NATIVE_HEADER, UNDECODABLE_HEADER};
 pub use config::{Amqp10Config, ConfigError};
 pub use profile::{BrokerProfile, GenericProfile, NativeDelay};
 pub use receiver::Amqp10Tag;

@@ -13,7 +13,9 @@ use std::time::Duration;
 use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::link::delivery::DeliveryInfo;
 use fe2o3_amqp::link::receiver::CreditMode;
+use fe2o3_amqp::link::{MessageDecodeError, RecvError};
 use fe2o3_amqp::session::SessionHandle;
+use fe2o3_amqp::types::definitions::{self, AmqpError};
 use fe2o3_amqp::types::messaging::{Body, Modified};
 use fe2o3_amqp::types::primitives::Value;
 use fe2o3_amqp::{Receiver, Session};
@@ -26,6 +28,7 @@ use crate::codec::read_message;
 use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{self, ProbeError, classify_receiver, end_session, link_name};
 use crate::profile::BrokerProfile;
+use crate::tap::Tap;
 
 /// The handle that settles one delivery of an [`Amqp10Transport`](crate::Amqp10Transport),
 /// received by an [`Amqp10Subscription`](crate::Amqp10Subscription) or taken by
@@ -142,7 +145,7 @@ pub(crate) async fn start(
 ) -> Result<Link, TransportError> {
     let profile = config.profile();
     let after = config.operation_timeout();
-    let (mut connection, _) = connection::open(nodes, config, "consumer").await?;
+    let (mut connection, tap) = connection::open(nodes, config, "consumer").await?;
     let attached = timeout(
         after,
         attach_receiver(&mut connection, "consumer", queue, &profile),
@@ -185,6 +188,7 @@ pub(crate) async fn start(
         generation,
         own: commands.downgrade(),
         settle_timeout: after,
+        tap,
     };
     tokio::spawn(task.run(command_rx, incoming_tx));
     Ok(Link { commands, incoming })
@@ -206,6 +210,7 @@ struct LinkTask {
     /// For tags; weak, so that the task ends once the transport and every tag are gone.
     own: mpsc::WeakSender<Command>,
     settle_timeout: Duration,
+    tap: Tap,
 }
 
 impl LinkTask {
@@ -259,6 +264,24 @@ impl LinkTask {
                             break;
                         }
                         if let Err(e) = self.refill().await {
+                            let _ = out.try_send(Incoming::Lost(e));
+                            break;
+                        }
+                    }
+                    Err(RecvError::MessageDecode(undecodable)) => {
+                        // It used the credit; the link carries on.
+                        self.credit = self.credit.saturating_sub(1);
+                        let settled = reject_undecodable(
+                            &self.receiver,
+                            &self.tap,
+                            &self.queue,
+                            undecodable,
+                        )
+                        .await;
+                        if let Err(e) = match settled {
+                            Ok(()) => self.refill().await,
+                            Err(e) => Err(e),
+                        } {
                             let _ = out.try_send(Incoming::Lost(e));
                             break;
                         }
@@ -365,6 +388,61 @@ pub(crate) async fn dispose(
         Settlement::Requeue => receiver.release(info).await,
     };
     disposed.map_err(|e| TransportError::connection_failed("settling a delivery", e))
+}
+
+/// A message fe2o3 could not decode: either the [`Tap`] refused it (too deeply nested, or no
+/// valid AMQP 1.0 encoding) and kept its bytes, or fe2o3's decoder failed on it.
+pub(crate) struct Undecodable {
+    pub(crate) info: DeliveryInfo,
+    /// Why, to log and to put in the rejection.
+    pub(crate) why: String,
+    /// Its sections as they came, when the tap refused it.
+    pub(crate) payload: Option<Vec<u8>>,
+}
+
+impl Undecodable {
+    pub(crate) fn new(tap: &Tap, error: MessageDecodeError) -> Self {
+        let MessageDecodeError { info, source } = error;
+        match tap.take_refused(info.delivery_id()) {
+            Some(refused) => Undecodable {
+                info,
+                why: refused.refusal.to_string(),
+                payload: Some(refused.payload),
+            },
+            None => Undecodable {
+                info,
+                why: format!("it does not decode as an AMQP 1.0 message: {source}"),
+                payload: None,
+            },
+        }
+    }
+}
+
+/// Settles a message that cannot be decoded with `rejected`, so that the broker dead-letters
+/// it: a work or isolation queue of a plan dead-letters into its parking queue. It never
+/// reaches the engine, and never goes back to the queue to be received again.
+pub(crate) async fn reject_undecodable(
+    receiver: &Receiver,
+    tap: &Tap,
+    queue: &str,
+    error: MessageDecodeError,
+) -> Result<(), TransportError> {
+    let Undecodable { info, why, .. } = Undecodable::new(tap, error);
+    warn!(
+        %queue,
+        delivery_id = info.delivery_id(),
+        %why,
+        "rejecting a message that cannot be decoded: the queue dead-letters it"
+    );
+    let error = definitions::Error::new(
+        AmqpError::DecodeError,
+        format!("transport-amqp10 cannot decode this message: {why}"),
+        None,
+    );
+    receiver
+        .reject(info, error)
+        .await
+        .map_err(|e| TransportError::connection_failed("rejecting an undecodable message", e))
 }
 
 pub(crate) fn already_settled(info: &DeliveryInfo) -> TransportError {

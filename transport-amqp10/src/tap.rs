@@ -1,25 +1,44 @@
 //! `Tapped`: the byte stream between a connection's socket and fe2o3, which reads the AMQP
-//! frames coming in before fe2o3 does, and passes every byte on unchanged.
+//! frames coming in before fe2o3 does.
 //!
-//! It reports what fe2o3 0.18 keeps to itself:
+//! It does two things fe2o3 0.18 offers no way to do:
 //!
-//! * **The broker's `flow` frames** ([`Tap::flows`]): RabbitMQ answers every `flow` a
-//!   receiver sends with one that carries the queue's count of ready messages
-//!   (`available`).
-//! * **How many transfers came in** ([`Tap::transfers`]): fe2o3 drops a transfer that
-//!   arrives once it has sent a detach, unread; the count tells that one was lost that way.
+//! * **Every message is checked before fe2o3 decodes it** ([`scan::check_message`]): a
+//!   valid encoding, nested no deeper than [`scan::MAX_DEPTH`]. fe2o3 decodes a message by
+//!   recursing once per level of nesting, and a message nested thousands deep overflows the
+//!   stack and aborts the process. A message that fails the check reaches fe2o3 with its
+//!   payload replaced by one byte that is no format code, so fe2o3 reports it as a
+//!   `MessageDecodeError` (which carries what is needed to settle it) without decoding
+//!   anything; why it failed, and its original bytes, wait in the [`Tap`] for the link
+//!   that receives it. A message split over several frames is held back, with every later
+//!   frame of its session, until its last frame is in and checked; frames of other sessions
+//!   and heartbeats pass at once.
+//! * **The broker's `flow` frames are reported** ([`Tap::flows`]): RabbitMQ answers every
+//!   `flow` a receiver sends with one that carries the queue's count of ready messages
+//!   (`available`), which fe2o3 keeps to itself.
+//! * **Transfers are counted** ([`Tap::transfers`]): fe2o3 drops a transfer that arrives
+//!   once it has sent a detach, unread; the count tells that one was lost that way.
 //!
 //! Anything that is not a well-formed frame is passed on untouched from there on: fe2o3
 //! reports it.
 
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::watch;
+
+use crate::scan::{self, Refusal};
+
+/// What a refused message's payload is replaced with: a byte that is no format code.
+const REFUSED_PAYLOAD: &[u8] = &[0xff];
+
+/// How many refusals wait for their link at most; older ones are dropped first.
+const REFUSALS_KEPT: usize = 16;
 
 /// Frames larger than this are not taken for frames: the stream is passed on untouched.
 const LARGEST_FRAME: usize = 1 << 30;
@@ -27,6 +46,9 @@ const LARGEST_FRAME: usize = 1 << 30;
 const DESCRIBED: u8 = 0x00;
 const FLOW: u64 = 0x13;
 const TRANSFER: u64 = 0x14;
+const DETACH: u64 = 0x16;
+const END: u64 = 0x17;
+const CLOSE: u64 = 0x18;
 
 /// The last `flow` the broker sent about one of this connection's links.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -41,8 +63,18 @@ pub(crate) struct FlowSeen {
     pub(crate) available: Option<u32>,
 }
 
+/// A message the tap kept from fe2o3.
+#[derive(Debug)]
+pub(crate) struct Refused {
+    pub(crate) delivery_id: Option<u32>,
+    pub(crate) refusal: Refusal,
+    /// The payload as it came: the message's sections.
+    pub(crate) payload: Vec<u8>,
+}
+
 struct Shared {
     flows: watch::Sender<FlowSeen>,
+    refused: Mutex<VecDeque<Refused>>,
     /// Complete, not aborted transfers that came in on the connection.
     transfers: AtomicU64,
 }
@@ -67,6 +99,7 @@ impl Tap {
     pub(crate) fn wrap<S>(stream: S) -> (Tapped<S>, Tap) {
         let shared = Arc::new(Shared {
             flows: watch::Sender::new(FlowSeen::default()),
+            refused: Mutex::new(VecDeque::new()),
             transfers: AtomicU64::new(0),
         });
         let tapped = Tapped {
@@ -87,6 +120,17 @@ impl Tap {
     /// How many complete transfers have come in on the connection.
     pub(crate) fn transfers(&self) -> u64 {
         self.shared.transfers.load(Ordering::Acquire)
+    }
+
+    /// Takes what the tap knows of the message with `delivery_id` it kept from fe2o3, and
+    /// forgets every refusal before it (their links are gone, or they were taken).
+    pub(crate) fn take_refused(&self, delivery_id: u32) -> Option<Refused> {
+        let mut refused = self.shared.refused.lock().ok()?;
+        let at = refused
+            .iter()
+            .position(|r| r.delivery_id == Some(delivery_id))?;
+        refused.drain(..at);
+        refused.pop_front()
     }
 }
 
@@ -156,7 +200,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tapped<S> {
     }
 }
 
-/// The incoming side, without IO: bytes in, the same bytes out, frames read on the way.
+/// The incoming side, without IO: bytes in, checked frames out.
 #[derive(Default)]
 struct Frames {
     /// Bytes not yet framed.
@@ -164,8 +208,30 @@ struct Frames {
     /// Bytes for fe2o3, from `read`.
     output: Vec<u8>,
     read: usize,
+    /// Per session channel: frames held back behind a message not yet complete.
+    held: HashMap<u16, Held>,
     /// The stream stopped making sense as frames: everything passes untouched.
     passthrough: bool,
+}
+
+#[derive(Default)]
+struct Held {
+    frames: VecDeque<HeldFrame>,
+    /// Messages of this session still coming in, by link handle.
+    assembling: HashMap<u32, Assembly>,
+}
+
+struct HeldFrame {
+    bytes: Vec<u8>,
+    /// The link whose message this frame is part of, until that message is complete.
+    waits_for: Option<u32>,
+    /// Where the payload starts in `bytes`, for a transfer frame.
+    payload_at: usize,
+}
+
+struct Assembly {
+    delivery_id: Option<u32>,
+    payload: Vec<u8>,
 }
 
 /// What a frame's performative says, as far as the tap cares.
@@ -178,9 +244,18 @@ enum Performative {
         available: Option<u32>,
     },
     Transfer {
+        handle: u32,
+        delivery_id: Option<u32>,
         more: bool,
         aborted: bool,
+        /// Where the payload starts, from the start of the frame body.
+        payload_at: usize,
     },
+    Detach {
+        handle: Option<u32>,
+    },
+    End,
+    Close,
     Other,
 }
 
@@ -199,8 +274,13 @@ impl Frames {
         }
     }
 
-    /// The stream ended: what is left goes out as it came.
+    /// The stream ended: everything held goes out as it came.
     fn finish(&mut self) {
+        let mut channels: Vec<u16> = self.held.keys().copied().collect();
+        channels.sort_unstable();
+        for channel in channels {
+            self.release(channel);
+        }
         self.output.append(&mut self.input);
     }
 
@@ -244,36 +324,212 @@ impl Frames {
         let channel = u16::from_be_bytes([frame[6], frame[7]]);
         if body_at < 8 || body_at > frame.len() {
             self.passthrough = true;
-        } else if amqp && body_at < frame.len() {
-            match performative(&frame[body_at..]) {
-                Some(Performative::Flow {
-                    handle: Some(handle),
-                    delivery_count,
-                    link_credit,
-                    available,
-                }) => {
-                    shared.flows.send_modify(|seen| {
-                        *seen = FlowSeen {
-                            seq: seen.seq + 1,
-                            channel,
-                            handle,
-                            delivery_count,
-                            link_credit,
-                            available,
-                        };
-                    });
+            self.output.extend_from_slice(&frame);
+            return;
+        }
+        if !amqp || body_at == frame.len() {
+            // SASL, or a heartbeat: nothing a message depends on.
+            self.output.extend_from_slice(&frame);
+            return;
+        }
+        match performative(&frame[body_at..]) {
+            Some(Performative::Flow {
+                handle: Some(handle),
+                delivery_count,
+                link_credit,
+                available,
+            }) => {
+                shared.flows.send_modify(|seen| {
+                    *seen = FlowSeen {
+                        seq: seen.seq + 1,
+                        channel,
+                        handle,
+                        delivery_count,
+                        link_credit,
+                        available,
+                    };
+                });
+                self.emit(channel, frame);
+            }
+            Some(Performative::Transfer {
+                handle,
+                delivery_id,
+                more,
+                aborted,
+                payload_at,
+            }) => self.transfer(
+                channel,
+                frame,
+                body_at + payload_at,
+                (handle, delivery_id, more, aborted),
+                shared,
+            ),
+            Some(Performative::Detach { handle }) => {
+                if let Some(handle) = handle {
+                    self.let_through(channel, Some(handle));
                 }
-                Some(Performative::Transfer {
-                    more: false,
-                    aborted: false,
-                }) => {
-                    shared.transfers.fetch_add(1, Ordering::AcqRel);
+                self.emit(channel, frame);
+            }
+            Some(Performative::End) => {
+                self.let_through(channel, None);
+                self.emit(channel, frame);
+            }
+            Some(Performative::Close) => {
+                let channels: Vec<u16> = self.held.keys().copied().collect();
+                for held in channels {
+                    self.let_through(held, None);
                 }
-                _ => {}
+                self.emit(channel, frame);
+            }
+            Some(Performative::Flow { handle: None, .. } | Performative::Other) | None => {
+                self.emit(channel, frame);
             }
         }
-        self.output.extend_from_slice(&frame);
     }
+
+    fn transfer(
+        &mut self,
+        channel: u16,
+        frame: Vec<u8>,
+        payload_at: usize,
+        (handle, delivery_id, more, aborted): (u32, Option<u32>, bool, bool),
+        shared: &Shared,
+    ) {
+        if payload_at > frame.len() {
+            self.emit(channel, frame);
+            return;
+        }
+        if aborted {
+            // Discarded by fe2o3 with whatever came before it.
+            self.let_through(channel, Some(handle));
+            self.emit(channel, frame);
+            return;
+        }
+        let assembling = self
+            .held
+            .get(&channel)
+            .is_some_and(|h| h.assembling.contains_key(&handle));
+        if !assembling && !more {
+            shared.transfers.fetch_add(1, Ordering::AcqRel);
+            match scan::check_message(&frame[payload_at..]) {
+                Ok(()) => self.emit(channel, frame),
+                Err(refusal) => {
+                    let payload = frame[payload_at..].to_vec();
+                    let replaced = with_payload(&frame, payload_at, REFUSED_PAYLOAD);
+                    refuse(shared, delivery_id, refusal, payload);
+                    self.emit(channel, replaced);
+                }
+            }
+            return;
+        }
+        let held = self.held.entry(channel).or_default();
+        let assembly = held.assembling.entry(handle).or_insert_with(|| Assembly {
+            delivery_id,
+            payload: Vec::new(),
+        });
+        assembly.payload.extend_from_slice(&frame[payload_at..]);
+        held.frames.push_back(HeldFrame {
+            bytes: frame,
+            waits_for: Some(handle),
+            payload_at,
+        });
+        if more {
+            return;
+        }
+        shared.transfers.fetch_add(1, Ordering::AcqRel);
+        let Some(Assembly {
+            delivery_id,
+            payload,
+        }) = held.assembling.remove(&handle)
+        else {
+            return;
+        };
+        let verdict = scan::check_message(&payload);
+        let mut first = true;
+        for f in held
+            .frames
+            .iter_mut()
+            .filter(|f| f.waits_for == Some(handle))
+        {
+            f.waits_for = None;
+            if verdict.is_err() {
+                let replacement = if first { REFUSED_PAYLOAD } else { &[] };
+                f.bytes = with_payload(&f.bytes, f.payload_at, replacement);
+                first = false;
+            }
+        }
+        if let Err(refusal) = verdict {
+            refuse(shared, delivery_id, refusal, payload);
+        }
+        self.release(channel);
+    }
+
+    /// Hands `frame` on, behind whatever of its session is held.
+    fn emit(&mut self, channel: u16, frame: Vec<u8>) {
+        match self.held.get_mut(&channel) {
+            Some(held) if !held.frames.is_empty() => held.frames.push_back(HeldFrame {
+                bytes: frame,
+                waits_for: None,
+                payload_at: 0,
+            }),
+            _ => self.output.extend_from_slice(&frame),
+        }
+    }
+
+    /// A link (`Some`) or the whole session (`None`) of `channel` went away: messages of it
+    /// still coming in will never be complete, and fe2o3 drops them unread. Their frames go
+    /// on as they came.
+    fn let_through(&mut self, channel: u16, handle: Option<u32>) {
+        let Some(held) = self.held.get_mut(&channel) else {
+            return;
+        };
+        held.assembling
+            .retain(|h, _| handle.is_some_and(|gone| gone != *h));
+        for f in &mut held.frames {
+            if handle.is_none() || f.waits_for == handle {
+                f.waits_for = None;
+            }
+        }
+        self.release(channel);
+    }
+
+    /// Hands on the frames of `channel` up to the first that still waits.
+    fn release(&mut self, channel: u16) {
+        let Some(held) = self.held.get_mut(&channel) else {
+            return;
+        };
+        while held.frames.front().is_some_and(|f| f.waits_for.is_none()) {
+            if let Some(f) = held.frames.pop_front() {
+                self.output.extend_from_slice(&f.bytes);
+            }
+        }
+        if held.frames.is_empty() && held.assembling.is_empty() {
+            self.held.remove(&channel);
+        }
+    }
+}
+
+fn refuse(shared: &Shared, delivery_id: Option<u32>, refusal: Refusal, payload: Vec<u8>) {
+    if let Ok(mut refused) = shared.refused.lock() {
+        if refused.len() == REFUSALS_KEPT {
+            refused.pop_front();
+        }
+        refused.push_back(Refused {
+            delivery_id,
+            refusal,
+            payload,
+        });
+    }
+}
+
+/// `frame` with its payload (from `payload_at`) replaced by `payload`, and its size set.
+fn with_payload(frame: &[u8], payload_at: usize, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(payload_at + payload.len());
+    out.extend_from_slice(&frame[..payload_at]);
+    out.extend_from_slice(payload);
+    let size = u32::try_from(out.len()).unwrap_or(u32::MAX);
+    out[..4].copy_from_slice(&size.to_be_bytes());
+    out
 }
 
 /// Reads a frame body's performative: a described list of fields.
@@ -322,9 +578,15 @@ fn performative(body: &[u8]) -> Option<Performative> {
             available: uint(7),
         },
         TRANSFER => Performative::Transfer {
+            handle: uint(0)?,
+            delivery_id: uint(1),
             more: flag(5),
             aborted: flag(9),
+            payload_at: end,
         },
+        DETACH => Performative::Detach { handle: uint(0) },
+        END => Performative::End,
+        CLOSE => Performative::Close,
         _ => Performative::Other,
     })
 }
@@ -463,9 +725,24 @@ mod tests {
         m
     }
 
+    fn nested(depth: usize) -> Vec<u8> {
+        let mut v = vec![0xc0, 0, 1]
+            .into_iter()
+            .cycle()
+            .take(3 * depth)
+            .collect::<Vec<u8>>();
+        v.push(0x40);
+        // list8 sizes: everything after each size byte.
+        for level in 0..depth {
+            v[3 * level + 1] = u8::try_from(v.len() - 3 * level - 2).unwrap();
+        }
+        v
+    }
+
     fn shared() -> Arc<Shared> {
         Arc::new(Shared {
             flows: watch::Sender::new(FlowSeen::default()),
+            refused: Mutex::new(VecDeque::new()),
             transfers: AtomicU64::new(0),
         })
     }
@@ -481,7 +758,7 @@ mod tests {
     }
 
     #[test]
-    fn frames_pass_unchanged_and_flows_and_transfers_are_reported_whatever_the_reads() {
+    fn healthy_frames_pass_unchanged_whatever_the_reads() {
         let mut stream = b"AMQP\x00\x01\x00\x00".to_vec();
         stream.extend(frame(0, &flow(1, 3), &[]));
         stream.extend(frame(
@@ -503,11 +780,82 @@ mod tests {
     }
 
     #[test]
+    fn a_message_nested_too_deep_reaches_fe2o3_as_one_invalid_byte() {
+        let deep = message(&nested(80));
+        let stream = frame(3, &transfer(1, Some(7), false), &deep);
+        let (out, s) = run(&stream, 5);
+        assert_eq!(out, frame(3, &transfer(1, Some(7), false), &[0xff]));
+        let refused = s.refused.lock().unwrap().pop_front().expect("kept");
+        assert_eq!(refused.delivery_id, Some(7));
+        assert_eq!(refused.refusal.why, scan::Why::TooDeep);
+        assert_eq!(refused.payload, deep);
+    }
+
+    #[test]
+    fn a_split_message_is_held_with_its_session_and_replaced_when_refused() {
+        let deep = message(&nested(80));
+        let (a, b) = deep.split_at(100);
+        let mut stream = frame(1, &transfer(1, Some(0), true), a);
+        stream.extend(frame(1, &flow(1, 0), &[])); // held behind it: same session
+        stream.extend(frame(2, &flow(4, 9), &[])); // another session: passes
+        stream.extend(frame(1, &transfer(1, None, false), b));
+        let (out, s) = run(&stream, 64);
+        let mut expected = frame(2, &flow(4, 9), &[]);
+        expected.extend(frame(1, &transfer(1, Some(0), true), &[0xff]));
+        expected.extend(frame(1, &flow(1, 0), &[]));
+        expected.extend(frame(1, &transfer(1, None, false), &[]));
+        assert_eq!(out, expected);
+        assert_eq!(s.refused.lock().unwrap().front().unwrap().payload, deep);
+
+        // The same message, healthy: everything in order, unchanged.
+        let fine = message(&nested(10));
+        let (a, b) = fine.split_at(5);
+        let mut stream = frame(1, &transfer(1, Some(0), true), a);
+        stream.extend(frame(1, &flow(1, 0), &[]));
+        stream.extend(frame(1, &transfer(1, None, false), b));
+        assert_eq!(run(&stream, 64).0, stream);
+    }
+
+    #[test]
+    fn a_session_that_ends_mid_message_lets_its_frames_through() {
+        let mut stream = frame(1, &transfer(1, Some(0), true), &message(&[0xc0]));
+        let end = [0x00, 0x53, 0x17, 0x45];
+        stream.extend(frame(1, &end, &[]));
+        let (out, s) = run(&stream, 1000);
+        assert_eq!(out, stream);
+        assert!(s.refused.lock().unwrap().is_empty());
+    }
+
+    #[test]
     fn what_is_not_a_frame_is_passed_on_untouched() {
         let mut stream = vec![0, 0, 0, 3, 1, 2, 3, 4, 5];
         stream.extend(frame(0, &flow(1, 3), &[]));
+        stream.extend(frame(
+            0,
+            &transfer(1, Some(0), false),
+            &message(&nested(80)),
+        ));
         let (out, s) = run(&stream, 4);
         assert_eq!(out, stream);
         assert_eq!(s.flows.borrow().seq, 0, "nothing read past the bad frame");
+    }
+
+    #[test]
+    fn refusals_are_taken_by_delivery_id_and_older_ones_forgotten() {
+        let (_, tap) = Tap::wrap(());
+        for id in [1, 2, 3] {
+            refuse(
+                &tap.shared,
+                Some(id),
+                Refusal {
+                    at: 0,
+                    why: scan::Why::TooDeep,
+                },
+                vec![],
+            );
+        }
+        assert_eq!(tap.take_refused(2).map(|r| r.delivery_id), Some(Some(2)));
+        assert!(tap.take_refused(1).is_none(), "forgotten");
+        assert_eq!(tap.take_refused(3).map(|r| r.delivery_id), Some(Some(3)));
     }
 }

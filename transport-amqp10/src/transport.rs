@@ -13,10 +13,10 @@ use retry_core::{
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info};
 
-use crate::codec::{Schedule, build_clone};
+use crate::codec::{Schedule, UNDECODABLE_HEADER, build_clone};
 use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{Probe, ProbeError};
-use crate::fetch;
+use crate::fetch::{self, Purpose};
 use crate::profile::BrokerProfile;
 use crate::publisher::Publisher;
 use crate::receiver::{self, Amqp10Tag, Command};
@@ -529,10 +529,22 @@ impl Transport for Amqp10Transport {
                 .entry(queue.to_owned())
                 .and_modify(|link| {
                     if link.is_closed() {
-                        *link = fetch::spawn(&self.shared.nodes, &self.shared.config, queue);
+                        *link = fetch::spawn(
+                            &self.shared.nodes,
+                            &self.shared.config,
+                            queue,
+                            Purpose::Fetch,
+                        );
                     }
                 })
-                .or_insert_with(|| fetch::spawn(&self.shared.nodes, &self.shared.config, queue))
+                .or_insert_with(|| {
+                    fetch::spawn(
+                        &self.shared.nodes,
+                        &self.shared.config,
+                        queue,
+                        Purpose::Fetch,
+                    )
+                })
                 .clone()
         };
         fetch::ask(&link, &self.shared.config).await
@@ -552,6 +564,15 @@ impl Transport for Amqp10Transport {
     /// or was made on an earlier publishing connection; a missing one, or a route no verified
     /// plan knows, fails with [`TransportError::MissingAddress`] and nothing is sent.
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
+        if let Some(why) = original.headers().get(UNDECODABLE_HEADER) {
+            return PublishResult::Failed(TransportError::Unsupported {
+                what: "a copy of a message that could not be decoded".to_owned(),
+                why: format!(
+                    "only its raw sections are known ({}): read it over AMQP 0-9-1 (retryctl parked show), where RabbitMQ shows it byte for byte, then purge it or publish a repaired one",
+                    why.as_str().unwrap_or("no reason given")
+                ),
+            });
+        }
         let target = match self.target(&publish.route) {
             Ok(t) => t,
             Err(e) => return PublishResult::Failed(e),

@@ -5,7 +5,7 @@ use retry_core::{Delivery, QueueWalk, Settlement, TransportError};
 use tokio::sync::mpsc;
 
 use crate::config::{Amqp10Config, Nodes};
-use crate::fetch;
+use crate::fetch::{self, Purpose};
 use crate::receiver::{self, Amqp10Tag, Command};
 
 /// A walk of one queue with a fetch link task of its own, on its own connection.
@@ -22,7 +22,7 @@ impl LinkWalk {
     /// A walk of `queue`; nothing is opened until the first read.
     pub(crate) fn open(nodes: &Nodes, config: &Amqp10Config, queue: &str) -> Self {
         LinkWalk {
-            link: Some(fetch::spawn(nodes, config, queue)),
+            link: Some(fetch::spawn(nodes, config, queue, Purpose::Walk)),
             config: config.clone(),
         }
     }
