@@ -285,13 +285,15 @@ impl Frames {
     }
 
     fn feed(&mut self, bytes: &[u8], shared: &Shared) {
-        self.input.extend_from_slice(bytes);
+        // Taken out for the loop, so that frames are read from it in place.
+        let mut input = std::mem::take(&mut self.input);
+        input.extend_from_slice(bytes);
         let mut at = 0;
         loop {
-            let rest = &self.input[at..];
+            let rest = &input[at..];
             if self.passthrough {
                 self.output.extend_from_slice(rest);
-                at = self.input.len();
+                at = input.len();
                 break;
             }
             if rest.len() < 8 {
@@ -311,25 +313,25 @@ impl Frames {
             if rest.len() < size {
                 break;
             }
-            let frame = self.input[at..at + size].to_vec();
+            self.frame(&rest[..size], shared);
             at += size;
-            self.frame(frame, shared);
         }
-        self.input.drain(..at);
+        input.drain(..at);
+        self.input = input;
     }
 
-    fn frame(&mut self, frame: Vec<u8>, shared: &Shared) {
+    fn frame(&mut self, frame: &[u8], shared: &Shared) {
         let body_at = usize::from(frame[4]) * 4;
         let amqp = frame[5] == 0;
         let channel = u16::from_be_bytes([frame[6], frame[7]]);
         if body_at < 8 || body_at > frame.len() {
             self.passthrough = true;
-            self.output.extend_from_slice(&frame);
+            self.output.extend_from_slice(frame);
             return;
         }
         if !amqp || body_at == frame.len() {
             // SASL, or a heartbeat: nothing a message depends on.
-            self.output.extend_from_slice(&frame);
+            self.output.extend_from_slice(frame);
             return;
         }
         match performative(&frame[body_at..]) {
@@ -390,7 +392,7 @@ impl Frames {
     fn transfer(
         &mut self,
         channel: u16,
-        frame: Vec<u8>,
+        frame: &[u8],
         payload_at: usize,
         (handle, delivery_id, more, aborted): (u32, Option<u32>, bool, bool),
         shared: &Shared,
@@ -415,9 +417,9 @@ impl Frames {
                 Ok(()) => self.emit(channel, frame),
                 Err(refusal) => {
                     let payload = frame[payload_at..].to_vec();
-                    let replaced = with_payload(&frame, payload_at, REFUSED_PAYLOAD);
+                    let replaced = with_payload(frame, payload_at, REFUSED_PAYLOAD);
                     refuse(shared, delivery_id, refusal, payload);
-                    self.emit(channel, replaced);
+                    self.emit(channel, &replaced);
                 }
             }
             return;
@@ -429,7 +431,7 @@ impl Frames {
         });
         assembly.payload.extend_from_slice(&frame[payload_at..]);
         held.frames.push_back(HeldFrame {
-            bytes: frame,
+            bytes: frame.to_vec(),
             waits_for: Some(handle),
             payload_at,
         });
@@ -465,14 +467,14 @@ impl Frames {
     }
 
     /// Hands `frame` on, behind whatever of its session is held.
-    fn emit(&mut self, channel: u16, frame: Vec<u8>) {
+    fn emit(&mut self, channel: u16, frame: &[u8]) {
         match self.held.get_mut(&channel) {
             Some(held) if !held.frames.is_empty() => held.frames.push_back(HeldFrame {
-                bytes: frame,
+                bytes: frame.to_vec(),
                 waits_for: None,
                 payload_at: 0,
             }),
-            _ => self.output.extend_from_slice(&frame),
+            _ => self.output.extend_from_slice(frame),
         }
     }
 
