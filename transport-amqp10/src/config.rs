@@ -118,17 +118,16 @@ impl Amqp10Config {
     }
 
     /// How long a [`fetch`](retry_core::Transport::fetch) waits for a message after granting
-    /// its one credit, before it takes the credit back and reports the queue empty; also how
-    /// long it waits for the broker's count before granting. Default: 250 ms; never more than
-    /// the operation timeout.
+    /// its one credit, before it takes the credit back and reports the queue empty. Default:
+    /// 250 ms; never more than the operation timeout.
     ///
-    /// On RabbitMQ a fetch grants only after the broker counted a ready message, which then
-    /// arrives within a few milliseconds on a local broker, and answers an empty queue at
-    /// once: the wait matters only when another consumer took that message first. On a
-    /// generic broker, which need not count, every empty fetch waits this long. Too short,
-    /// and a message still on its way when the credit is taken back returns to the queue
-    /// marked redelivered; too long, and each empty look keeps the consumer's work lane
-    /// paused for longer.
+    /// On RabbitMQ a fetch grants only after the broker counted a ready message, and waits on
+    /// past this for a message the broker's answer to the grant says is on its way: the wait
+    /// ends a fetch only when another consumer took the message first. On a generic broker,
+    /// which need not count, every empty fetch waits this long. Too short, and there a message
+    /// still on its way when the credit is taken back returns to the queue marked
+    /// redelivered; too long, and each empty fetch keeps the consumer's work lane paused for
+    /// longer.
     pub fn with_fetch_wait(mut self, wait: Duration) -> Self {
         self.fetch_wait = wait;
         self

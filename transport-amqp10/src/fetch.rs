@@ -178,6 +178,17 @@ impl FetchTask {
                     let result = self.settle(&info, generation, settlement).await;
                     let _ = done.send(result);
                 }
+                Command::Count { done } => {
+                    let counted = if self.unclaimed.is_some() {
+                        // Held for the next fetch: that fetch takes it.
+                        Ok(Some(1))
+                    } else if self.profile.answers_flows() {
+                        self.count().await
+                    } else {
+                        Ok(None)
+                    };
+                    let _ = done.send(counted);
+                }
                 // Nothing is batched and nothing flows unasked.
                 Command::Flush { done } | Command::Cancel { done } => {
                     let _ = done.send(());
@@ -590,6 +601,27 @@ pub(crate) async fn ask(link: &mpsc::Sender<Command>, config: &Amqp10Config) -> 
         Ok(Err(_)) => Err(TransportError::Closed),
         Err(_) => Err(TransportError::Timeout {
             operation: "fetching a message",
+            after,
+        }),
+    }
+}
+
+/// Asks the fetch link task `link` how many messages its queue has ready, and waits for the
+/// answer: `None` where the broker does not say.
+pub(crate) async fn count(
+    link: &mpsc::Sender<Command>,
+    config: &Amqp10Config,
+) -> Result<Option<u32>, TransportError> {
+    let (done, answer) = oneshot::channel();
+    link.send(Command::Count { done })
+        .await
+        .map_err(|_| TransportError::Closed)?;
+    let after = answer_within(config);
+    match timeout(after, answer).await {
+        Ok(Ok(counted)) => counted,
+        Ok(Err(_)) => Err(TransportError::Closed),
+        Err(_) => Err(TransportError::Timeout {
+            operation: "counting a queue",
             after,
         }),
     }

@@ -41,8 +41,9 @@
 //!   last few milliseconds goes back to the queue marked redelivered, which from the
 //!   isolation queue reads as a crash. Counting first leaves that race only to two
 //!   consumers fetching from one queue at once.
-//!   [`ready`](retry_core::Transport::ready) just sleeps its poll interval, and the consumer
-//!   looks with a fetch.
+//!   [`ready`](retry_core::Transport::ready) asks for the same count every poll interval
+//!   and resolves once a message is ready, so the consumer pauses its work lane only when
+//!   there are suspects to run alone.
 //! * **Settlement:** ack is `accepted`, reject is `rejected` (the broker dead-letters it), and
 //!   requeue is `released` on RabbitMQ 3.x (which ends the session on `modified`) or
 //!   `modified` with `delivery-failed` elsewhere, so the broker counts the attempt.

@@ -72,6 +72,11 @@ pub(crate) enum Command {
     Flush { done: oneshot::Sender<()> },
     /// Take at most one message (fetch links only).
     Fetch { done: oneshot::Sender<Fetched> },
+    /// How many messages the queue has ready, taking none; `None` where it cannot be told
+    /// (fetch links only).
+    Count {
+        done: oneshot::Sender<Result<Option<u32>, TransportError>>,
+    },
     /// Detach and close.
     Close { done: oneshot::Sender<()> },
 }
@@ -86,6 +91,7 @@ impl std::fmt::Debug for Command {
             Command::Cancel { .. } => "Cancel",
             Command::Flush { .. } => "Flush",
             Command::Fetch { .. } => "Fetch",
+            Command::Count { .. } => "Count",
             Command::Close { .. } => "Close",
         })
     }
@@ -235,6 +241,9 @@ impl LinkTask {
                     // Settling is never batched here: every settle before this is sent.
                     Some(Command::Flush { done }) => {
                         let _ = done.send(());
+                    }
+                    Some(Command::Count { done }) => {
+                        let _ = done.send(Ok(None));
                     }
                     Some(Command::Fetch { done }) => {
                         let _ = done.send(Err(TransportError::Other(

@@ -376,6 +376,35 @@ impl Amqp10Transport {
         self.shared.publisher.close().await;
     }
 
+    /// The fetch link task of `queue`, started if there is none (or it ended).
+    fn fetcher(&self, queue: &str) -> Result<mpsc::Sender<Command>, TransportError> {
+        let mut fetchers = self
+            .shared
+            .fetchers
+            .lock()
+            .map_err(|_| TransportError::Other("fetch links poisoned".into()))?;
+        if self.shared.is_closed() {
+            return Err(TransportError::Closed);
+        }
+        let spawn = || {
+            fetch::spawn(
+                &self.shared.nodes,
+                &self.shared.config,
+                queue,
+                Purpose::Fetch,
+            )
+        };
+        Ok(fetchers
+            .entry(queue.to_owned())
+            .and_modify(|link| {
+                if link.is_closed() {
+                    *link = spawn();
+                }
+            })
+            .or_insert_with(spawn)
+            .clone())
+    }
+
     fn target(&self, route: &Route) -> Result<Target, TransportError> {
         let routes = self
             .shared
@@ -511,51 +540,40 @@ impl Transport for Amqp10Transport {
     /// Takes at most one message on the queue's fetch link. On RabbitMQ it first asks for
     /// the queue's count of ready messages, with a `flow` that grants nothing, and answers
     /// `Ok(None)` at once if there are none. Otherwise it grants a credit of exactly 1; if
-    /// nothing arrives within [`Amqp10Config::with_fetch_wait`], the credit is taken back by
-    /// detaching the link, and the answer is `Ok(None)`; the link's session then ends, which
-    /// puts back any fetched delivery still unsettled. A queue that does not exist fails
-    /// with [`TransportError::MissingAddress`].
+    /// nothing arrives within [`Amqp10Config::with_fetch_wait`] (and the broker's answer to
+    /// the grant does not say a message is on its way, which is then waited for), the credit
+    /// is taken back by detaching the link, and the answer is `Ok(None)`; the link's session
+    /// then ends, which puts back any fetched delivery still unsettled. A queue that does
+    /// not exist fails with [`TransportError::MissingAddress`]. A message that cannot be
+    /// decoded is rejected, so that the queue dead-letters it, and the next one is taken.
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Amqp10Tag>>, TransportError> {
-        let link = {
-            let mut fetchers = self
-                .shared
-                .fetchers
-                .lock()
-                .map_err(|_| TransportError::Other("fetch links poisoned".into()))?;
-            if self.shared.is_closed() {
-                return Err(TransportError::Closed);
-            }
-            fetchers
-                .entry(queue.to_owned())
-                .and_modify(|link| {
-                    if link.is_closed() {
-                        *link = fetch::spawn(
-                            &self.shared.nodes,
-                            &self.shared.config,
-                            queue,
-                            Purpose::Fetch,
-                        );
-                    }
-                })
-                .or_insert_with(|| {
-                    fetch::spawn(
-                        &self.shared.nodes,
-                        &self.shared.config,
-                        queue,
-                        Purpose::Fetch,
-                    )
-                })
-                .clone()
-        };
+        let link = self.fetcher(queue)?;
         fetch::ask(&link, &self.shared.config).await
     }
 
-    /// Sleeps `poll`, then resolves: the consumer finds out with a
-    /// [`fetch`](Transport::fetch), which on RabbitMQ answers an empty queue after one
-    /// round trip (elsewhere after a fetch wait, [`Amqp10Config::with_fetch_wait`]).
-    async fn ready(&self, _queue: &str, poll: Duration) -> Result<(), TransportError> {
-        tokio::time::sleep(poll).await;
-        Ok(())
+    /// Resolves once `queue` has a message ready, taking none. On RabbitMQ it asks for the
+    /// queue's count every `poll` on the queue's fetch link, with a `flow` that grants
+    /// nothing, as [`fetch`](Transport::fetch) does first. Where the broker does not count
+    /// (the generic profile), or the count fails, it resolves after `poll`, and the consumer
+    /// finds out with a fetch (which reports the failure).
+    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
+        let link = match self.fetcher(queue) {
+            Ok(link) if self.profile().answers_flows() => link,
+            _ => {
+                tokio::time::sleep(poll).await;
+                return Ok(());
+            }
+        };
+        loop {
+            match fetch::count(&link, &self.shared.config).await {
+                Ok(Some(0)) => tokio::time::sleep(poll).await,
+                Ok(Some(_)) => return Ok(()),
+                Ok(None) | Err(_) => {
+                    tokio::time::sleep(poll).await;
+                    return Ok(());
+                }
+            }
+        }
     }
 
     /// Sends the clone to the verified queue its route is bound to (with native delays, a

@@ -906,22 +906,36 @@ async fn fetch_on_a_missing_queue_fails_naming_it() {
 }
 
 #[tokio::test]
-async fn ready_resolves_after_the_poll_interval() {
+async fn ready_resolves_once_the_queue_has_a_message_and_takes_none() {
     let Some(b) = broker().await else { return };
     let q = unique("ready");
     let (_, plan) = plan(&q, &[1_000]);
     let _cleanup = b.declare(&plan, &[], vec![]).await;
-    b.publish(&q, b"waiting", BasicProperties::default()).await;
     let t = transport().await;
-    let started = Instant::now();
-    t.ready(&q, Duration::from_millis(300))
-        .await
+    let poll = Duration::from_millis(50);
+
+    // Empty: it keeps looking, however many polls go by.
+    let watch = tokio::time::timeout(Duration::from_millis(600), t.ready(&q, poll)).await;
+    assert!(watch.is_err(), "resolved with the queue empty: {watch:?}");
+
+    // A watch under way sees a message that arrives.
+    let watch = tokio::spawn({
+        let t = Arc::new(t);
+        let q = q.clone();
+        async move {
+            let seen = tokio::time::timeout(Duration::from_secs(10), t.ready(&q, poll)).await;
+            (t, seen)
+        }
+    });
+    b.publish(&q, b"waiting", BasicProperties::default()).await;
+    let (t, seen) = watch.await.expect("watch");
+    seen.expect("resolves once a message is ready")
         .expect("ready");
-    let took = started.elapsed();
-    assert!(
-        (Duration::from_millis(300)..Duration::from_secs(2)).contains(&took),
-        "{took:?}"
-    );
+    // At once, with one there.
+    tokio::time::timeout(Duration::from_secs(10), t.ready(&q, poll))
+        .await
+        .expect("resolves at once")
+        .expect("ready");
     assert_eq!(b.ready(&q).await, 1, "ready takes nothing");
     t.close().await;
 }
