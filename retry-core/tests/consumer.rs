@@ -549,7 +549,8 @@ async fn a_handler_past_its_timeout_is_cancelled_and_counts_as_transient() {
 #[tokio::test(start_paused = true)]
 async fn shutdown_finishes_work_within_the_grace_flushes_its_acks_and_leaves_the_rest_unsettled() {
     let log = Log::default();
-    // Three deliveries fill the prefetch; no receive may follow the shutdown.
+    // Three deliveries fill the prefetch; after the shutdown, one more receive finds the
+    // cancelled subscription ended.
     let mut sub = MockSub::new();
     let inbox = Mutex::new(VecDeque::from([
         delivery(1, "ok after 5s"),
@@ -557,7 +558,7 @@ async fn shutdown_finishes_work_within_the_grace_flushes_its_acks_and_leaves_the
         delivery(3, "ok after 25m"),
     ]));
     sub.expect_recv()
-        .times(3)
+        .times(4)
         .returning(move || Ok(inbox.lock().unwrap().pop_front()));
     let l = log.clone();
     sub.expect_cancel().times(1).returning(move || {
@@ -1830,4 +1831,41 @@ async fn a_subscribe_that_loses_its_connection_is_tried_again() {
         .unwrap();
 
     assert_eq!((report.handled, report.receive_errors), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_runs_what_the_subscription_was_sent_before_its_cancel() {
+    // Prefetch 2, five deliveries in the subscription's buffer, each run taking 1 s: the
+    // shutdown comes 1.5 s in, and the three still buffered are run, not sent back.
+    let log = Log::default();
+    let sub = subscription((1..=5).map(|n| delivery(n, &format!("m{n}:1"))));
+    let mut b = Broker::new(mock_with(sub));
+    b.log = log.clone();
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let a = acked.clone();
+    b.mock.expect_settle().returning(move |tag, s| {
+        a.lock().unwrap().push((*tag, s));
+        Ok(())
+    });
+
+    let report = Consumer::builder(b, QUEUE, policy(), timed_handler(&log))
+        .with_solo_gate(SoloGate::new())
+        .with_prefetch(2)
+        .build()
+        .unwrap()
+        .run(tokio::time::sleep(Duration::from_millis(1_500)))
+        .await
+        .unwrap();
+
+    assert_eq!(
+        (report.handled, report.left_unsettled),
+        (5, 0),
+        "{report:?}"
+    );
+    let mut acked = acked.lock().unwrap().clone();
+    acked.sort_by_key(|(tag, _)| *tag);
+    assert_eq!(
+        acked,
+        (1..=5).map(|n| (n, Settlement::Ack)).collect::<Vec<_>>()
+    );
 }

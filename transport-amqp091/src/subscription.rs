@@ -86,6 +86,8 @@ pub struct AmqpSubscription {
     acks: Arc<Acks>,
     link: Arc<Link>,
     cancelled: AtomicBool,
+    /// The consumer's stream has ended: after a cancel, or the broker cancelled it.
+    ended: AtomicBool,
 }
 
 /// What `recv` reads from: the consumer, and the connection replacements it follows.
@@ -128,6 +130,7 @@ impl AmqpSubscription {
             acks,
             link,
             cancelled: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
         }
     }
 
@@ -178,24 +181,40 @@ impl AmqpSubscription {
 impl Subscription for AmqpSubscription {
     type Tag = AmqpTag;
 
+    /// After a cancel, the deliveries lapin received before the broker's `cancel-ok` still
+    /// come, then `Ok(None)`: a consumer that stops can run what it was given rather than
+    /// send it back redelivered.
     async fn recv(&self) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
         let mut guard = self.live.lock().await;
         let live = &mut *guard;
         loop {
-            if self.cancelled.load(Ordering::Acquire) {
+            if self.ended.load(Ordering::Acquire) {
                 return Ok(None);
             }
+            let cancelled = self.cancelled.load(Ordering::Acquire);
             // Acks not yet due are sent by the flusher within its interval, so a broker
             // holding deliveries back for them is never kept waiting for long.
             let next = tokio::select! {
                 next = live.consumer.next() => next,
                 _ = live.replacements.changed() => {
+                    if cancelled {
+                        // Its channel is gone, and what it held went back with it.
+                        self.ended.store(true, Ordering::Release);
+                        return Ok(None);
+                    }
                     self.resubscribe(live).await?;
                     continue;
                 }
             };
             let delivery = match next {
-                None => return Ok(None),
+                None => {
+                    self.ended.store(true, Ordering::Release);
+                    return Ok(None);
+                }
+                Some(Err(_)) if cancelled => {
+                    self.ended.store(true, Ordering::Release);
+                    return Ok(None);
+                }
                 Some(Err(err)) => {
                     warn!(queue = %self.queue, error = %err, "consuming channel lost; waiting for recovery");
                     let channel = self.channel();

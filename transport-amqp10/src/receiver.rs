@@ -260,7 +260,8 @@ impl LinkTask {
                     Ok(delivery) => {
                         self.credit = self.credit.saturating_sub(1);
                         if self.cancelled {
-                            // Nobody will take it now: back to the queue for other consumers.
+                            // Sent before the broker saw the cancel, after the consumer was
+                            // told it had everything: back to the queue for other consumers.
                             let _ = self.receiver.release(&delivery).await;
                             continue;
                         }

@@ -62,6 +62,8 @@ struct State {
     /// The next link's generation.
     generation: u64,
     cancelled: bool,
+    /// Every delivery the link handed over before the cancel has been received.
+    drained: bool,
 }
 
 impl Amqp10Subscription {
@@ -150,12 +152,21 @@ impl std::fmt::Debug for Amqp10Subscription {
 impl Subscription for Amqp10Subscription {
     type Tag = Amqp10Tag;
 
+    /// After a cancel, the deliveries the link handed over before it still come, then
+    /// `Ok(None)`: a consumer that stops can run what it was given rather than send it
+    /// back redelivered.
     async fn recv(&self) -> Result<Option<Delivery<Amqp10Tag>>, TransportError> {
-        if self.stopped() {
+        if self.shared.is_closed() {
             return Ok(None);
         }
         // Held across the attachment, so that concurrent calls attach one link, not two.
         let mut incoming = self.incoming.lock().await;
+        {
+            let state = self.lock_state()?;
+            if state.cancelled && (state.drained || incoming.is_none()) {
+                return Ok(None);
+            }
+        }
         if incoming.is_none() {
             *incoming = Some(self.attach().await?);
         }
@@ -164,7 +175,11 @@ impl Subscription for Amqp10Subscription {
         };
         match rx.recv().await {
             Some(Incoming::Delivery(d)) => Ok(Some(*d)),
-            Some(Incoming::Cancelled) => Ok(None),
+            Some(Incoming::Cancelled) => {
+                // The link stays attached: what was received can still be settled.
+                self.lock_state()?.drained = true;
+                Ok(None)
+            }
             Some(Incoming::Lost(e)) => {
                 *incoming = None;
                 Err(e)

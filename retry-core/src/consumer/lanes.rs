@@ -108,6 +108,8 @@ pub(super) enum Io<Tag> {
     Cancel,
     /// Drop the receive and the watch under way.
     StopReceiving,
+    /// Drop the watch under way.
+    StopWatch,
 }
 
 /// The scheduler of one consumer's intakes.
@@ -306,13 +308,23 @@ impl<Tag> Lanes<Tag> {
         self.receive_errors
     }
 
-    /// Shutdown was requested: no more deliveries; the ones held finish.
+    /// Shutdown was requested: no more deliveries; the ones held finish. The subscription
+    /// is cancelled, and what the broker had already sent it is still received and run,
+    /// until its stream ends: sent back unsettled, each would come back redelivered and
+    /// cost the next process a solo run. Not while storm control holds the work lane back:
+    /// those stay with the broker.
     pub(super) fn handle_shutdown(&mut self) {
         self.shutting_down = true;
         if self.receiving && self.subscribed {
             self.io.push_back(Io::Cancel);
         }
-        self.stop_receiving();
+        if self.receiving && self.subscribed && self.work_limit() > 0 {
+            self.io.push_back(Io::StopWatch);
+            self.watching = false;
+            self.turn_until = None;
+        } else {
+            self.stop_receiving();
+        }
     }
 
     /// The answer to [`Io::Subscribe`].
@@ -368,6 +380,8 @@ impl<Tag> Lanes<Tag> {
                 info!(queue = %self.settings.queue, "the transport was closed");
                 self.stop_receiving();
             }
+            // Shutting down, a lost subscription has sent back what it held.
+            Err(_) if self.shutting_down => self.stop_receiving(),
             Err(e) if retryable(&e) => {
                 self.receive_errors += 1;
                 let wait = self.receive_backoff.failed();
@@ -538,7 +552,7 @@ impl<Tag> Lanes<Tag> {
                     let due = self.claim_due
                         || (self.suspects
                             && self.turn_over(now)
-                            && (self.receiving || self.washing()));
+                            && ((self.receiving && !self.shutting_down) || self.washing()));
                     if due || self.gate.others_asking() {
                         if due {
                             self.gate.request();
@@ -553,14 +567,14 @@ impl<Tag> Lanes<Tag> {
                         break;
                     }
                     if !self.subscribed {
-                        if !self.subscribing {
+                        if !self.subscribing && !self.shutting_down {
                             self.subscribing = true;
                             let after = self.subscribe_backoff.pending.take();
                             self.io.push_back(Io::Subscribe { after });
                         }
                         break;
                     }
-                    if !self.watching && !self.suspects {
+                    if !self.watching && !self.suspects && !self.shutting_down {
                         self.watching = true;
                         self.io.push_back(Io::Watch);
                     }
@@ -627,7 +641,12 @@ impl<Tag> Lanes<Tag> {
                         continue;
                     }
                     self.gate.leave();
-                    if self.gate.others_asking() || self.shutting_down || self.fatal.is_some() {
+                    // Shutting down, the work lane still takes what the subscription was
+                    // sent before its cancel.
+                    if self.gate.others_asking()
+                        || self.fatal.is_some()
+                        || (self.shutting_down && !self.receiving)
+                    {
                         break;
                     }
                     self.phase = Phase::Work;

@@ -393,6 +393,7 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                 self.recv = None;
                 self.watch = None;
             }
+            Io::StopWatch => self.watch = None,
         }
     }
 

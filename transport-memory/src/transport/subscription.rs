@@ -70,10 +70,11 @@ impl MemorySubscription {
         let mut link = lock_link(&self.link);
         self.broker.shared.with(|s| {
             let sub = &mut link.subscriptions[self.index];
-            if sub.cancelled {
-                return Poll::Ready(Ok(None));
-            }
             if let Some(reason) = s.connections().closed(sub.connection) {
+                if sub.cancelled {
+                    // Cancelled, and what it held went back with the connection.
+                    return Poll::Ready(Ok(None));
+                }
                 let reason = reason.to_string();
                 if !sub.close_reported {
                     sub.close_reported = true;
@@ -91,7 +92,8 @@ impl MemorySubscription {
             let sub = &link.subscriptions[self.index];
             match s.recv(sub.connection, sub.consumer, Some(cx.waker()), receive) {
                 Recv::Delivery(d) => Poll::Ready(Ok(Some(d))),
-                // Cancelled by the broker (its queue was deleted, say).
+                // Cancelled, by the client once its inbox is empty, or by the broker (its
+                // queue was deleted, say).
                 Recv::Ended => Poll::Ready(Ok(None)),
                 Recv::Pending => Poll::Pending,
             }
