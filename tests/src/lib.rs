@@ -71,6 +71,11 @@
 //! `crashing_consumer` binary and its test share: a consumer process that aborts on a
 //! poison message, restarted by the test until the poison is parked.
 //!
+//! [`chaos`] runs consumer processes on a private RabbitMQ node under SIGKILLs, forced
+//! connection closes and a broker restart, with a journal of every delivery, publish,
+//! settlement and terminal per message, and reconciles every message at the end: the
+//! `chaos` binary runs it at full scale, `tests/tests/chaos.rs` bounded for CI.
+//!
 //! [`differential`] checks the memory model against RabbitMQ directly, not each against the
 //! engine: one scripted workload with a crash, a refused publish, per-message TTLs and
 //! retries through every delay level, on classic and on quorum queues, run on both. A
@@ -147,6 +152,7 @@
 
 pub mod amqp091;
 pub mod amqp10;
+pub mod chaos;
 pub mod differential;
 pub mod drive;
 pub mod harness;

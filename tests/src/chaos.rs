@@ -1,0 +1,24 @@
+//! Chaos with a journal per message: consumer processes on the real broker (a private
+//! RabbitMQ node, over AMQP 0-9-1 or AMQP 1.0) are SIGKILLed, have their connections closed
+//! by the broker and live through a `stop_app`/`start_app`, while one shared journal records
+//! every delivery, handler run, publish and its confirm, settlement and terminal of every
+//! message. At the end every message must be handled or parked as its script says; a
+//! message that is neither is reported with its whole journal, so that a loss names its
+//! last step.
+//!
+//! * [`script`]: what each message does, written into its id.
+//! * [`journal`]: the journal's format, writer and reader.
+//! * [`transport`]: the transport wrapper that journals deliveries, publishes and settles.
+//! * [`consumer`]: the `chaos_consumer` process.
+//! * [`node`]: the private node (`tests/chaos-node.sh`).
+//! * [`driver`]: publishing, the fault schedule, the wait, the drain.
+//! * [`reconcile`]: what became of every message.
+//!
+//! The full run is the `chaos` binary (`cargo run -p conformance --bin chaos -- --help`);
+//! `tests/tests/chaos.rs` is the bounded version CI runs.
+
+pub mod consumer;
+pub mod journal;
+pub mod node;
+pub mod script;
+pub mod transport;
