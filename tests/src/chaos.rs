@@ -18,7 +18,9 @@
 //! `tests/tests/chaos.rs` is the bounded version CI runs.
 
 pub mod consumer;
+pub mod driver;
 pub mod journal;
 pub mod node;
+pub mod reconcile;
 pub mod script;
 pub mod transport;

@@ -1,0 +1,186 @@
+//! The full chaos run, by hand: see `conformance::chaos`.
+//!
+//! ```text
+//! cargo build -p conformance --bin chaos --bin chaos_consumer
+//! target/debug/chaos                                  # 20,000 messages, 45 s of chaos, both protocols
+//! target/debug/chaos --protocol amqp10 --runs 3 --seed 7
+//! target/debug/chaos --poison-heavy --messages 2000 --poison 60
+//! target/debug/chaos --graceful
+//! ```
+//!
+//! It starts a private RabbitMQ node (`tests/chaos-node.sh`, port 5690 unless `--port`),
+//! which goes down when the run ends. Each run prints its figures, and for every lost,
+//! stuck or wrongly blamed message its journal; the journals stay in the temporary
+//! directory. The exit status is 1 if any run broke a rule.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use conformance::chaos::consumer::Protocol;
+use conformance::chaos::driver::{self, ChaosConfig};
+use conformance::chaos::node::PrivateNode;
+use conformance::rabbitmq::runtime;
+
+const USAGE: &str = "usage: chaos [--protocol amqp091|amqp10|both] [--runs N] [--seed S] [--messages N] [--poison N] [--chaos-secs S] [--kills N] [--closes N] [--restarts N] [--consumers N] [--port P] [--poison-heavy] [--graceful]";
+
+struct Options {
+    protocols: Vec<Protocol>,
+    runs: u64,
+    seed: u64,
+    messages: Option<usize>,
+    poison: Option<usize>,
+    chaos_secs: Option<u64>,
+    kills: Option<usize>,
+    closes: Option<usize>,
+    restarts: Option<usize>,
+    consumers: Option<usize>,
+    port: u16,
+    poison_heavy: bool,
+    graceful: bool,
+}
+
+fn parse() -> Result<Options, String> {
+    let mut o = Options {
+        protocols: vec![Protocol::Amqp091, Protocol::Amqp10],
+        runs: 1,
+        seed: 1,
+        messages: None,
+        poison: None,
+        chaos_secs: None,
+        kills: None,
+        closes: None,
+        restarts: None,
+        consumers: None,
+        port: 5690,
+        poison_heavy: false,
+        graceful: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        fn num<T: std::str::FromStr>(flag: &str, v: String) -> Result<T, String> {
+            v.parse().map_err(|_| format!("{flag}: not a number: {v}"))
+        }
+        match flag.as_str() {
+            "--protocol" => {
+                let v = value()?;
+                o.protocols = if v == "both" {
+                    vec![Protocol::Amqp091, Protocol::Amqp10]
+                } else {
+                    vec![Protocol::parse(&v)?]
+                };
+            }
+            "--runs" => o.runs = num(&flag, value()?)?,
+            "--seed" => o.seed = num(&flag, value()?)?,
+            "--messages" => o.messages = Some(num(&flag, value()?)?),
+            "--poison" => o.poison = Some(num(&flag, value()?)?),
+            "--chaos-secs" => o.chaos_secs = Some(num(&flag, value()?)?),
+            "--kills" => o.kills = Some(num(&flag, value()?)?),
+            "--closes" => o.closes = Some(num(&flag, value()?)?),
+            "--restarts" => o.restarts = Some(num(&flag, value()?)?),
+            "--consumers" => o.consumers = Some(num(&flag, value()?)?),
+            "--port" => o.port = num(&flag, value()?)?,
+            "--poison-heavy" => o.poison_heavy = true,
+            "--graceful" => o.graceful = true,
+            "-h" | "--help" => return Err(USAGE.to_owned()),
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        }
+    }
+    Ok(o)
+}
+
+fn consumer_exe() -> PathBuf {
+    let exe = std::env::current_exe().expect("the current executable");
+    exe.with_file_name("chaos_consumer")
+}
+
+fn main() -> ExitCode {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let consumer = consumer_exe();
+    if !consumer.exists() {
+        eprintln!(
+            "{} is missing: cargo build -p conformance --bin chaos --bin chaos_consumer",
+            consumer.display()
+        );
+        return ExitCode::from(2);
+    }
+    eprintln!("starting a private RabbitMQ node on port {}", o.port);
+    let node = match PrivateNode::up(o.port, Some(std::process::id())) {
+        Ok(node) => node,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut failed = false;
+    runtime().block_on(async {
+        for run in 0..o.runs {
+            for &protocol in &o.protocols {
+                let seed = o.seed + run;
+                if o.graceful {
+                    let out =
+                        driver::graceful_shutdown(protocol, consumer.clone(), &node, 2000).await;
+                    println!("{}", out.summary());
+                    if out.redelivered_after > 0 {
+                        println!("  redelivered: {:?}", out.redelivered_ids);
+                        println!("  journal: {}", out.journal.display());
+                        failed = true;
+                    }
+                    continue;
+                }
+                let mut config = if o.poison_heavy {
+                    ChaosConfig::poison_heavy(protocol, consumer.clone(), seed, 2000, 60)
+                } else {
+                    ChaosConfig::full(protocol, consumer.clone(), seed)
+                };
+                if let Some(n) = o.messages {
+                    config.messages = n;
+                }
+                if let Some(n) = o.poison {
+                    config.mix.poison = n;
+                }
+                if let Some(s) = o.chaos_secs {
+                    config.chaos = std::time::Duration::from_secs(s);
+                }
+                if let Some(n) = o.kills {
+                    config.kills = n;
+                }
+                if let Some(n) = o.closes {
+                    config.closes = n;
+                }
+                if let Some(n) = o.restarts {
+                    config.app_restarts = n;
+                }
+                if let Some(n) = o.consumers {
+                    config.consumers = n;
+                }
+                let out = driver::run(&config, &node).await;
+                println!("{}", out.summary());
+                for e in &out.exit_errors {
+                    println!("  consumer run error: {e}");
+                }
+                let problems = out.problems();
+                for p in &problems {
+                    println!("  PROBLEM: {p}");
+                }
+                if !problems.is_empty() {
+                    failed = true;
+                    println!("{}", out.reconciled.details);
+                }
+                println!("  journal: {}", out.journal.display());
+            }
+        }
+    });
+    drop(node);
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
