@@ -6,6 +6,7 @@
 //! target/debug/chaos --protocol amqp10 --runs 3 --seed 7
 //! target/debug/chaos --poison-heavy --messages 2000 --poison 60
 //! target/debug/chaos --graceful
+//! target/debug/chaos --reconcile /tmp/cf-chaos-….journal --crash-limit 2
 //! ```
 //!
 //! It starts a private RabbitMQ node (`tests/chaos-node.sh`, port 5690 unless `--port`),
@@ -21,7 +22,7 @@ use conformance::chaos::driver::{self, ChaosConfig};
 use conformance::chaos::node::PrivateNode;
 use conformance::rabbitmq::runtime;
 
-const USAGE: &str = "usage: chaos [--protocol amqp091|amqp10|both] [--runs N] [--seed S] [--messages N] [--poison N] [--chaos-secs S] [--kills N] [--closes N] [--restarts N] [--consumers N] [--port P] [--poison-heavy] [--graceful]";
+const USAGE: &str = "usage: chaos [--protocol amqp091|amqp10|both] [--runs N] [--seed S] [--messages N] [--poison N] [--chaos-secs S] [--kills N] [--closes N] [--restarts N] [--consumers N] [--port P] [--poison-heavy] [--graceful] | --reconcile JOURNAL [--crash-limit N]";
 
 struct Options {
     protocols: Vec<Protocol>,
@@ -37,6 +38,8 @@ struct Options {
     port: u16,
     poison_heavy: bool,
     graceful: bool,
+    reconcile: Option<PathBuf>,
+    crash_limit: u32,
 }
 
 fn parse() -> Result<Options, String> {
@@ -54,6 +57,8 @@ fn parse() -> Result<Options, String> {
         port: 5690,
         poison_heavy: false,
         graceful: false,
+        reconcile: None,
+        crash_limit: 2,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -82,6 +87,8 @@ fn parse() -> Result<Options, String> {
             "--port" => o.port = num(&flag, value()?)?,
             "--poison-heavy" => o.poison_heavy = true,
             "--graceful" => o.graceful = true,
+            "--reconcile" => o.reconcile = Some(PathBuf::from(value()?)),
+            "--crash-limit" => o.crash_limit = num(&flag, value()?)?,
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
@@ -102,6 +109,30 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(journal) = &o.reconcile {
+        let r = driver::reconcile_journal(journal, o.crash_limit);
+        println!(
+            "{} messages, {} handled, {} parked, {} lost, {} stuck, {} wrongly blamed, {} blamed across processes, {} charged by a kill",
+            r.messages,
+            r.handled,
+            r.parked,
+            r.lost.len(),
+            r.stuck.len(),
+            r.wrongly_blamed.len(),
+            r.blamed_across_processes.len(),
+            r.charged_by_kill.len()
+        );
+        let problems = r.problems(o.crash_limit);
+        for p in &problems {
+            println!("  PROBLEM: {p}");
+        }
+        println!("{}", r.details);
+        return if problems.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
     let consumer = consumer_exe();
     if !consumer.exists() {
         eprintln!(

@@ -200,7 +200,7 @@ impl ChaosOutcome {
         let mut s = String::new();
         let _ = write!(
             s,
-            "chaos {} seed {}: {} messages, {} handled, {} parked, {} lost, {} stuck; duplicates {} messages (+{} runs), {} extra parked copies; healthy parked {}, wrongly blamed {}, charged by an injected kill {}, not-alone {}, poison charges without a solo run {}; poison (limit {}): [{}]; faults: {} kills ({} during a solo run), {} closes ({} connections), {} stop_app/start_app, {} aborts, {} error exits (+{} while the app was down), {} processes; {:.1?}{}",
+            "chaos {} seed {}: {} messages, {} handled, {} parked, {} lost, {} stuck; duplicates {} messages (+{} runs), {} extra parked copies; healthy parked {}, wrongly blamed {}, blamed across processes {}, charged by an injected kill {}, not-alone {}, poison charges without a solo run {}; poison (limit {}): [{}]; faults: {} kills ({} during a solo run), {} closes ({} connections), {} stop_app/start_app, {} aborts, {} error exits (+{} while the app was down), {} processes; {:.1?}{}",
             self.protocol.name(),
             self.seed,
             r.messages,
@@ -213,6 +213,7 @@ impl ChaosOutcome {
             r.parked_duplicates,
             r.healthy_parked.len(),
             r.wrongly_blamed.len(),
+            r.blamed_across_processes.len(),
             r.charged_by_kill.len(),
             r.alone_violations.len(),
             r.poison_unexplained.len(),
@@ -673,6 +674,9 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
     // would not live through stop_app. A new one checks the queues once the chaos is over.
     provision(&url091, &plan).await;
     publish_all(&url091, &queue, &ids).await;
+    for id in &ids {
+        journal.line("sent", id, format_args!("queue={queue}"));
+    }
     journal.line(
         "phase",
         "-",
@@ -848,6 +852,20 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
     admin.track(&plan);
     let drained = drain_all(config.protocol, port, &admin, &plan).await;
     admin.cleanup().await;
+    for (queue, messages) in &drained {
+        for m in messages {
+            journal.line(
+                "drained",
+                &m.id,
+                format_args!(
+                    "queue={} reason={} crashes={}",
+                    if queue.is_empty() { "work" } else { queue },
+                    m.reason.as_deref().unwrap_or("-"),
+                    m.crashes
+                ),
+            );
+        }
+    }
 
     let (entries, bad) = journal::read(&journal_path);
     fleet.faults.closes.1 = entries
@@ -872,6 +890,34 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
         journal: journal_path,
         exit_errors,
     }
+}
+
+/// Reconciles a run again from its journal alone: the messages sent and drained are in it
+/// (`sent` and `drained` lines).
+pub fn reconcile_journal(path: &Path, crash_limit: u32) -> Reconciled {
+    let (entries, bad) = journal::read(path);
+    let mut facts = RunFacts {
+        crash_limit,
+        ..RunFacts::default()
+    };
+    for e in &entries {
+        match e.kind.as_str() {
+            "sent" => facts.ids.push(e.id.clone()),
+            "drained" => {
+                let queue = match e.get("queue") {
+                    Some("work") | None => String::new(),
+                    Some(q) => q.to_owned(),
+                };
+                facts.drained.entry(queue).or_default().push(Drained {
+                    id: e.id.clone(),
+                    reason: e.get("reason").filter(|r| *r != "-").map(str::to_owned),
+                    crashes: e.num("crashes").unwrap_or(0) as u32,
+                });
+            }
+            _ => {}
+        }
+    }
+    reconcile(&entries, bad, &facts)
 }
 
 /// The distinct reasons consumer processes gave for a failed `run`, with a count each.

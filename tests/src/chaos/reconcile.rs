@@ -9,10 +9,12 @@
 //!   **lost** if not: for each, the report prints its whole journal and the faults around it.
 //! * A crash charged to a message that is not poison is explained only when the process
 //!   that held it alone (its previous isolation delivery) was SIGKILLed by the driver while
-//!   holding it: the engine cannot tell that from a crash it caused. Every other charge is a
-//!   wrong blame, named with its signature: no process held it (a transfer that arrived
-//!   after its fetch gave up), the holder aborted on another message (it did not run
-//!   alone), or the holder lived on (its excuse was lost).
+//!   holding it: the engine cannot tell that from a crash it caused. A charge after the
+//!   holder lost its connection and lived on, made by another process, is blamed across
+//!   processes (excuses are per process). Every other charge is a wrong blame, named with
+//!   its signature: no process held it (a transfer that arrived after its fetch gave up),
+//!   the holder aborted on another message (it did not run alone), or the holder lived on
+//!   and charged it itself (its excuse was lost).
 //! * Suspects run alone: in no process does a handler run beside an isolation run.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -86,6 +88,9 @@ pub struct Reconciled {
     pub charged_by_kill: Vec<String>,
     /// Crashes charged to messages that are not poison, and not explained: wrong blame.
     pub wrongly_blamed: Vec<String>,
+    /// Crashes charged to messages (poison or not) after the process running them alone
+    /// lost its connection and lived on, by another process that had no excuse for them.
+    pub blamed_across_processes: Vec<String>,
     /// Crashes charged to poison messages that no solo run of theirs (or injected kill)
     /// explains.
     pub poison_unexplained: Vec<String>,
@@ -129,6 +134,12 @@ impl Reconciled {
         }
         if !self.wrongly_blamed.is_empty() {
             out.push(format!("wrongly blamed: {:?}", self.wrongly_blamed));
+        }
+        if !self.blamed_across_processes.is_empty() {
+            out.push(format!(
+                "blamed across processes (a connection lost during a solo run, excused only by the process that saw it): {:?}",
+                self.blamed_across_processes
+            ));
         }
         if !self.poison_unexplained.is_empty() {
             out.push(format!(
@@ -190,8 +201,14 @@ impl<'a> Index<'a> {
     /// the processes that touched it, from its first line to 3 s after its last.
     fn excerpt(&self, id: &str) -> String {
         let lines: Vec<usize> = self.by_id.get(id).cloned().unwrap_or_default();
-        let (Some(&first), Some(&last)) = (lines.first(), lines.last()) else {
-            return format!("  (no journal line names {id})\n");
+        // The window opens when the consumers first touch it, not when it was sent.
+        let touched: Vec<usize> = lines
+            .iter()
+            .copied()
+            .filter(|&i| self.entries[i].kind != "sent")
+            .collect();
+        let (Some(&first), Some(&last)) = (touched.first(), touched.last()) else {
+            return format!("  (no consumer touched {id})\n");
         };
         let (from, to) = (self.entries[first].at, self.entries[last].at + 3_000);
         let pids: BTreeSet<u32> = lines.iter().map(|&i| self.entries[i].pid).collect();
@@ -230,23 +247,31 @@ impl<'a> Index<'a> {
     }
 }
 
+/// Why a crash was charged to a message.
+#[derive(Debug)]
+enum Charge {
+    /// The process that held it alone died: the driver SIGKILLed it, or, for a poison
+    /// message, it aborted running it.
+    Explained(String),
+    /// The process that held it alone lost its connection and lived on, and the broker
+    /// redelivered the message to another process, which could not know why: excuses are
+    /// kept per process (the README's "crash attribution is per process").
+    AcrossProcesses(String),
+    /// Nothing explains it.
+    Wrong(String),
+}
+
 /// Which process held a message's isolation delivery when a crash was charged for it, and
-/// what became of that process: `Ok` when that explains the crash (the driver SIGKILLed it
-/// while it held the message alone, or, for a poison message, it aborted running the
-/// message alone), `Err` with the signature of the wrong blame otherwise.
-fn explain_charge(
-    index: &Index<'_>,
-    id: &str,
-    charged_at: usize,
-    poison: bool,
-) -> Result<String, String> {
+/// what became of that process.
+fn explain_charge(index: &Index<'_>, id: &str, charged_at: usize, poison: bool) -> Charge {
+    use Charge::{AcrossProcesses, Explained, Wrong};
     // The delivery that was charged: the last isolation recv before the terminal.
     let recvs: Vec<(usize, &Entry)> = index
         .of(id)
         .filter(|(i, e)| *i < charged_at && e.kind == "recv" && e.is("lane", "isolation"))
         .collect();
     let Some(&(charged_recv, _)) = recvs.last() else {
-        return Err("no isolation delivery before the charge".into());
+        return Wrong("no isolation delivery before the charge".into());
     };
     // The one before it: the delivery held when the crash happened.
     let Some(&(held_at, held)) =
@@ -281,13 +306,13 @@ fn explain_charge(
             .iter()
             .find(|e| e.kind == "kill")
         {
-            return Ok(format!(
+            return Explained(format!(
                 "no line shows who held it, and the driver SIGKILLed process {} at {} meanwhile (a fetch under way?)",
                 kill.get("pid").unwrap_or("?"),
                 kill.at
             ));
         }
-        return Err(format!(
+        return Wrong(format!(
             "no process held it alone before: it came back redelivered from the isolation queue without reaching a handler; fetches since it was put there: {fetches:?}"
         ));
     };
@@ -302,15 +327,24 @@ fn explain_charge(
         let e = &index.entries[j];
         e.kind == "kill" && e.get("pid") == Some(holder.as_str())
     });
+    let charged = &index.entries[charged_recv];
+    // The driver notices an exit within a poll: an end logged a little after the charge
+    // still came first.
     let ended = index.entries[held_at..]
         .iter()
+        .take_while(|e| e.at <= charged.at + 1_000)
         .find(|e| e.kind == "exited" && e.get("pid") == Some(holder.as_str()));
+    let dropped = index.entries[held_at..charged_recv].iter().any(|e| {
+        (e.kind == "close" && e.get("pid") == Some(holder.as_str()))
+            || (e.pid == held.pid && e.kind.ends_with("-err"))
+            || e.kind == "stop-app"
+    });
     match (killed, settled_at) {
-        (Some(k), None) => Ok(format!(
+        (Some(k), None) => Explained(format!(
             "process {holder} held it alone and was SIGKILLed by the driver at {}",
             index.entries[k].at
         )),
-        (Some(k), Some(s)) if s > k => Ok(format!(
+        (Some(k), Some(s)) if s > k => Explained(format!(
             "process {holder} held it alone and was SIGKILLed by the driver at {}",
             index.entries[k].at
         )),
@@ -322,15 +356,19 @@ fn explain_charge(
                         j > held_at && j < charged_recv && e.pid == held.pid && e.kind == "run"
                     }) =>
             {
-                Ok(format!("process {holder} aborted running it alone"))
+                Explained(format!("process {holder} aborted running it alone"))
             }
-            Some(end) => Err(format!(
-                "process {holder} held it (settled: {}) and ended {}, not by an injected kill",
+            Some(end) => Wrong(format!(
+                "process {holder} held it (settled before the charge: {}) and ended {}, not by an injected kill",
                 settled_at.is_some(),
                 end.fields
             )),
-            None => Err(format!(
-                "process {holder} held it (settled: {}) and lived on: its excuse was lost",
+            None if dropped && charged.pid != held.pid => AcrossProcesses(format!(
+                "process {holder} held it alone, lost its connection and lived on; the broker redelivered it to process {}, which has no excuse for it",
+                charged.pid
+            )),
+            None => Wrong(format!(
+                "process {holder} held it (settled before the charge: {}, connection lost: {dropped}) and lived on: the excuse was lost",
                 settled_at.is_some()
             )),
         },
@@ -432,23 +470,27 @@ pub fn reconcile(entries: &[Entry], bad_lines: usize, facts: &RunFacts) -> Recon
             .collect();
         for at in charges {
             match explain_charge(&index, id, at, poison) {
-                Ok(why) if poison => {
+                Charge::Explained(why) if poison => {
                     if why.contains("SIGKILL") {
                         poison_kill_charges += 1;
                     }
                 }
-                Ok(why) => {
+                Charge::Explained(why) => {
                     out.charged_by_kill.push(id.clone());
                     detail(format!("CHARGED BY AN INJECTED KILL {id}: {why}"), id);
                 }
-                Err(why) if poison => {
+                Charge::AcrossProcesses(why) => {
+                    out.blamed_across_processes.push(id.clone());
+                    detail(format!("BLAMED ACROSS PROCESSES {id}: {why}"), id);
+                }
+                Charge::Wrong(why) if poison => {
                     out.poison_unexplained.push(id.clone());
                     detail(
                         format!("POISON CHARGED A CRASH IT DID NOT CAUSE {id}: {why}"),
                         id,
                     );
                 }
-                Err(why) => {
+                Charge::Wrong(why) => {
                     out.wrongly_blamed.push(id.clone());
                     detail(format!("WRONGLY BLAMED {id}: {why}"), id);
                 }
@@ -592,6 +634,36 @@ mod tests {
         assert_eq!(r.wrongly_blamed, [ok]);
         assert_eq!(r.alone_violations.len(), 1, "{:?}", r.alone_violations);
         assert!(r.charged_by_kill.is_empty());
+    }
+
+    #[test]
+    fn a_crash_charged_by_another_process_after_a_connection_drop_is_blamed_across_processes() {
+        let ok = "m00000-always";
+        let entries = vec![
+            entry(1, "recv", ok, "lane=isolation redelivered=false"),
+            entry(1, "run", ok, "attempt=2 lane=isolation does=fail"),
+            entry(1, "ran", ok, "attempt=2 outcome=transient"),
+            entry(1, "publish", ok, "to=q.retry.600ms"),
+            entry(9, "close", "-", "pid=1 ports=4 closed=1 killed=0"),
+            entry(
+                1,
+                "published",
+                ok,
+                "to=q.retry.600ms result=failed err=reconnecting",
+            ),
+            entry(2, "recv", ok, "lane=isolation redelivered=true evidence=1"),
+            entry(2, "terminal", ok, "lane=isolation t=diverted crashes=1"),
+            entry(1, "settled", ok, "how=ack result=err err=gone"),
+        ];
+        let r = reconcile(&entries, 0, &facts(&[ok], &[(ok, "attempts-exhausted", 1)]));
+        assert_eq!(r.blamed_across_processes, [ok]);
+        assert!(r.wrongly_blamed.is_empty());
+        // The same, charged by the process that held it: its own excuse was lost.
+        let mut same = entries.clone();
+        same[6].pid = 1;
+        same[7].pid = 1;
+        let r = reconcile(&same, 0, &facts(&[ok], &[(ok, "attempts-exhausted", 1)]));
+        assert_eq!(r.wrongly_blamed, [ok]);
     }
 
     #[test]
