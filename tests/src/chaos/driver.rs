@@ -131,7 +131,8 @@ pub struct Faults {
     pub kills: usize,
     /// SIGKILLs that hit a process holding a suspect (no other was free for long).
     pub kills_during_solo: usize,
-    /// Forced closes, and the connections they closed.
+    /// Forced closes, and the connections they closed. A close that finds the process
+    /// with no connection is tried once more, 500 ms later, and counted again.
     pub closes: (usize, usize),
     /// `stop_app`/`start_app` cycles.
     pub app_restarts: usize,
@@ -719,6 +720,7 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
     let mut next_check = Instant::now();
     let mut timed_out = false;
     let mut accounted_at = None;
+    let mut close_retries = config.closes;
 
     loop {
         tail.poll();
@@ -736,6 +738,14 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
                 }
                 (Fault::Close, Ok(what)) => {
                     journal.line("close", "-", format_args!("{what}"));
+                    // The process had no connection (it was reconnecting or starting):
+                    // once more, a little later.
+                    if what.contains("closed=0 killed=0") && close_retries > 0 {
+                        close_retries -= 1;
+                        let at = started.elapsed() + Duration::from_millis(500);
+                        faults.push((at, Fault::Close));
+                        faults.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
+                    }
                 }
                 (Fault::Close, Err(e)) => {
                     journal.line("close", "-", format_args!("closed=0 killed=0 err={e}"));
