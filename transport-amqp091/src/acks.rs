@@ -31,11 +31,15 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
+use futures::FutureExt as _;
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use retry_core::TransportError;
 use tracing::warn;
+
+use crate::error::connection_error;
 
 /// One ack to send: the delivery tag, the acker to send it through, and whether it is a
 /// `multiple` ack.
@@ -192,10 +196,23 @@ impl AckBatcher {
 }
 
 /// The batcher plus the lock that keeps settlements in order on the wire.
-#[derive(Default)]
+///
+/// Every write under that lock is bounded by the request timeout: a write that does not
+/// complete (a stalled connection takes frames it never writes, and lapin never fails them)
+/// would otherwise hold the lock, and with it every later settlement of the subscription,
+/// on the old connection and on any new one, for good; the broker, never acknowledged,
+/// would stop delivering once the prefetch window is full. Frames already handed to lapin
+/// keep their order there, so giving up waiting never reorders the wire.
 pub(crate) struct Acks {
     batcher: AckBatcher,
     wire: tokio::sync::Mutex<()>,
+    timeout: Duration,
+}
+
+impl Default for Acks {
+    fn default() -> Self {
+        Acks::new(Duration::from_secs(30))
+    }
 }
 
 /// How to settle a delivery other than by a (batched) ack.
@@ -206,6 +223,15 @@ pub(crate) enum Refusal {
 }
 
 impl Acks {
+    /// A batcher whose writes each take at most `timeout`.
+    pub(crate) fn new(timeout: Duration) -> Self {
+        Acks {
+            batcher: AckBatcher::default(),
+            wire: tokio::sync::Mutex::new(()),
+            timeout,
+        }
+    }
+
     pub(crate) fn set_window(&self, window: usize) {
         self.batcher.set_window(window);
     }
@@ -251,7 +277,7 @@ impl Acks {
             if acks.is_empty() {
                 return;
             }
-            let _ = send(acks).await;
+            let _ = send(acks, self.timeout).await;
             drop(wire);
         }
     }
@@ -262,22 +288,27 @@ impl Acks {
         epoch: u64,
         tag: u64,
         how: Refusal,
-    ) -> Result<bool, lapin::Error> {
+    ) -> Result<bool, TransportError> {
         let wire = self.wire.lock().await;
         let Some(acker) = self.batcher.remove(epoch, tag) else {
             return Ok(false);
         };
-        let sent = match how {
-            Refusal::Requeue => {
+        let (operation, sending) = match how {
+            Refusal::Requeue => (
+                "basic.nack (requeue)",
                 acker
                     .nack(BasicNackOptions {
                         multiple: false,
                         requeue: true,
                     })
-                    .await
-            }
-            Refusal::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
+                    .boxed(),
+            ),
+            Refusal::Reject => (
+                "basic.reject",
+                acker.reject(BasicRejectOptions { requeue: false }).boxed(),
+            ),
         };
+        let sent = within(self.timeout, operation, sending).await;
         drop(wire);
         self.flush_due().await;
         sent
@@ -288,7 +319,7 @@ impl Acks {
     /// redelivers those deliveries.
     pub(crate) async fn flush(&self) -> Result<(), TransportError> {
         let wire = self.wire.lock().await;
-        let sent = send(self.batcher.flush()).await;
+        let sent = send(self.batcher.flush(), self.timeout).await;
         drop(wire);
         // Acks that fell due during the write found the wire busy and were left to us.
         self.flush_due().await;
@@ -296,11 +327,33 @@ impl Acks {
     }
 }
 
-async fn send(acks: Vec<PendingAck>) -> Result<(), TransportError> {
+/// `sending`, a lapin settlement, within `timeout`: a timeout is a
+/// [`TransportError::Timeout`] naming `operation`.
+pub(crate) async fn within(
+    timeout: Duration,
+    operation: &'static str,
+    sending: impl Future<Output = lapin::Result<bool>>,
+) -> Result<bool, TransportError> {
+    match tokio::time::timeout(timeout, sending).await {
+        Ok(sent) => sent.map_err(connection_error),
+        Err(_) => Err(TransportError::Timeout {
+            operation,
+            after: timeout,
+        }),
+    }
+}
+
+async fn send(acks: Vec<PendingAck>, timeout: Duration) -> Result<(), TransportError> {
     let mut unsent = 0;
     let mut last_error = None;
     for (tag, acker, multiple) in acks {
-        match acker.ack(BasicAckOptions { multiple }).await {
+        match within(
+            timeout,
+            "basic.ack",
+            acker.ack(BasicAckOptions { multiple }),
+        )
+        .await
+        {
             Ok(true) => {}
             // The channel died since: the broker redelivers these.
             Ok(false) => {
@@ -323,7 +376,7 @@ async fn send(acks: Vec<PendingAck>) -> Result<(), TransportError> {
         0 => Ok(()),
         n => {
             let context = format!(
-                "{n} acknowledgement(s) not sent, their channel is gone; the broker redelivers those deliveries"
+                "{n} acknowledgement(s) not sent: their channel is gone, or its connection takes no writes; the broker redelivers those deliveries"
             );
             Err(match last_error {
                 Some(e) => TransportError::connection_failed(context, e),

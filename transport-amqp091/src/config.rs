@@ -43,6 +43,7 @@ pub struct AmqpConfig {
     reconnect_delay: (Duration, Duration),
     confirm_timeout: Duration,
     connect_timeout: Duration,
+    request_timeout: Duration,
     connection_name: Option<String>,
     ack_flush_interval: Duration,
     auto_recover: bool,
@@ -50,7 +51,7 @@ pub struct AmqpConfig {
 
 impl AmqpConfig {
     /// Settings for `url` (`amqp://` or `amqps://`), with the defaults: a 30 s confirm
-    /// timeout, a 20 s connect timeout, acks flushed at least every 20 ms, automatic recovery on, nodes in order,
+    /// timeout, a 20 s connect timeout, a 30 s request timeout, acks flushed at least every 20 ms, automatic recovery on, nodes in order,
     /// reconnect delays from 100 ms to 5 s.
     ///
     /// `url` may list the nodes of a cluster separated by commas. A list that cannot be used
@@ -66,6 +67,7 @@ impl AmqpConfig {
             reconnect_delay: (Duration::from_millis(100), Duration::from_secs(5)),
             confirm_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(20),
+            request_timeout: Duration::from_secs(30),
             connection_name: None,
             ack_flush_interval: Duration::from_millis(20),
             auto_recover: true,
@@ -220,6 +222,32 @@ impl AmqpConfig {
         self.connect_timeout
     }
 
+    /// How long a request to the broker other than a publish may take (30 s by default):
+    /// writing an acknowledgement, a requeue or a reject, a `basic.get`, a passive declare,
+    /// opening a consuming channel. A connection that stops taking writes (a stalled one,
+    /// or one whose peer vanished without a reset) would otherwise hold the request, and
+    /// everything queued behind it, for good. A settlement that fails this way leaves the
+    /// delivery with the broker, which redelivers it; a fetch or a watch that fails is
+    /// tried again by the consumer.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// let config = AmqpConfig::new("amqp://127.0.0.1:5672/%2f")
+    ///     .with_request_timeout(Duration::from_secs(10));
+    /// assert_eq!(config.request_timeout(), Duration::from_secs(10));
+    /// ```
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// The request timeout.
+    pub fn request_timeout(&self) -> Duration {
+        self.request_timeout
+    }
+
     /// The connection name the broker shows (and `rabbitmqctl list_connections` prints).
     pub fn with_connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
@@ -287,6 +315,7 @@ impl fmt::Debug for AmqpConfig {
             .field("reconnect_delay", &self.reconnect_delay)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("request_timeout", &self.request_timeout)
             .field("connection_name", &self.connection_name)
             .field("ack_flush_interval", &self.ack_flush_interval)
             .field("auto_recover", &self.auto_recover)

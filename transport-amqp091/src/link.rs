@@ -136,6 +136,11 @@ impl Link {
         self.recoveries.load(Ordering::Relaxed)
     }
 
+    /// The settings it was opened with.
+    pub(crate) fn config(&self) -> &AmqpConfig {
+        &self.config
+    }
+
     /// The node list.
     pub(crate) fn nodes(&self) -> &Nodes {
         &self.nodes

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -18,8 +19,23 @@ use crate::error::{connection_error, queue_error, short};
 use crate::link::Link;
 use crate::tag::AmqpTag;
 
-/// Opens a channel on `connection` with `prefetch` and consumes `queue` on it.
+/// Opens a channel on `connection` with `prefetch` and consumes `queue` on it, within
+/// `timeout` (channel, `basic.qos` and `basic.consume`).
 pub(crate) async fn open(
+    connection: &Connection,
+    queue: &str,
+    prefetch: u16,
+    timeout: Duration,
+) -> Result<(Channel, String, Consumer), TransportError> {
+    tokio::time::timeout(timeout, open_now(connection, queue, prefetch))
+        .await
+        .map_err(|_| TransportError::Timeout {
+            operation: "opening a consuming channel",
+            after: timeout,
+        })?
+}
+
+async fn open_now(
     connection: &Connection,
     queue: &str,
     prefetch: u16,
@@ -150,7 +166,8 @@ impl AmqpSubscription {
     /// connection's consumer.
     async fn resubscribe(&self, live: &mut Live) -> Result<(), TransportError> {
         live.replacements.mark_unchanged();
-        let opened = open(&self.link.get(), &self.queue, self.prefetch).await;
+        let timeout = self.link.config().request_timeout();
+        let opened = open(&self.link.get(), &self.queue, self.prefetch, timeout).await;
         let (channel, tag, consumer) = match opened {
             Ok(opened) => opened,
             Err(e) => {

@@ -1,13 +1,13 @@
 //! `AmqpTag`: what settles one delivery, from a subscription or from a fetch.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use retry_core::{Settlement, TransportError};
 
-use crate::acks::{Acks, Refusal};
-use crate::error::connection_error;
+use crate::acks::{Acks, Refusal, within};
 
 /// Settles one delivery: where it came from and its delivery tag there.
 ///
@@ -23,8 +23,12 @@ pub struct AmqpTag {
 
 #[derive(Clone)]
 enum Settler {
-    Batched { acks: Arc<Acks>, epoch: u64 },
-    Direct(Acker),
+    Batched {
+        acks: Arc<Acks>,
+        epoch: u64,
+    },
+    /// Settled at once, each write within the timeout.
+    Direct(Acker, Duration),
 }
 
 impl AmqpTag {
@@ -35,9 +39,9 @@ impl AmqpTag {
         }
     }
 
-    pub(crate) fn fetched(acker: Acker, delivery_tag: u64) -> Self {
+    pub(crate) fn fetched(acker: Acker, delivery_tag: u64, timeout: Duration) -> Self {
         AmqpTag {
-            settler: Settler::Direct(acker),
+            settler: Settler::Direct(acker, timeout),
             delivery_tag,
         }
     }
@@ -52,28 +56,31 @@ impl AmqpTag {
         let sent = match &self.settler {
             Settler::Batched { acks, epoch } => match settlement {
                 Settlement::Ack => acks.done(*epoch, self.delivery_tag).await,
-                Settlement::Requeue => acks
-                    .refuse(*epoch, self.delivery_tag, Refusal::Requeue)
-                    .await
-                    .map_err(connection_error)?,
-                Settlement::Reject => acks
-                    .refuse(*epoch, self.delivery_tag, Refusal::Reject)
-                    .await
-                    .map_err(connection_error)?,
-            },
-            Settler::Direct(acker) => match settlement {
-                Settlement::Ack => acker.ack(BasicAckOptions::default()).await,
                 Settlement::Requeue => {
-                    acker
-                        .nack(BasicNackOptions {
-                            multiple: false,
-                            requeue: true,
-                        })
-                        .await
+                    acks.refuse(*epoch, self.delivery_tag, Refusal::Requeue)
+                        .await?
                 }
-                Settlement::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
-            }
-            .map_err(connection_error)?,
+                Settlement::Reject => {
+                    acks.refuse(*epoch, self.delivery_tag, Refusal::Reject)
+                        .await?
+                }
+            },
+            Settler::Direct(acker, timeout) => match settlement {
+                Settlement::Ack => {
+                    within(*timeout, "basic.ack", acker.ack(BasicAckOptions::default())).await?
+                }
+                Settlement::Requeue => {
+                    let requeue = BasicNackOptions {
+                        multiple: false,
+                        requeue: true,
+                    };
+                    within(*timeout, "basic.nack (requeue)", acker.nack(requeue)).await?
+                }
+                Settlement::Reject => {
+                    let reject = BasicRejectOptions { requeue: false };
+                    within(*timeout, "basic.reject", acker.reject(reject)).await?
+                }
+            },
         };
         if !sent {
             // The delivery belongs to a channel that has since been recovered or closed: the
@@ -93,7 +100,7 @@ impl std::fmt::Debug for AmqpTag {
         d.field("delivery_tag", &self.delivery_tag);
         match &self.settler {
             Settler::Batched { epoch, .. } => d.field("epoch", epoch),
-            Settler::Direct(_) => d.field("fetched", &true),
+            Settler::Direct(..) => d.field("fetched", &true),
         };
         d.finish()
     }

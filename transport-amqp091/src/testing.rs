@@ -344,6 +344,7 @@ pub struct LogRecorder {
 struct Recorded {
     level: Option<Level>,
     text: String,
+    at: std::time::SystemTime,
 }
 
 impl LogRecorder {
@@ -399,10 +400,43 @@ impl LogRecorder {
         self.lines.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The recorded events at `level` or more severe, each after the UTC time of day it was
+    /// recorded at (`HH:MM:SS.mmm`), for a failing test's message.
+    ///
+    /// ```
+    /// use transport_amqp091::testing::LogRecorder;
+    ///
+    /// let recorder = LogRecorder::up_to(tracing::Level::INFO);
+    /// tracing::subscriber::with_default(recorder.clone(), || tracing::warn!("node down"));
+    /// let lines = recorder.timed(tracing::Level::WARN);
+    /// assert!(lines[0].ends_with(" WARN rust_out message=node down"), "{lines:?}");
+    /// ```
+    pub fn timed(&self, level: Level) -> Vec<String> {
+        self.lock()
+            .iter()
+            .filter(|line| line.level.is_some_and(|l| l <= level))
+            .map(|line| {
+                let ms = line
+                    .at
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() % 86_400_000);
+                format!(
+                    "{:02}:{:02}:{:02}.{:03} {}",
+                    ms / 3_600_000,
+                    ms / 60_000 % 60,
+                    ms / 1_000 % 60,
+                    ms % 1_000,
+                    line.text
+                )
+            })
+            .collect()
+    }
+
     fn keep(&self, level: Option<Level>, line: Line) {
         self.lock().push(Recorded {
             level,
             text: line.0,
+            at: std::time::SystemTime::now(),
         });
     }
 }

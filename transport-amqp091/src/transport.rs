@@ -331,9 +331,10 @@ impl Transport for AmqpTransport {
         queue: &str,
         prefetch: u16,
     ) -> Result<AmqpSubscription, TransportError> {
+        let timeout = self.config.request_timeout();
         let (channel, consumer_tag, consumer) =
-            subscription::open(&self.link.get(), queue, prefetch).await?;
-        let acks = Arc::new(Acks::default());
+            subscription::open(&self.link.get(), queue, prefetch, timeout).await?;
+        let acks = Arc::new(Acks::new(timeout));
         acks.set_window(usize::from(prefetch));
         spawn_flusher(Arc::downgrade(&acks), self.config.ack_flush_interval());
         {
@@ -353,36 +354,56 @@ impl Transport for AmqpTransport {
         ))
     }
 
+    /// `basic.get` on a channel used only for it, within the request timeout (opening the
+    /// channel included).
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
-        let channel = self.channel_in(&self.get_channel).await?;
-        let got = channel
-            .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
-            .await
-            .map_err(|e| queue_error(queue, e))?;
+        let timeout = self.config.request_timeout();
+        let getting = async {
+            let channel = self.channel_in(&self.get_channel).await?;
+            channel
+                .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
+                .await
+                .map_err(|e| queue_error(queue, e))
+        };
+        let got = tokio::time::timeout(timeout, getting).await.map_err(|_| {
+            TransportError::Timeout {
+                operation: "basic.get",
+                after: timeout,
+            }
+        })??;
         Ok(got.map(|got| {
             received(got.delivery, queue, |delivery_tag, acker| {
-                AmqpTag::fetched(acker, delivery_tag)
+                AmqpTag::fetched(acker, delivery_tag, timeout)
             })
         }))
     }
 
     /// Counts `queue`'s ready messages with a passive declare every `poll`, until there is
-    /// one.
+    /// one. Each declare (opening its channel included) takes at most the request timeout.
     async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
         let name = short(queue)?;
+        let timeout = self.config.request_timeout();
         loop {
-            let channel = self.channel_in(&self.inspect_channel).await?;
-            let declared = channel
-                .queue_declare(
-                    name.clone(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
+            let declaring = async {
+                let channel = self.channel_in(&self.inspect_channel).await?;
+                channel
+                    .queue_declare(
+                        name.clone(),
+                        QueueDeclareOptions {
+                            passive: true,
+                            ..QueueDeclareOptions::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| queue_error(queue, e))
+            };
+            let declared = tokio::time::timeout(timeout, declaring)
                 .await
-                .map_err(|e| queue_error(queue, e))?;
+                .map_err(|_| TransportError::Timeout {
+                    operation: "queue.declare (passive)",
+                    after: timeout,
+                })??;
             if declared.message_count() > 0 {
                 return Ok(());
             }

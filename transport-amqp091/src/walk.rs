@@ -91,7 +91,9 @@ impl QueueWalk<AmqpTag> for ChannelWalk {
         Ok(Some(received(
             got.delivery,
             &self.queue,
-            |delivery_tag, acker| AmqpTag::fetched(acker, delivery_tag),
+            |delivery_tag, acker| {
+                AmqpTag::fetched(acker, delivery_tag, self.link.config().request_timeout())
+            },
         )))
     }
 

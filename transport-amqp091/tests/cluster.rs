@@ -78,13 +78,21 @@ async fn raw(urls: &[String]) -> Connection {
     panic!("no node of {urls:?} answers");
 }
 
-/// Polls `done` every 50 ms until it holds, or panics naming `what` after `within`.
+/// The last 60 log lines at INFO or above, timed, for a failure's message.
+fn log_tail() -> String {
+    let lines = logs().timed(tracing::Level::INFO);
+    lines[lines.len().saturating_sub(60)..].join("\n")
+}
+
+/// Polls `done` every 50 ms until it holds, or panics naming `what` after `within`, with
+/// the last log lines.
 async fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
     while !done() {
         assert!(
             Instant::now() < deadline,
-            "timed out after {within:?} waiting for {what}"
+            "timed out after {within:?} waiting for {what}; the last log lines:\n{}",
+            log_tail()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -370,12 +378,10 @@ async fn failover(t: &AmqpTransport, from: u64, started: Instant) -> Duration {
     let deadline = started + secs(120);
     while t.recoveries() <= from {
         if Instant::now() > deadline {
-            let lines = logs().at_least(tracing::Level::INFO);
-            let tail = &lines[lines.len().saturating_sub(60)..];
             panic!(
                 "no failover within 120 s; connection {:?}; the last log lines:\n{}",
                 t.connection().status(),
-                tail.join("\n")
+                log_tail()
             );
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -476,7 +482,9 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
     let waiting = depth(&delay_queue).await;
     assert!(
         waiting > 0,
-        "retries wait in {delay_queue} when its target's leader is killed"
+        "retries wait in {delay_queue} when its target's leader is killed; the last log \
+         lines:\n{}",
+        log_tail()
     );
     let leader_node = leader(&q).await;
     let from = t.recoveries();

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::*;
 use retry_core::{QueueType, RetryPolicy, Subscription, TopologyPlan, Transport};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use transport_amqp091::testing::{LogRecorder, print_uncaptured};
@@ -340,6 +340,152 @@ async fn a_node_that_accepts_tcp_but_never_answers_delays_the_rebuild_but_does_n
             threads, io_threads_before,
             "round {round}: lapin IO threads, against {io_threads_before} before the stalls"
         );
+    }
+    sub.flush().await.unwrap();
+    t.close().await.unwrap();
+}
+
+/// Forwards every connection to `upstream`; while `paused` is true it stops reading what the
+/// client sends, with a small receive buffer, so that the client's writes soon stop
+/// completing (as on a connection whose peer is gone without a reset).
+async fn write_pausing_proxy(upstream: String, paused: watch::Receiver<bool>) -> u16 {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(16).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(&upstream).await else {
+                return;
+            };
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+            let mut paused = paused.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    if paused.wait_for(|p| !*p).await.is_err() {
+                        return;
+                    }
+                    let n = match client_read.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if server_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A settle or a fetch whose frame cannot be written (the connection has stopped taking
+/// writes, as a stalled one has) fails after the request timeout instead of waiting for
+/// good; while it waited, it held every later settle of its subscription, and the broker,
+/// never acknowledged, stopped delivering.
+#[tokio::test]
+async fn a_settle_or_fetch_that_cannot_be_written_fails_in_time_and_holds_nothing_up() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let Some(config) = broker("stall-writes").await else {
+        return;
+    };
+    let upstream = url();
+    let authority = upstream
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5672")
+        .to_owned();
+    let (pause, paused) = watch::channel(false);
+    let port = write_pausing_proxy(authority, paused).await;
+    let name = config.connection_name().unwrap().to_owned();
+    let through_proxy = AmqpConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"))
+        .with_connection_name(name)
+        .with_request_timeout(Duration::from_secs(2));
+    let q = unique("stall-writes");
+    let policy = RetryPolicy::delays([Duration::from_secs(30)])
+        .build()
+        .unwrap();
+    let plan = TopologyPlan::builder(&q, &policy)
+        .with_queue_type(QueueType::Classic)
+        .build()
+        .unwrap();
+    let mut cleanup = Cleanup::new(&config);
+    cleanup.plan(&plan);
+    let t = AmqpTransport::connect(through_proxy).await.unwrap();
+    t.provision(&plan).await.unwrap();
+    let sub = t.consume(&q, 10).await.unwrap();
+    let (_conn, ch) = raw().await;
+    for id in ["one", "two"] {
+        publish(&ch, &q, id.as_bytes(), id).await;
+    }
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let d = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+            .await
+            .expect("a delivery")
+            .unwrap()
+            .unwrap();
+        held.push(d);
+    }
+    // A big message on another channel of the same connection fills what the socket takes.
+    let filler = t.connection().create_channel().await.unwrap();
+    pause.send_replace(true);
+    let big = vec![0u8; 4 << 20];
+    let stuck = tokio::spawn(async move {
+        let _ = filler
+            .basic_publish(
+                "".into(),
+                "nowhere".into(),
+                Default::default(),
+                &big,
+                Default::default(),
+            )
+            .await;
+    });
+
+    // The requeue's frame waits behind it: it fails in time, and the ack after it is not
+    // held up by it.
+    let requeue = tokio::time::timeout(
+        Duration::from_secs(20),
+        t.settle(&held[0].tag, retry_core::Settlement::Requeue),
+    )
+    .await
+    .expect("a requeue that cannot be written returns");
+    assert!(requeue.is_err(), "{requeue:?}");
+    t.settle(&held[1].tag, retry_core::Settlement::Ack)
+        .await
+        .unwrap();
+    let flushed = tokio::time::timeout(Duration::from_secs(20), sub.flush())
+        .await
+        .expect("a flush that cannot be written returns");
+    assert!(flushed.is_err(), "{flushed:?}");
+    let fetched = tokio::time::timeout(Duration::from_secs(20), t.fetch(plan.isolation_queue()))
+        .await
+        .expect("a fetch that cannot be written returns");
+    assert!(
+        matches!(fetched, Err(retry_core::TransportError::Timeout { .. })),
+        "{fetched:?}"
+    );
+
+    // Writes flow again: what was queued goes out, and consuming goes on.
+    pause.send_replace(false);
+    stuck.await.unwrap();
+    publish(&ch, &q, b"three", "three").await;
+    let mut bodies = Vec::new();
+    while !bodies.contains(&b"three".to_vec()) {
+        let d = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+            .await
+            .expect("consuming goes on")
+            .unwrap()
+            .unwrap();
+        t.settle(&d.tag, retry_core::Settlement::Ack).await.unwrap();
+        bodies.push(d.message.body().to_vec());
     }
     sub.flush().await.unwrap();
     t.close().await.unwrap();
