@@ -9,7 +9,7 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -80,8 +80,16 @@ async fn raw(urls: &[String]) -> Connection {
 
 /// The last 60 log lines at INFO or above, timed, for a failure's message.
 fn log_tail() -> String {
-    let lines = logs().timed(tracing::Level::INFO);
-    lines[lines.len().saturating_sub(60)..].join("\n")
+    let tail = |level| {
+        let lines = logs().timed(level);
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    };
+    // Routine lines (a retry scheduled) would push a failover's warnings out of the tail.
+    format!(
+        "{}\n  warnings and errors:\n{}",
+        tail(tracing::Level::INFO),
+        tail(tracing::Level::WARN)
+    )
 }
 
 /// Polls `done` every 50 ms until it holds, or panics naming `what` after `within`, with
@@ -403,7 +411,10 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
     // the run outlasts three node restarts.
     let handled = Handled::default();
     let runs = Arc::new(Mutex::new(HashMap::<String, u32>::new()));
-    let (h, r) = (handled.clone(), Arc::clone(&runs));
+    // While a stopped or killed node starts again, the handlers wait: on a slow machine a
+    // restart outlasts the rest of the work, and step 3 needs work left to kill under.
+    let paused = Arc::new(AtomicBool::new(false));
+    let (h, r, p) = (handled.clone(), Arc::clone(&runs), Arc::clone(&paused));
     let running = start(
         Arc::clone(&t),
         policy,
@@ -416,8 +427,11 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
                 *e += 1;
                 *e
             };
-            let h = h.clone();
+            let (h, p) = (h.clone(), Arc::clone(&p));
             async move {
+                while p.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 if n % 100 == 7 {
                     return Err(HandlerError::permanent("invalid order"));
@@ -454,7 +468,9 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
     ));
     let restart = tokio::spawn(async move { cluster_sh(&["start", &node_name(&first)]).await });
     wait_for("1,500 handled", secs(120), progress(1_500)).await;
+    paused.store(true, Ordering::SeqCst);
     restart.await.unwrap();
+    paused.store(false, Ordering::SeqCst);
 
     // 2. Kill -9 the VM of the node the consumer is on now.
     let second = t.node().unwrap();
@@ -470,7 +486,9 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
     ));
     let restart = tokio::spawn(async move { cluster_sh(&["start", &node_name(&second)]).await });
     wait_for("2,500 handled", secs(120), progress(2_500)).await;
+    paused.store(true, Ordering::SeqCst);
     restart.await.unwrap();
+    paused.store(false, Ordering::SeqCst);
 
     // 3. Kill -9 the node holding the work queue's leader while the delay queue holds
     //    retries that dead-letter into it.
@@ -482,8 +500,12 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
     let waiting = depth(&delay_queue).await;
     assert!(
         waiting > 0,
-        "retries wait in {delay_queue} when its target's leader is killed; the last log \
-         lines:\n{}",
+        "retries wait in {delay_queue} when its target's leader is killed; handled {}; on \
+         {:?} after {} recoveries; {}; the last log lines:\n{}",
+        handled.unique(),
+        t.node(),
+        t.recoveries(),
+        figures.join("; "),
         log_tail()
     );
     let leader_node = leader(&q).await;
