@@ -459,3 +459,18 @@ impl Drop for Cleanup {
         transport_amqp091::testing::delete_blocking(&self.config, &self.plans, &self.queues);
     }
 }
+
+/// How many of this process's threads are lapin IO loops (one per connection).
+pub fn io_loop_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|name| name.trim_end() == "lapin-io-loop")
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
