@@ -10,7 +10,6 @@
 
 mod builder;
 mod error;
-mod gate;
 mod lanes;
 mod metrics;
 mod report;
@@ -22,6 +21,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::engine::{Engine, Terminal};
+use crate::gate::SoloGate;
 use crate::handler::Handler;
 use crate::message::Message;
 use crate::policy::RetryPolicy;
@@ -30,7 +30,6 @@ use crate::transport::Transport;
 
 pub use builder::{ConsumerBuilder, ConsumerConfigError};
 pub use error::ConsumerError;
-pub use gate::SoloGate;
 pub use report::RunReport;
 pub use storm::{StormControl, StormEvent};
 

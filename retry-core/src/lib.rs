@@ -167,7 +167,8 @@
 //!    to the work queue through its delay queues.
 //!
 //! "Alone" holds for the process, since a crash takes the whole process down: consumers
-//! of one process pass through one [`SoloGate`], and while one of them runs suspects, every
+//! of one process pass through one [`SoloGate`] (on the in-memory broker, whose consumers
+//! run in virtual time, consumers of one broker do), and while one of them runs suspects, every
 //! other one has drained, flushed its acknowledgements and starts nothing. They share
 //! their excuses through it too. The [`Consumer`] keeps to the rules that make a crash the
 //! only way a suspect can come back redelivered from the isolation queue:
@@ -257,6 +258,7 @@ mod decision;
 mod engine;
 mod excuses;
 mod facts;
+mod gate;
 mod handler;
 pub mod headers;
 mod jitter;
@@ -270,8 +272,8 @@ mod transport;
 
 pub use backoff::Backoff;
 pub use consumer::{
-    Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, SoloGate,
-    StormControl, StormEvent,
+    Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, StormControl,
+    StormEvent,
 };
 pub use decision::{Admission, AttemptState, Decision, Lane, Outcome, admit, decide};
 pub use engine::{
@@ -279,6 +281,7 @@ pub use engine::{
 };
 pub use excuses::Excuses;
 pub use facts::{BrokerSignals, DeliveryFacts, MAX_COUNTER, Malformed, ParkedRecord};
+pub use gate::SoloGate;
 pub use handler::{FailureKind, Handler, HandlerError};
 pub use headers::{DeadLetterReason, HeaderValue, Headers};
 pub use jitter::{Jitter, message_identity, splitmix64};

@@ -6,6 +6,7 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 
 use crate::engine::{Confirm, Publish, Settlement};
+use crate::gate::SoloGate;
 use crate::message::{Delivery, Message};
 use crate::time::Timestamp;
 use crate::topology::TopologyPlan;
@@ -333,6 +334,65 @@ pub trait Transport: Send + Sync + 'static {
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         Box::pin(futures_timer::Delay::new(duration))
     }
+
+    /// The [`SoloGate`] a [`Consumer`](crate::Consumer) on this transport runs suspects alone
+    /// through when it is given none
+    /// ([`with_solo_gate`](crate::ConsumerBuilder::with_solo_gate)).
+    ///
+    /// The default, `None`, stands for [`SoloGate::process`]: a crash takes the whole
+    /// process down, so every consumer of the process shares one gate. A transport whose
+    /// consumers live in something smaller than the process returns a gate of that, as the
+    /// in-memory broker does (one gate per broker): its consumers run in virtual time, and
+    /// waiting on a gate held by a consumer of another test, in real time, would stall them.
+    /// A transport that wraps another must forward it.
+    ///
+    /// ```
+    /// # use async_trait::async_trait;
+    /// # use retry_core::*;
+    /// # use std::time::Duration;
+    /// /// A simulated broker: its consumers share a gate of its own, not the process's.
+    /// struct Simulated {
+    ///     gate: SoloGate,
+    /// }
+    ///
+    /// #[async_trait]
+    /// impl Transport for Simulated {
+    /// #   type Tag = u64;
+    /// #   type Subscription = Simulated;
+    /// #   fn capabilities(&self) -> Capabilities { Capabilities::default() }
+    /// #   async fn provision(&self, _: &TopologyPlan) -> Result<(), TransportError> { Ok(()) }
+    /// #   async fn consume(&self, _: &str, _: u16) -> Result<Simulated, TransportError> {
+    /// #       Ok(Simulated { gate: self.gate.clone() })
+    /// #   }
+    /// #   async fn fetch(&self, _: &str) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #   async fn ready(&self, _: &str, _: Duration) -> Result<(), TransportError> { Ok(()) }
+    /// #   async fn publish(&self, _: &Message, _: &Publish) -> PublishResult { PublishResult::Confirmed }
+    /// #   async fn settle(&self, _: &u64, _: Settlement) -> Result<(), TransportError> { Ok(()) }
+    ///     fn solo_gate(&self) -> Option<SoloGate> {
+    ///         Some(self.gate.clone())
+    ///     }
+    ///     // ...
+    /// }
+    /// # #[async_trait]
+    /// # impl Subscription for Simulated {
+    /// #     type Tag = u64;
+    /// #     async fn recv(&self) -> Result<Option<Delivery<u64>>, TransportError> { Ok(None) }
+    /// #     async fn cancel(&self) -> Result<(), TransportError> { Ok(()) }
+    /// #     async fn flush(&self) -> Result<(), TransportError> { Ok(()) }
+    /// # }
+    ///
+    /// async fn handle(_: Message) -> Result<(), HandlerError> { Ok(()) }
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let gate = SoloGate::new();
+    /// let simulated = Simulated { gate: gate.clone() };
+    /// let consumer = Consumer::builder(simulated, "orders", policy, handle).build()?;
+    /// assert!(consumer.solo_gate().same_as(&gate));
+    /// assert!(!consumer.solo_gate().same_as(&SoloGate::process()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn solo_gate(&self) -> Option<SoloGate> {
+        None
+    }
 }
 
 /// A walk of one queue, made by [`Transport::walk`]: its ready messages read one at a time
@@ -496,5 +556,9 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         (**self).sleep(duration)
+    }
+
+    fn solo_gate(&self) -> Option<SoloGate> {
+        (**self).solo_gate()
     }
 }

@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use retry_core::{
-    Capabilities, Delivery, Headers, Message, Publish, PublishResult, Settlement, Subscription,
-    Timestamp, TopologyPlan, Transport, TransportError,
+    Capabilities, Delivery, Headers, Message, Publish, PublishResult, Settlement, SoloGate,
+    Subscription, Timestamp, TopologyPlan, Transport, TransportError,
 };
 
 /// One delivery as the broker produced it.
@@ -172,5 +172,9 @@ impl<T: Transport> Transport for Recorded<T> {
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         self.inner.sleep(duration)
+    }
+
+    fn solo_gate(&self) -> Option<SoloGate> {
+        self.inner.solo_gate()
     }
 }

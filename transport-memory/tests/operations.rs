@@ -10,9 +10,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use retry_core::{
-    DeadLetterReason, Handler, HandlerError, Message, RetryPolicy, RunReport, StormControl,
+    Consumer, DeadLetterReason, Handler, HandlerError, Message, RetryPolicy, RunReport, SoloGate,
+    StormControl, Subscription, TopologyPlan, Transport,
 };
-use transport_memory::{ConsumerState, Report, Script, Simulation, Step};
+use transport_memory::{Broker, ConsumerState, Outgoing, Report, Script, Simulation, Step};
 
 const SECOND: Duration = Duration::from_secs(1);
 const MINUTE: Duration = Duration::from_secs(60);
@@ -353,4 +354,88 @@ fn the_attempts_of_one_message_share_its_message_id_in_their_spans() {
         of("fine"),
         [fields("1", "success", "Handled { attempt: 1 }")]
     );
+}
+
+/// A message that `broker` has delivered once and got back unsettled: the next consumer
+/// receives it redelivered, as a suspect.
+fn redelivered(broker: &Broker, plan: &TopologyPlan, body: &str) {
+    broker.block_on(async {
+        let first = broker.connect();
+        first.provision(plan).await.unwrap();
+        broker
+            .publish(Outgoing::to_queue(plan.work_queue(), body.into()))
+            .unwrap();
+        let sub = first.consume(plan.work_queue(), 1).await.unwrap();
+        assert!(sub.recv().await.unwrap().is_some());
+    });
+}
+
+/// A consumer on the in-memory broker runs suspects alone through its broker's gate, not
+/// the process's: while a consumer of another test holds the process's gate (here, a
+/// handler that blocks its thread in the middle of a solo run), a simulation's suspect
+/// still runs, where before it waited on a gate no virtual clock can release and the
+/// executor stopped ("nothing is due on the virtual clock").
+#[test]
+fn an_in_memory_consumer_does_not_wait_on_the_process_gate() {
+    let policy = RetryPolicy::delays([MINUTE]).build().unwrap();
+    let (holding, held) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let elsewhere = std::thread::spawn({
+        let policy = policy.clone();
+        move || {
+            let broker = Broker::new();
+            let plan = TopologyPlan::new("elsewhere", &policy).unwrap();
+            redelivered(&broker, &plan, "suspect");
+            let released = Mutex::new(released);
+            let handler = move |_: Message| {
+                holding.send(()).unwrap();
+                released.lock().unwrap().recv().unwrap();
+                async { Ok::<(), HandlerError>(()) }
+            };
+            let consumer = Consumer::builder(broker.connect(), "elsewhere", policy, handler)
+                .with_solo_gate(SoloGate::process())
+                .build()
+                .unwrap();
+            broker.block_on(consumer.run(broker.sleep(MINUTE))).unwrap()
+        }
+    });
+    held.recv()
+        .expect("the other consumer runs its suspect alone");
+
+    let broker = Broker::new();
+    let plan = TopologyPlan::new("here", &policy).unwrap();
+    redelivered(&broker, &plan, "suspect");
+    let consumer = Consumer::builder(broker.connect(), "here", policy, |_: Message| async {
+        Ok::<(), HandlerError>(())
+    })
+    .build()
+    .unwrap();
+    assert!(!consumer.solo_gate().same_as(&SoloGate::process()));
+    let report = broker.block_on(consumer.run(broker.sleep(MINUTE))).unwrap();
+    assert_eq!((report.suspects, report.handled), (1, 1), "{report:?}");
+
+    release.send(()).unwrap();
+    let other = elsewhere.join().unwrap();
+    assert_eq!((other.suspects, other.handled), (1, 1), "{other:?}");
+}
+
+/// Consumers on one in-memory broker share its gate, as consumers of one process do.
+#[test]
+fn consumers_on_one_in_memory_broker_share_its_gate() {
+    let policy = RetryPolicy::delays([MINUTE]).build().unwrap();
+    let broker = Broker::new();
+    let build = |queue: &str| {
+        let handle = |_: Message| async { Ok::<(), HandlerError>(()) };
+        Consumer::builder(broker.connect(), queue, policy.clone(), handle)
+            .build()
+            .unwrap()
+    };
+    let (orders, invoices) = (build("orders"), build("invoices"));
+    assert!(orders.solo_gate().same_as(invoices.solo_gate()));
+    let other = Broker::new();
+    let handle = |_: Message| async { Ok::<(), HandlerError>(()) };
+    let elsewhere = Consumer::builder(other.connect(), "orders", policy.clone(), handle)
+        .build()
+        .unwrap();
+    assert!(!elsewhere.solo_gate().same_as(orders.solo_gate()));
 }

@@ -3,10 +3,10 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::gate::SoloGate;
 use super::storm::StormControl;
 use super::{Config, Consumer, Observer, StormObserver};
 use crate::engine::{Engine, PlanMismatch, Terminal};
+use crate::gate::SoloGate;
 use crate::handler::Handler;
 use crate::message::Message;
 use crate::policy::RetryPolicy;
@@ -39,7 +39,7 @@ type Customize = Box<dyn for<'a> FnOnce(TopologyBuilder<'a>) -> TopologyBuilder<
 /// | [`with_on_terminal`](Self::with_on_terminal) | none |
 /// | [`with_storm_control`](Self::with_storm_control) | off |
 /// | [`with_on_storm`](Self::with_on_storm) | none |
-/// | [`with_solo_gate`](Self::with_solo_gate) | [`SoloGate::process`]: every consumer of the process |
+/// | [`with_solo_gate`](Self::with_solo_gate) | the transport's [`solo_gate`](Transport::solo_gate): for a broker client [`SoloGate::process`], every consumer of the process |
 /// | [`with_token_seed`](Self::with_token_seed) | random |
 ///
 /// ```
@@ -280,7 +280,9 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
         self
     }
 
-    /// The gate this consumer runs suspects alone through (default [`SoloGate::process`]).
+    /// The gate this consumer runs suspects alone through (default: the transport's
+    /// [`solo_gate`](Transport::solo_gate), which for a broker client is
+    /// [`SoloGate::process`]).
     ///
     /// A crash takes down the whole process, so "alone" must hold for the process: while
     /// one consumer runs a suspect, every other consumer sharing its gate starts no work
@@ -375,7 +377,10 @@ impl<T: Transport, H: Handler> ConsumerBuilder<T, H> {
             topology = customize(topology);
         }
         let plan = topology.build()?;
-        let gate = self.gate.unwrap_or_else(SoloGate::process);
+        let gate = self
+            .gate
+            .or_else(|| self.transport.solo_gate())
+            .unwrap_or_else(SoloGate::process);
         let mut engine = Engine::new(self.policy, &plan)?.with_excuses(gate.excuses().clone());
         if let Some(seed) = self.token_seed {
             engine = engine.with_token_seed(seed);

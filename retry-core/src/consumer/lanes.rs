@@ -21,7 +21,7 @@
 //!   fetch under way: a suspect never runs beside work, and a fetch never lands after the
 //!   phase changed. A failed fetch or watch marks suspects as waiting; it never changes the
 //!   phase by itself.
-//! * `Solo` needs the process's [`SoloGate`](super::SoloGate): every other consumer of the
+//! * `Solo` needs the process's [`SoloGate`](crate::SoloGate): every other consumer of the
 //!   process is quiet while it lasts.
 //! * A suspect fetched once shutdown has begun is not run: it is declined, and the engine
 //!   puts a fresh copy of it back in the isolation queue, so it does not come back
@@ -36,9 +36,9 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 
 use super::error::ConsumerError;
-use super::gate::GateMember;
 use super::storm::{Storm, StormControl, StormEvent};
 use crate::decision::Lane;
+use crate::gate::GateMember;
 use crate::message::Delivery;
 use crate::time::{Timestamp, format_delay};
 use crate::transport::TransportError;
@@ -712,8 +712,8 @@ fn error_once(previous: &Option<ConsumerError>, fatal: &ConsumerError) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::consumer::SoloGate;
     use crate::facts::BrokerSignals;
+    use crate::gate::SoloGate;
     use crate::message::MessageParts;
 
     fn settings() -> LaneSettings {

@@ -10,8 +10,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use retry_core::{
-    Capabilities, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement, Subscription,
-    Timestamp, TopologyPlan, Transport, TransportError,
+    Capabilities, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement, SoloGate,
+    Subscription, Timestamp, TopologyPlan, Transport, TransportError,
 };
 
 use super::journal::JournalWriter;
@@ -326,6 +326,10 @@ impl<T: Transport> Transport for Journaled<T> {
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         self.inner.sleep(duration)
+    }
+
+    fn solo_gate(&self) -> Option<SoloGate> {
+        self.inner.solo_gate()
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::Duration;
 
-use retry_core::{Confirm, ExchangeKind, Properties, Settlement, Timestamp};
+use retry_core::{Confirm, ExchangeKind, Properties, Settlement, SoloGate, Timestamp};
 
 use crate::broker::connections::{Connections, Recv, Unacked};
 use crate::broker::dead_letter::{Death, is_cycle, record_death};
@@ -31,6 +31,8 @@ pub(crate) struct Shared {
     /// The virtual time, readable without the lock: the driver asks for it on every turn.
     clock: AtomicU64,
     state: Mutex<State>,
+    /// The gate this broker's consumers run suspects alone through, unless given another.
+    gate: SoloGate,
 }
 
 impl Shared {
@@ -38,7 +40,12 @@ impl Shared {
         Shared {
             clock: AtomicU64::new(state.now.as_millis()),
             state: Mutex::new(state),
+            gate: SoloGate::new(),
         }
+    }
+
+    pub(crate) fn solo_gate(&self) -> &SoloGate {
+        &self.gate
     }
 
     pub(crate) fn now(&self) -> Timestamp {

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 use retry_core::returns::stamp_headers;
 use retry_core::{
-    Capabilities, Confirm, Delivery, Message, Publish, PublishResult, Settlement, Timestamp,
-    TopologyPlan, Transport, TransportError,
+    Capabilities, Confirm, Delivery, Message, Publish, PublishResult, Settlement, SoloGate,
+    Timestamp, TopologyPlan, Transport, TransportError,
 };
 
 use crate::broker::Broker;
@@ -392,6 +392,13 @@ impl Transport for MemoryTransport {
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         Box::pin(self.broker.sleep(duration))
+    }
+
+    /// The broker's gate: every consumer on this broker shares it, and no consumer
+    /// elsewhere, so tests side by side in one binary never wait on each other in virtual
+    /// time.
+    fn solo_gate(&self) -> Option<SoloGate> {
+        Some(self.broker.shared.solo_gate().clone())
     }
 }
 

@@ -17,10 +17,12 @@ use crate::excuses::Excuses;
 /// The gate that consumers sharing one failure domain (a process) pass through to run
 /// suspects alone; see [`ConsumerBuilder::with_solo_gate`](crate::ConsumerBuilder::with_solo_gate).
 ///
-/// A consumer uses [`SoloGate::process`], the gate of the whole process, unless told
-/// otherwise. Give consumers a gate of their own ([`SoloGate::new`]) only when they cannot
-/// take each other down: a simulated process in a test, or consumers in separate
-/// processes driven from one test binary.
+/// A consumer uses its transport's gate ([`Transport::solo_gate`](crate::Transport::solo_gate))
+/// unless told otherwise: for a broker client that is [`SoloGate::process`], the gate of the
+/// whole process; the in-memory broker has a gate of its own, shared by its consumers. Give
+/// consumers a gate of their own ([`SoloGate::new`]) only when they cannot take each other
+/// down: a simulated process in a test, or consumers in separate processes driven from one
+/// test binary.
 ///
 /// ```
 /// use retry_core::SoloGate;
@@ -62,7 +64,8 @@ impl SoloGate {
         Self::default()
     }
 
-    /// The gate of this process: every consumer that is not given another shares it.
+    /// The gate of this process: every consumer of a broker client that is not given another
+    /// shares it.
     pub fn process() -> Self {
         static PROCESS: OnceLock<SoloGate> = OnceLock::new();
         PROCESS.get_or_init(SoloGate::new).clone()
