@@ -4,7 +4,8 @@
 # the shared broker on 5672.
 #
 #   tests/chaos-node.sh up [OWNER_PID]  start the node (a fresh one); with OWNER_PID, a watcher
-#                                       stops it and deletes its data once that process exits
+#                                       stops it and deletes its data once that process exits,
+#                                       unless a later `up` has replaced it by then
 #   tests/chaos-node.sh down            stop it and delete its data (its log is kept in
 #                                       /tmp/retry-chaos-$CHAOS_PORT.last.log)
 #   tests/chaos-node.sh stop-app        rabbitmqctl stop_app (the node keeps running)
@@ -97,6 +98,9 @@ stop_node() {
 
 up() {
     local owner="${1:-}"
+    # Names this start of the node, so that an owner's watcher takes down its own node and
+    # never one a later owner started after it (a run that follows another at once).
+    local token="$$-$(date +%s%N)"
     [ -x "$RMQ_BIN/rabbitmq-server" ] || die "no RabbitMQ server at $RMQ_BIN"
     id -u rabbitmq >/dev/null 2>&1 || die "no rabbitmq user"
     (
@@ -104,6 +108,7 @@ up() {
         flock 9
         stop_node
         prepare
+        echo "$token" >"$DIR/token"
         # Without the lock's descriptor: the node's VM would hold the lock for its lifetime.
         as_rabbitmq env RABBITMQ_CONF_ENV_FILE="$DIR/rabbitmq-env.conf" \
             "$RMQ_BIN/rabbitmq-server" -detached 9>&-
@@ -114,8 +119,8 @@ up() {
         # the caller and never holds a pipe of its open.
         setsid nohup bash -c '
             while kill -0 "$1" 2>/dev/null; do sleep 1; done
-            CHAOS_PORT="$2" exec "$3" down
-        ' watcher "$owner" "$PORT" "$(readlink -f "$0")" >/dev/null 2>&1 </dev/null &
+            CHAOS_PORT="$2" exec "$3" down-if "$4"
+        ' watcher "$owner" "$PORT" "$(readlink -f "$0")" "$token" >/dev/null 2>&1 </dev/null &
     fi
     url
 }
@@ -125,6 +130,15 @@ url() { echo "amqp://guest:guest@127.0.0.1:$PORT/%2f"; }
 case "${1:-}" in
     up) up "${2:-}" ;;
     down) ( flock 9; stop_node ) 9>"$LOCK"; echo "$NODE down" ;;
+    # The watcher's down: only the node that `up` started with this token.
+    down-if)
+        (
+            flock 9
+            if [ "$(cat "$DIR/token" 2>/dev/null)" = "${2:-}" ]; then
+                stop_node
+            fi
+        ) 9>"$LOCK"
+        ;;
     stop-app) ctl -q stop_app ;;
     start-app) ctl -q start_app && wait_up ;;
     list) ctl -q list_connections pid peer_port name --no-table-headers ;;

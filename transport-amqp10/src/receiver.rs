@@ -20,15 +20,15 @@ use fe2o3_amqp::types::messaging::{Body, Modified};
 use fe2o3_amqp::types::primitives::Value;
 use fe2o3_amqp::{Receiver, Session};
 use retry_core::{Delivery, Settlement, TransportError};
-use tokio::sync::{mpsc, oneshot};
-use tokio::time::timeout;
-use tracing::warn;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::{Instant, sleep_until, timeout};
+use tracing::{debug, warn};
 
 use crate::codec::read_message;
 use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{self, ProbeError, classify_receiver, end_session, link_name};
 use crate::profile::BrokerProfile;
-use crate::tap::Tap;
+use crate::tap::{FlowSeen, Tap};
 
 /// The handle that settles one delivery of an [`Amqp10Transport`](crate::Amqp10Transport),
 /// received by an [`Amqp10Subscription`](crate::Amqp10Subscription) or taken by
@@ -172,6 +172,8 @@ pub(crate) async fn start(
         }
     };
     let credit = u32::from(prefetch);
+    let flows = tap.flows();
+    let granted_at = flows.borrow().seq;
     if let Err(e) = receiver.set_credit(credit).await {
         return Err(TransportError::connection_failed(
             format!("granting credit to consume {queue}"),
@@ -191,6 +193,10 @@ pub(crate) async fn start(
         credit,
         held: HashSet::new(),
         cancelled: false,
+        ended: false,
+        received: 0,
+        granted_at,
+        flows,
         generation,
         own: commands.downgrade(),
         settle_timeout: after,
@@ -212,6 +218,13 @@ struct LinkTask {
     /// Delivery ids handed out and not yet settled.
     held: HashSet<u32>,
     cancelled: bool,
+    /// The consumer was told it has everything ([`Incoming::Cancelled`]).
+    ended: bool,
+    /// Transfers taken in on the link (the connection's only one), as the tap counts them.
+    received: u64,
+    /// The tap's count of broker flows before the last grant of credit.
+    granted_at: u64,
+    flows: watch::Receiver<FlowSeen>,
     generation: u64,
     /// For tags; weak, so that the task ends once the transport and every tag are gone.
     own: mpsc::WeakSender<Command>,
@@ -222,6 +235,7 @@ struct LinkTask {
 impl LinkTask {
     async fn run(mut self, mut commands: mpsc::Receiver<Command>, out: mpsc::Sender<Incoming>) {
         let mut close_done = None;
+        let mut cancelled_at = None;
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
@@ -235,7 +249,8 @@ impl LinkTask {
                     }
                     Some(Command::Cancel { done }) => {
                         self.cancel();
-                        let _ = out.try_send(Incoming::Cancelled);
+                        cancelled_at = Some(Instant::now());
+                        self.end_if_nothing_owed(&out);
                         let _ = done.send(());
                     }
                     // Settling is never batched here: every settle before this is sent.
@@ -256,12 +271,22 @@ impl LinkTask {
                     }
                     None => break,
                 },
+                // The broker's answer to the last grant, awaited after a cancel.
+                _ = self.flows.changed(), if self.cancelled && !self.ended => {
+                    self.end_if_nothing_owed(&out);
+                }
+                _ = sleep_until(give_up(cancelled_at, self.settle_timeout)), if self.cancelled && !self.ended => {
+                    debug!(queue = %self.queue, "the credit's last transfers did not come; consuming ends");
+                    self.end(&out);
+                }
                 received = self.receiver.recv::<Body<Value>>() => match received {
                     Ok(delivery) => {
                         self.credit = self.credit.saturating_sub(1);
-                        if self.cancelled {
-                            // Sent before the broker saw the cancel, after the consumer was
-                            // told it had everything: back to the queue for other consumers.
+                        self.received += 1;
+                        if self.ended {
+                            // Sent on credit the broker still had once the consumer was told
+                            // it had everything (a message published after the cancel onto an
+                            // empty queue): back to the queue for other consumers.
                             let _ = self.receiver.release(&delivery).await;
                             continue;
                         }
@@ -273,6 +298,9 @@ impl LinkTask {
                         if out.send(Incoming::Delivery(Box::new(delivery))).await.is_err() {
                             break;
                         }
+                        if self.cancelled {
+                            self.end_if_nothing_owed(&out);
+                        }
                         if let Err(e) = self.refill().await {
                             let _ = out.try_send(Incoming::Lost(e));
                             break;
@@ -281,6 +309,10 @@ impl LinkTask {
                     Err(RecvError::MessageDecode(undecodable)) => {
                         // It used the credit; the link carries on.
                         self.credit = self.credit.saturating_sub(1);
+                        self.received += 1;
+                        if self.cancelled {
+                            self.end_if_nothing_owed(&out);
+                        }
                         let settled = reject_undecodable(
                             &self.receiver,
                             &self.tap,
@@ -336,6 +368,7 @@ impl LinkTask {
         let held = u32::try_from(self.held.len()).unwrap_or(u32::MAX);
         let target = self.prefetch.saturating_sub(held);
         if target > 0 {
+            self.granted_at = self.flows.borrow().seq;
             timeout(self.settle_timeout, self.receiver.set_credit(target))
                 .await
                 .map_err(|_| TransportError::Timeout {
@@ -348,12 +381,42 @@ impl LinkTask {
         Ok(())
     }
 
-    /// Stops handing deliveries out and granting credit. The credit is not taken back:
-    /// fe2o3 counts a transfer the broker sent before it saw a lowered credit as a violation
-    /// and tears the link down, and the held deliveries could then no longer be settled. What
-    /// the remaining credit still brings is released at once.
+    /// Stops granting credit. The credit is not taken back: fe2o3 counts a transfer the
+    /// broker sent before it saw a lowered credit as a violation and tears the link down, and
+    /// the held deliveries could then no longer be settled. What the broker said it would
+    /// send on the credit it has (see [`owed`](Self::owed)) is still handed out, so that a
+    /// consumer that stops runs it instead of sending it back redelivered (RabbitMQ 3.x marks
+    /// a released message redelivered); only then is the consumer told it has everything.
     fn cancel(&mut self) {
         self.cancelled = true;
+    }
+
+    /// How many transfers the broker is still to send on the credit it has: as many as its
+    /// last flow said it had credit and messages for, less those that came since. `None`
+    /// while the answer to the last grant has not come; `Some(0)` where the broker does not
+    /// say what it has (nothing is then waited for).
+    fn owed(&self) -> Option<u64> {
+        let seen = *self.flows.borrow();
+        if seen.seq <= self.granted_at {
+            return None;
+        }
+        let (Some(credit), Some(available)) = (seen.link_credit, seen.available) else {
+            return Some(0);
+        };
+        let promised = seen.transfers_before + u64::from(credit.min(available));
+        Some(promised.saturating_sub(self.received))
+    }
+
+    /// After a cancel: tells the consumer it has everything once nothing more is owed.
+    fn end_if_nothing_owed(&mut self, out: &mpsc::Sender<Incoming>) {
+        if self.owed() == Some(0) {
+            self.end(out);
+        }
+    }
+
+    fn end(&mut self, out: &mpsc::Sender<Incoming>) {
+        self.ended = true;
+        let _ = out.try_send(Incoming::Cancelled);
     }
 
     /// Detach, never close: closing a link misbehaves on RabbitMQ 3.10. Unsettled deliveries
@@ -373,6 +436,11 @@ impl LinkTask {
         })
         .await;
     }
+}
+
+/// When a cancelled link stops waiting for what its credit still brings.
+fn give_up(cancelled_at: Option<Instant>, after: Duration) -> Instant {
+    cancelled_at.map_or_else(|| Instant::now() + after, |at| at + after)
 }
 
 /// Sends the disposition of one delivery. Requeue is `modified` with `delivery-failed` where

@@ -152,9 +152,10 @@ impl std::fmt::Debug for Amqp10Subscription {
 impl Subscription for Amqp10Subscription {
     type Tag = Amqp10Tag;
 
-    /// After a cancel, the deliveries the link handed over before it still come, then
-    /// `Ok(None)`: a consumer that stops can run what it was given rather than send it
-    /// back redelivered.
+    /// After a cancel, the deliveries the link handed over before it still come, and those
+    /// the broker's last flow said it would still send on the credit it had, then
+    /// `Ok(None)`: a consumer that stops can run what it was given rather than send it back
+    /// redelivered.
     async fn recv(&self) -> Result<Option<Delivery<Amqp10Tag>>, TransportError> {
         if self.shared.is_closed() {
             return Ok(None);

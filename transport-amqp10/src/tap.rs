@@ -61,6 +61,8 @@ pub(crate) struct FlowSeen {
     pub(crate) link_credit: Option<u32>,
     /// The messages the broker could send on the link: on RabbitMQ, the queue's ready ones.
     pub(crate) available: Option<u32>,
+    /// How many complete transfers had come in on the connection before this flow.
+    pub(crate) transfers_before: u64,
 }
 
 /// A message the tap kept from fe2o3.
@@ -341,6 +343,7 @@ impl Frames {
                 link_credit,
                 available,
             }) => {
+                let transfers_before = shared.transfers.load(Ordering::Acquire);
                 shared.flows.send_modify(|seen| {
                     *seen = FlowSeen {
                         seq: seen.seq + 1,
@@ -349,6 +352,7 @@ impl Frames {
                         delivery_count,
                         link_credit,
                         available,
+                        transfers_before,
                     };
                 });
                 self.emit(channel, frame);
