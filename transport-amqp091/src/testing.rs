@@ -409,7 +409,10 @@ impl LogRecorder {
     /// let recorder = LogRecorder::up_to(tracing::Level::INFO);
     /// tracing::subscriber::with_default(recorder.clone(), || tracing::warn!("node down"));
     /// let lines = recorder.timed(tracing::Level::WARN);
-    /// assert!(lines[0].ends_with(" WARN rust_out message=node down"), "{lines:?}");
+    /// // "12:34:56.789 WARN <module> message=node down"
+    /// let (time, rest) = lines[0].split_once(' ').unwrap();
+    /// assert_eq!((time.len(), &time[2..3], &time[8..9]), (12, ":", "."), "{lines:?}");
+    /// assert!(rest.starts_with("WARN ") && rest.ends_with(" message=node down"), "{lines:?}");
     /// ```
     pub fn timed(&self, level: Level) -> Vec<String> {
         self.lock()
