@@ -389,12 +389,7 @@ async fn a_confirm_timeout_fails_every_publish_in_flight_and_publishing_resumes(
     )
     .await
     .unwrap();
-    let upstream = url();
-    let authority = upstream
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .unwrap_or("127.0.0.1:5672")
-        .to_owned();
+    let authority = authority();
     let (pause, paused) = watch::channel(false);
     let port = pausing_proxy(authority, paused).await;
     let through_proxy = AmqpConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"))

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
-use retry_core::{QueueType, RetryPolicy, Subscription, TopologyPlan, Transport};
+use retry_core::{Subscription, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
@@ -89,12 +89,7 @@ async fn a_node_that_accepts_tcp_but_never_answers_delays_the_rebuild_but_does_n
     )
     .await;
     assert_eq!(others, 0, "lapin IO threads left by the other test");
-    let upstream = url();
-    let authority = upstream
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .unwrap_or("127.0.0.1:5672")
-        .to_owned();
+    let authority = authority();
     let (accept, accepting) = watch::channel(Accept::Forward);
     let cut = Arc::new(Notify::new());
     let (port, held) = holding_proxy(authority, accepting, Arc::clone(&cut)).await;
@@ -104,13 +99,7 @@ async fn a_node_that_accepts_tcp_but_never_answers_delays_the_rebuild_but_does_n
         .with_connect_timeout(Duration::from_secs(2))
         .with_reconnect_delay(Duration::from_millis(100), Duration::from_secs(1));
     let q = unique("stall-hold");
-    let policy = RetryPolicy::delays([Duration::from_secs(30)])
-        .build()
-        .unwrap();
-    let plan = TopologyPlan::builder(&q, &policy)
-        .with_queue_type(QueueType::Classic)
-        .build()
-        .unwrap();
+    let plan = classic_plan(&q);
     let mut cleanup = Cleanup::new(&config);
     cleanup.plan(&plan);
     let t = AmqpTransport::connect(through_proxy).await.unwrap();
@@ -256,12 +245,7 @@ async fn a_settle_or_fetch_that_cannot_be_written_fails_in_time_and_holds_nothin
     let Some(config) = broker("stall-writes").await else {
         return;
     };
-    let upstream = url();
-    let authority = upstream
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .unwrap_or("127.0.0.1:5672")
-        .to_owned();
+    let authority = authority();
     let (pause, paused) = watch::channel(false);
     let port = write_pausing_proxy(authority, paused).await;
     let name = config.connection_name().unwrap().to_owned();
@@ -269,13 +253,7 @@ async fn a_settle_or_fetch_that_cannot_be_written_fails_in_time_and_holds_nothin
         .with_connection_name(name)
         .with_request_timeout(Duration::from_secs(2));
     let q = unique("stall-writes");
-    let policy = RetryPolicy::delays([Duration::from_secs(30)])
-        .build()
-        .unwrap();
-    let plan = TopologyPlan::builder(&q, &policy)
-        .with_queue_type(QueueType::Classic)
-        .build()
-        .unwrap();
+    let plan = classic_plan(&q);
     let mut cleanup = Cleanup::new(&config);
     cleanup.plan(&plan);
     let t = AmqpTransport::connect(through_proxy).await.unwrap();

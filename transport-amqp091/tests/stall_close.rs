@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use retry_core::{QueueType, RetryPolicy, Subscription, TopologyPlan, Transport};
+use retry_core::{Subscription, Transport};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -67,25 +67,14 @@ async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consu
     let Some(config) = broker("stall").await else {
         return;
     };
-    let upstream = url();
-    let authority = upstream
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .unwrap_or("127.0.0.1:5672")
-        .to_owned();
+    let authority = authority();
     let cut = Arc::new(Notify::new());
     let port = proxy(&authority, Arc::clone(&cut)).await;
     let name = config.connection_name().unwrap().to_owned();
     let through_proxy = AmqpConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"))
         .with_connection_name(name);
     let q = unique("stall");
-    let policy = RetryPolicy::delays([Duration::from_secs(30)])
-        .build()
-        .unwrap();
-    let plan = TopologyPlan::builder(&q, &policy)
-        .with_queue_type(QueueType::Classic)
-        .build()
-        .unwrap();
+    let plan = classic_plan(&q);
     let mut cleanup = Cleanup::new(&config);
     cleanup.plan(&plan);
     let t = AmqpTransport::connect(through_proxy).await.unwrap();

@@ -474,3 +474,23 @@ pub fn io_loop_threads() -> usize {
         })
         .unwrap_or(0)
 }
+
+/// The broker's `host:port`, from [`url`], for a proxy to stand in front of.
+pub fn authority() -> String {
+    url()
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5672")
+        .to_owned()
+}
+
+/// The plan the connection-fault tests consume under: classic queues, one 30 s delay.
+pub fn classic_plan(queue: &str) -> TopologyPlan {
+    let policy = retry_core::RetryPolicy::delays([Duration::from_secs(30)])
+        .build()
+        .unwrap();
+    TopologyPlan::builder(queue, &policy)
+        .with_queue_type(retry_core::QueueType::Classic)
+        .build()
+        .unwrap()
+}
