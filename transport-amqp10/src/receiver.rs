@@ -192,7 +192,7 @@ pub(crate) async fn start(
         prefetch: credit,
         credit,
         held: HashSet::new(),
-        cancelled: false,
+        cancelled: None,
         ended: false,
         received: 0,
         granted_at,
@@ -217,7 +217,8 @@ struct LinkTask {
     credit: u32,
     /// Delivery ids handed out and not yet settled.
     held: HashSet<u32>,
-    cancelled: bool,
+    /// Once cancelled: until when what the credit still brings is waited for.
+    cancelled: Option<Instant>,
     /// The consumer was told it has everything ([`Incoming::Cancelled`]).
     ended: bool,
     /// Transfers taken in on the link (the connection's only one), as the tap counts them.
@@ -235,7 +236,6 @@ struct LinkTask {
 impl LinkTask {
     async fn run(mut self, mut commands: mpsc::Receiver<Command>, out: mpsc::Sender<Incoming>) {
         let mut close_done = None;
-        let mut cancelled_at = None;
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
@@ -249,7 +249,6 @@ impl LinkTask {
                     }
                     Some(Command::Cancel { done }) => {
                         self.cancel();
-                        cancelled_at = Some(Instant::now());
                         self.end_if_nothing_owed(&out);
                         let _ = done.send(());
                     }
@@ -272,10 +271,10 @@ impl LinkTask {
                     None => break,
                 },
                 // The broker's answer to the last grant, awaited after a cancel.
-                _ = self.flows.changed(), if self.cancelled && !self.ended => {
+                _ = self.flows.changed(), if self.cancelled.is_some() && !self.ended => {
                     self.end_if_nothing_owed(&out);
                 }
-                _ = sleep_until(give_up(cancelled_at, self.settle_timeout)), if self.cancelled && !self.ended => {
+                _ = sleep_until(self.cancelled.unwrap_or_else(Instant::now)), if self.cancelled.is_some() && !self.ended => {
                     debug!(queue = %self.queue, "the credit's last transfers did not come; consuming ends");
                     self.end(&out);
                 }
@@ -298,7 +297,7 @@ impl LinkTask {
                         if out.send(Incoming::Delivery(Box::new(delivery))).await.is_err() {
                             break;
                         }
-                        if self.cancelled {
+                        if self.cancelled.is_some() {
                             self.end_if_nothing_owed(&out);
                         }
                         if let Err(e) = self.refill().await {
@@ -310,7 +309,7 @@ impl LinkTask {
                         // It used the credit; the link carries on.
                         self.credit = self.credit.saturating_sub(1);
                         self.received += 1;
-                        if self.cancelled {
+                        if self.cancelled.is_some() {
                             self.end_if_nothing_owed(&out);
                         }
                         let settled = reject_undecodable(
@@ -362,7 +361,7 @@ impl LinkTask {
     /// transfer beyond the credit it granted. Once this side has counted the whole grant in,
     /// nothing can be on the way, so a new grant cannot be overrun.
     async fn refill(&mut self) -> Result<(), TransportError> {
-        if self.cancelled || self.credit > 0 {
+        if self.cancelled.is_some() || self.credit > 0 {
             return Ok(());
         }
         let held = u32::try_from(self.held.len()).unwrap_or(u32::MAX);
@@ -388,7 +387,7 @@ impl LinkTask {
     /// consumer that stops runs it instead of sending it back redelivered (RabbitMQ 3.x marks
     /// a released message redelivered); only then is the consumer told it has everything.
     fn cancel(&mut self) {
-        self.cancelled = true;
+        self.cancelled = Some(Instant::now() + self.settle_timeout);
     }
 
     /// How many transfers the broker is still to send on the credit it has: as many as its
@@ -436,11 +435,6 @@ impl LinkTask {
         })
         .await;
     }
-}
-
-/// When a cancelled link stops waiting for what its credit still brings.
-fn give_up(cancelled_at: Option<Instant>, after: Duration) -> Instant {
-    cancelled_at.map_or_else(|| Instant::now() + after, |at| at + after)
 }
 
 /// Sends the disposition of one delivery. Requeue is `modified` with `delivery-failed` where
