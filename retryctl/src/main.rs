@@ -33,8 +33,8 @@
 //! included; 2 bad usage or bad input (an unknown option, a `purge` without `--yes`, a
 //! policy file that does not parse or has an unknown key).
 //!
-//! Built with the `cli` feature: `cargo run -p transport-amqp091 --features cli --bin
-//! retryctl -- --help`.
+//! A crate of its own: `cargo run -p retryctl -- --help`, or `cargo install --path
+//! retryctl` to put it on the `PATH`.
 
 mod broker;
 mod error;
