@@ -29,9 +29,17 @@
 //! separated by commas name the nodes of a cluster: `retryctl` connects to the first that
 //! answers, and the topology commands plan quorum queues unless `--classic` is given.
 //!
+//! The protocol follows the URL's scheme: `amqp://` and `amqps://` speak AMQP 0-9-1
+//! (transport-amqp091), or AMQP 1.0 (transport-amqp10, RabbitMQ's AMQP 1.0 plugin) with
+//! `--protocol amqp10` (or `RETRYCTL_PROTOCOL=amqp10`); any other scheme is refused. Over
+//! AMQP 1.0 the `parked` commands work as over 0-9-1; `topology apply` is refused (RabbitMQ
+//! cannot declare queues over AMQP 1.0: apply over 0-9-1), and `topology verify` checks
+//! that every address of the plan exists, without the probes, which need AMQP 0-9-1.
+//!
 //! Exit codes: 0 success; 1 failure, a mismatch found by `verify` or an unknown queue
 //! included; 2 bad usage or bad input (an unknown option, a `purge` without `--yes`, a
-//! policy file that does not parse or has an unknown key).
+//! policy file that does not parse or has an unknown key, a URL scheme no protocol speaks,
+//! `topology apply` over AMQP 1.0).
 //!
 //! A crate of its own: `cargo run -p retryctl -- --help`, or `cargo install --path
 //! retryctl` to put it on the `PATH`.
@@ -40,6 +48,7 @@ mod broker;
 mod error;
 mod parked;
 mod policy;
+mod protocol;
 mod render;
 mod topology;
 mod verify;
@@ -49,6 +58,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::error::CliError;
+use crate::protocol::Protocol;
 
 /// The broker when neither `--url` nor `AMQP_URL` says otherwise.
 const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -71,6 +81,17 @@ struct Cli {
                 password is never printed"
     )]
     url: String,
+
+    /// The protocol of an amqp:// or amqps:// URL: amqp091 (AMQP 0-9-1, the default) or
+    /// amqp10 (AMQP 1.0: no `topology apply`, and `topology verify` without probes).
+    #[arg(
+        long,
+        global = true,
+        env = "RETRYCTL_PROTOCOL",
+        hide_env_values = true,
+        value_name = "PROTOCOL"
+    )]
+    protocol: Option<Protocol>,
 
     #[command(subcommand)]
     command: Command,
@@ -108,9 +129,28 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
+    let broker = Broker {
+        url: &cli.url,
+        protocol: cli.protocol,
+    };
     match cli.command {
-        Command::Parked(command) => parked::run(command, &cli.url),
-        Command::Topology(command) => topology::run(command, &cli.url),
+        Command::Parked(command) => parked::run(command, &broker),
+        Command::Topology(command) => topology::run(command, &broker),
+    }
+}
+
+/// The broker a command talks to: its URL, and the protocol asked for.
+pub(crate) struct Broker<'a> {
+    /// `--url`.
+    pub url: &'a str,
+    /// `--protocol`, if given.
+    pub protocol: Option<Protocol>,
+}
+
+impl Broker<'_> {
+    /// The protocol to speak: see [`Protocol::for_url`].
+    pub fn protocol(&self) -> Result<Protocol, CliError> {
+        Protocol::for_url(self.protocol, self.url)
     }
 }
 

@@ -3,6 +3,9 @@
 //! Every command walks the parking queue with [`ParkingLot`]: messages it does not take stay
 //! where they are, unchanged, and one message at a time is held in memory, whatever the
 //! length of the queue.
+//!
+//! The commands are generic over the transport ([`retry_core::Transport`]): AMQP 0-9-1
+//! (`AmqpTransport`) or AMQP 1.0 (`Amqp10Transport`), as [`Protocol`] says.
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -13,14 +16,16 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use retry_core::headers::{self, PREVIOUS_ERROR, PREVIOUS_REASON, REPLAYED_AT, REPLAYS};
 use retry_core::{
     Headers, ParkedFilter, ParkedMessage, ParkedReason, ParkedRecord, ParkingError, ParkingLot,
-    ParkingReport, Properties, ReplayOptions, Timestamp, TopologyPlan,
+    ParkingReport, Properties, ReplayOptions, Timestamp, TopologyPlan, Transport, TransportError,
 };
 use serde_json::{Value, json};
+use transport_amqp10::{Amqp10Transport, NATIVE_HEADER};
 use transport_amqp091::AmqpTransport;
 
 use crate::error::CliError;
+use crate::protocol::{self, Protocol};
 use crate::render::{header_json, hex};
-use crate::{block_on, broker, outln};
+use crate::{Broker, block_on, broker, outln};
 
 /// The `parked` subcommands.
 #[derive(Debug, Subcommand)]
@@ -175,22 +180,92 @@ fn parse_when(text: &str) -> Result<Timestamp, String> {
     }
 }
 
-/// Runs a `parked` subcommand against the broker at `url`.
-pub fn run(command: ParkedCommand, url: &str) -> Result<(), CliError> {
+/// Runs a `parked` subcommand against `broker`, over the protocol it calls for.
+pub fn run(command: ParkedCommand, broker: &Broker<'_>) -> Result<(), CliError> {
     if let ParkedCommand::Purge { yes: false, .. } = command {
         return Err(CliError::usage(
             "purge removes the selected messages for good: add --yes to confirm",
         ));
     }
+    let protocol = broker.protocol()?;
     block_on(async {
-        let transport = Arc::new(broker::connect(url).await?);
-        let result = run_on(command, &transport).await;
-        let _ = transport.close().await;
-        result
+        match protocol {
+            Protocol::Amqp091 => {
+                let transport = Arc::new(broker::connect(broker.url).await?);
+                let result = run_on(command, &transport).await;
+                let _ = transport.close().await;
+                result
+            }
+            Protocol::Amqp10 => {
+                let transport = Arc::new(protocol::connect_amqp10(broker.url).await?);
+                let result = run_on(command, &transport).await;
+                transport.close().await;
+                result
+            }
+        }
     })
 }
 
-async fn run_on(command: ParkedCommand, transport: &Arc<AmqpTransport>) -> Result<(), CliError> {
+/// What a queue holds, as far as the protocol can tell without taking anything.
+pub(crate) enum Depth {
+    /// There is no such queue.
+    Missing,
+    /// It exists, with this many messages ready.
+    Ready(u64),
+    /// The protocol cannot tell: the walk finds out.
+    Unknown,
+}
+
+/// What the `parked` commands ask of a transport besides walking and publishing.
+pub(crate) trait Inspect: Transport {
+    /// Whether a message can hold headers this protocol does not show, which a copy
+    /// replayed over it would lose: a replay first checks that none of the selected
+    /// messages is one ([`hides_headers`](Self::hides_headers)).
+    const MAY_HIDE_HEADERS: bool = false;
+
+    /// Whether `parked` may have headers this protocol does not show.
+    fn hides_headers(_parked: &ParkedMessage) -> bool {
+        false
+    }
+
+    /// Queue `name`'s [`Depth`].
+    async fn depth(&self, name: &str) -> Result<Depth, CliError>;
+}
+
+/// A passive declare.
+impl Inspect for AmqpTransport {
+    async fn depth(&self, name: &str) -> Result<Depth, CliError> {
+        Ok(match broker::queue_state(&self.connection(), name).await? {
+            Some(state) => Depth::Ready(u64::from(state.messages)),
+            None => Depth::Missing,
+        })
+    }
+}
+
+/// transport-amqp10 offers no count or existence check of a single queue: a missing
+/// parking queue fails the walk, a missing work queue the first replayed copy (which stays
+/// parked), and both are reported as over AMQP 0-9-1.
+///
+/// RabbitMQ 3.x shows AMQP 1.0 clients none of the headers of a message published over AMQP
+/// 0-9-1 (one parked by an AMQP 0-9-1 consumer): such a message reads as having no
+/// application properties, only the transport's own [`NATIVE_HEADER`].
+impl Inspect for Amqp10Transport {
+    const MAY_HIDE_HEADERS: bool = true;
+
+    fn hides_headers(parked: &ParkedMessage) -> bool {
+        parked
+            .message()
+            .headers()
+            .iter()
+            .all(|(name, _)| name == NATIVE_HEADER)
+    }
+
+    async fn depth(&self, _: &str) -> Result<Depth, CliError> {
+        Ok(Depth::Unknown)
+    }
+}
+
+async fn run_on<T: Inspect>(command: ParkedCommand, transport: &Arc<T>) -> Result<(), CliError> {
     match command {
         ParkedCommand::List {
             queue,
@@ -199,11 +274,11 @@ async fn run_on(command: ParkedCommand, transport: &Arc<AmqpTransport>) -> Resul
             json,
         } => {
             let (lot, total) = open(transport, &queue, false).await?;
-            list(&lot, &filter.filter(), limit, json, total).await
+            list(&lot, &queue, &filter.filter(), limit, json, total).await
         }
         ParkedCommand::Show { queue, id, json } => {
             let (lot, _) = open(transport, &queue, false).await?;
-            show(&lot, &id, json).await
+            show(&lot, &queue, &id, json).await
         }
         ParkedCommand::Replay {
             queue,
@@ -212,6 +287,9 @@ async fn run_on(command: ParkedCommand, transport: &Arc<AmqpTransport>) -> Resul
             dry_run,
         } => {
             let (lot, total) = open(transport, &queue, true).await?;
+            if T::MAY_HIDE_HEADERS {
+                refuse_hidden_headers::<T>(&lot, &queue, &select.filter.filter()).await?;
+            }
             let mut options = ReplayOptions::default().with_dry_run(dry_run);
             if let Some(rate) = rate {
                 options = options.with_rate(rate);
@@ -223,7 +301,7 @@ async fn run_on(command: ParkedCommand, transport: &Arc<AmqpTransport>) -> Resul
                 })
                 .await;
             progress.finish_and_clear();
-            let report = result.map_err(|e| walk_error("replay", e))?;
+            let report = result.map_err(|e| walk_error("replay", &queue, e))?;
             if dry_run {
                 outln!(
                     "dry run: {} would be replayed to {}; replayed 0, left {} in {}",
@@ -250,7 +328,7 @@ async fn run_on(command: ParkedCommand, transport: &Arc<AmqpTransport>) -> Resul
                 .purge(&select.filter.filter(), |r| progress.set_position(r.seen))
                 .await;
             progress.finish_and_clear();
-            let report = result.map_err(|e| walk_error("purge", e))?;
+            let report = result.map_err(|e| walk_error("purge", &queue, e))?;
             outln!(
                 "purged {}, left {} in {}",
                 report.purged,
@@ -262,42 +340,93 @@ async fn run_on(command: ParkedCommand, transport: &Arc<AmqpTransport>) -> Resul
     }
 }
 
-/// The parking lot of `queue`, and how many messages its parking queue has ready. Fails,
-/// naming the queue, when the parking queue (or, for a replay, the work queue) does not
-/// exist.
-async fn open(
-    transport: &Arc<AmqpTransport>,
+/// The parking lot of `queue`, and how many messages its parking queue has ready, when the
+/// protocol can tell. Fails, naming the queue, when the parking queue (or, for a replay, the
+/// work queue) is known not to exist.
+async fn open<T: Inspect>(
+    transport: &Arc<T>,
     queue: &QueueArgs,
     replays: bool,
-) -> Result<(ParkingLot<Arc<AmqpTransport>>, u64), CliError> {
+) -> Result<(ParkingLot<Arc<T>>, Option<u64>), CliError> {
     let parking = queue.parking_queue();
-    let conn = &transport.connection();
-    let Some(state) = broker::queue_state(conn, &parking).await? else {
-        let hint = if queue.parking.is_some() {
-            String::new()
-        } else {
-            format!(
-                " (the parking queue of work queue {:?}; --parking names another)",
-                queue.queue
-            )
-        };
-        return Err(CliError::failure(format!(
-            "parking queue {parking:?} does not exist{hint}"
-        )));
+    let total = match transport.depth(&parking).await? {
+        Depth::Missing => return Err(no_parking_queue(queue)),
+        Depth::Ready(n) => Some(n),
+        Depth::Unknown => None,
     };
-    if replays && broker::queue_state(conn, &queue.queue).await?.is_none() {
-        return Err(CliError::failure(format!(
-            "work queue {:?} does not exist: replays go to it",
-            queue.queue
-        )));
+    if replays && matches!(transport.depth(&queue.queue).await?, Depth::Missing) {
+        return Err(no_work_queue(queue));
     }
     let lot = ParkingLot::with_queues(Arc::clone(transport), queue.queue.as_str(), parking);
-    Ok((lot, u64::from(state.messages)))
+    Ok((lot, total))
 }
 
-/// A parking-lot error as the command reports it.
-fn walk_error(what: &str, e: ParkingError) -> CliError {
+fn no_parking_queue(queue: &QueueArgs) -> CliError {
+    let parking = queue.parking_queue();
+    let hint = if queue.parking.is_some() {
+        String::new()
+    } else {
+        format!(
+            " (the parking queue of work queue {:?}; --parking names another)",
+            queue.queue
+        )
+    };
+    CliError::failure(format!("parking queue {parking:?} does not exist{hint}"))
+}
+
+fn no_work_queue(queue: &QueueArgs) -> CliError {
+    CliError::failure(format!(
+        "work queue {:?} does not exist: replays go to it",
+        queue.queue
+    ))
+}
+
+/// Refuses a replay (exit 2) when a message it selects may have headers the protocol does
+/// not show: its copy would go out without them.
+async fn refuse_hidden_headers<T: Inspect>(
+    lot: &ParkingLot<Arc<T>>,
+    queue: &QueueArgs,
+    filter: &ParkedFilter,
+) -> Result<(), CliError> {
+    let mut hidden = 0u64;
+    lot.browse(filter, |parked| {
+        if T::hides_headers(&parked) {
+            hidden += 1;
+        }
+        ControlFlow::Continue(())
+    })
+    .await
+    .map_err(|e| walk_error("reading", queue, e))?;
+    if hidden == 0 {
+        return Ok(());
+    }
+    Err(CliError::usage(format!(
+        "nothing replayed: {hidden} of the selected messages in {} show no headers over AMQP \
+         1.0, as RabbitMQ 3.x shows a message published over AMQP 0-9-1 (one parked by an AMQP \
+         0-9-1 consumer), and a copy replayed over AMQP 1.0 would lose them: replay over AMQP \
+         0-9-1 (without --protocol amqp10)",
+        lot.parking_queue()
+    )))
+}
+
+/// A parking-lot error as the command reports it. A queue found missing only by the walk (a
+/// protocol that cannot look first) is reported as [`open`] reports it.
+fn walk_error(what: &str, queue: &QueueArgs, e: ParkingError) -> CliError {
     let done = e.report();
+    let cause = match &e {
+        ParkingError::Interrupted { source, .. } => source,
+        e => e,
+    };
+    if done.replayed == 0 && done.purged == 0 {
+        match cause {
+            ParkingError::UnknownQueue { .. } => return no_parking_queue(queue),
+            ParkingError::CopyRefused {
+                source: Some(TransportError::MissingAddress { .. }),
+                ..
+            } => return no_work_queue(queue),
+            _ => {}
+        }
+    }
     let text = if done == ParkingReport::default() {
         format!("{what} failed")
     } else {
@@ -309,22 +438,27 @@ fn walk_error(what: &str, e: ParkingError) -> CliError {
     CliError::failure_from(text, e)
 }
 
-/// A progress bar on standard error, hidden when that is not a terminal.
-fn progress_bar(total: u64) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+/// A progress bar on standard error, hidden when that is not a terminal; without a total, a
+/// count.
+fn progress_bar(total: Option<u64>) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr());
+    let template = match total {
+        Some(_) => "{bar:40} {pos}/{len} read ({per_sec}, {eta} left)",
+        None => "{spinner} {pos} read ({per_sec})",
+    };
     bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} read ({per_sec}, {eta} left)")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar
 }
 
-async fn list(
-    lot: &ParkingLot<Arc<AmqpTransport>>,
+async fn list<T: Transport>(
+    lot: &ParkingLot<T>,
+    queue: &QueueArgs,
     filter: &ParkedFilter,
     limit: Option<u64>,
     json: bool,
-    total: u64,
+    total: Option<u64>,
 ) -> Result<(), CliError> {
     if !json {
         outln!(
@@ -337,9 +471,11 @@ async fn list(
         );
     }
     let mut listed = 0u64;
+    let mut stopped = false;
     let report = lot
         .browse(filter, |parked| {
             if limit.is_some_and(|n| listed >= n) {
+                stopped = true;
                 return ControlFlow::Break(());
             }
             listed += 1;
@@ -349,14 +485,24 @@ async fn list(
                 outln!("{}", record_line(&parked));
             }
             if limit.is_some_and(|n| listed >= n) {
+                stopped = true;
                 ControlFlow::Break(())
             } else {
                 ControlFlow::Continue(())
             }
         })
         .await
-        .map_err(|e| walk_error("listing", e))?;
+        .map_err(|e| walk_error("listing", queue, e))?;
     if !json {
+        // A walk that went to the end counted the queue.
+        let Some(total) = total.or((!stopped).then_some(report.seen)) else {
+            outln!(
+                "{listed} listed; {} read in {}, which may hold more",
+                report.seen,
+                lot.parking_queue()
+            );
+            return Ok(());
+        };
         let seen = if report.seen < total {
             format!(", {} of them read", report.seen)
         } else {
@@ -370,14 +516,19 @@ async fn list(
     Ok(())
 }
 
-async fn show(lot: &ParkingLot<Arc<AmqpTransport>>, id: &str, json: bool) -> Result<(), CliError> {
+async fn show<T: Transport>(
+    lot: &ParkingLot<T>,
+    queue: &QueueArgs,
+    id: &str,
+    json: bool,
+) -> Result<(), CliError> {
     let mut found = None;
     lot.browse(&ParkedFilter::ids([id]), |parked| {
         found = Some(parked);
         ControlFlow::Break(())
     })
     .await
-    .map_err(|e| walk_error("reading", e))?;
+    .map_err(|e| walk_error("reading", queue, e))?;
     let Some(parked) = found else {
         return Err(CliError::failure(format!(
             "no message with id {id:?} in {}",

@@ -8,9 +8,10 @@ use serde_json::{Value, json};
 
 use crate::error::CliError;
 use crate::policy::PlanArgs;
+use crate::protocol::Protocol;
 use crate::render::header_json;
 use crate::verify::{self, VerifyArgs};
-use crate::{block_on, broker, outln};
+use crate::{Broker, block_on, broker, outln};
 
 /// The `topology` subcommands.
 #[derive(Debug, Subcommand)]
@@ -26,19 +27,22 @@ pub enum TopologyCommand {
     },
     /// Declare the plan on the broker, idempotently, and say which objects were created and
     /// which already existed as planned. An object that exists with other settings is an
-    /// error naming it and the setting.
+    /// error naming it and the setting. AMQP 0-9-1 only: RabbitMQ cannot declare queues over
+    /// AMQP 1.0.
     Apply {
         #[command(flatten)]
         plan: PlanArgs,
     },
     /// Check from outside that the broker matches the plan: every object exists, and a probe
     /// sent through each delay queue comes back where the plan says. Deletes nothing; stop
-    /// the work queue's consumers for a conclusive check. Exits 1 on any mismatch.
+    /// the work queue's consumers for a conclusive check. Exits 1 on any mismatch. Over AMQP
+    /// 1.0 only the objects are checked: the probes need AMQP 0-9-1.
     Verify(VerifyArgs),
 }
 
-/// Runs a `topology` subcommand against the broker at `url` (`plan` does not connect).
-pub fn run(command: TopologyCommand, url: &str) -> Result<(), CliError> {
+/// Runs a `topology` subcommand against `broker` (`plan` does not connect).
+pub fn run(command: TopologyCommand, broker: &Broker<'_>) -> Result<(), CliError> {
+    let url = broker.url;
     match command {
         TopologyCommand::Plan { plan, json } => {
             let plan = plan.plan(url)?;
@@ -51,16 +55,31 @@ pub fn run(command: TopologyCommand, url: &str) -> Result<(), CliError> {
             }
             Ok(())
         }
-        TopologyCommand::Apply { plan } => {
-            let plan = plan.plan(url)?;
-            block_on(apply(&plan, url))
-        }
+        TopologyCommand::Apply { plan } => match broker.protocol()? {
+            Protocol::Amqp091 => {
+                let plan = plan.plan(url)?;
+                block_on(apply(&plan, url))
+            }
+            Protocol::Amqp10 => Err(CliError::usage(format!(
+                "topology apply needs AMQP 0-9-1: RabbitMQ cannot declare queues over AMQP \
+                 1.0. Run it without --protocol amqp10, on the broker's AMQP 0-9-1 URL \
+                 (amqp://USER:PASSWORD@HOST:5672/VHOST, e.g. {DEFAULT_091}); `topology verify \
+                 --protocol amqp10` then checks the result over AMQP 1.0"
+            ))),
+        },
         TopologyCommand::Verify(args) => {
+            let protocol = broker.protocol()?;
             let plan = args.plan.plan(url)?;
-            block_on(verify::verify(&plan, &args, url))
+            match protocol {
+                Protocol::Amqp091 => block_on(verify::verify(&plan, &args, url)),
+                Protocol::Amqp10 => block_on(verify::verify_amqp10(&plan, url)),
+            }
         }
     }
 }
+
+/// An AMQP 0-9-1 URL as an example, its password masked.
+const DEFAULT_091: &str = "amqp://guest:****@127.0.0.1:5672/%2f";
 
 /// Declares `plan` and prints, object by object, what was created and what was verified.
 async fn apply(plan: &TopologyPlan, url: &str) -> Result<(), CliError> {

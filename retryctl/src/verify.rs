@@ -15,6 +15,10 @@
 //! all: a probe would come back behind them. Running consumers acknowledge probes without
 //! running their handler, so the check is conclusive only with the work queue's consumers
 //! stopped.
+//!
+//! Over AMQP 1.0 ([`verify_amqp10`]) only the first check is made, with
+//! `Amqp10Transport::verify`: AMQP 1.0 can neither read bindings nor dead-letter a probe
+//! back where AMQP 0-9-1 reads it.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -26,14 +30,14 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
-use retry_core::{HeaderValue, Headers, QueueRole, Route, TopologyPlan, headers};
+use retry_core::{HeaderValue, Headers, QueueRole, Route, TopologyPlan, TransportError, headers};
 use transport_amqp091::headers_from_table;
 
 use crate::broker::{self, QueueState};
 use crate::error::CliError;
-use crate::outln;
 use crate::policy::PlanArgs;
 use crate::topology::role_ttl;
+use crate::{outln, protocol};
 
 /// How long past its expiration a probe may take to come back.
 const MARGIN: Duration = Duration::from_secs(5);
@@ -47,7 +51,8 @@ pub struct VerifyArgs {
     pub plan: PlanArgs,
 
     /// The longest a probe waits in a delay queue: each probe expires after its queue's TTL or
-    /// this, whichever is shorter, and is waited for this long plus 5 s at most.
+    /// this, whichever is shorter, and is waited for this long plus 5 s at most. AMQP 0-9-1
+    /// only: over AMQP 1.0 nothing is probed.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_probe_ttl)]
     pub max_probe_ttl: Duration,
 }
@@ -122,11 +127,7 @@ enum Outcome {
 /// Checks the broker at `url` against `plan`; prints one line per object and fails (exit 1)
 /// on any mismatch.
 pub async fn verify(plan: &TopologyPlan, args: &VerifyArgs, url: &str) -> Result<(), CliError> {
-    if plan.cascade().is_some() {
-        return Err(CliError::usage(
-            "plans with a delay cascade are not verified (a policy file gives per-delay plans)",
-        ));
-    }
+    refuse_cascade(plan)?;
     let transport = broker::connect(url).await?;
     let result = verify_on(
         plan,
@@ -139,6 +140,79 @@ pub async fn verify(plan: &TopologyPlan, args: &VerifyArgs, url: &str) -> Result
     result
 }
 
+fn refuse_cascade(plan: &TopologyPlan) -> Result<(), CliError> {
+    if plan.cascade().is_some() {
+        return Err(CliError::usage(
+            "plans with a delay cascade are not verified (a policy file gives per-delay plans)",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks over AMQP 1.0 that every exchange and queue of `plan` exists at `url`; prints one
+/// line per object, as [`verify`] does, and fails (exit 1) when one is missing. Sends no
+/// probe.
+pub async fn verify_amqp10(plan: &TopologyPlan, url: &str) -> Result<(), CliError> {
+    refuse_cascade(plan)?;
+    let transport = protocol::connect_amqp10(url).await?;
+    let at = transport.config().redacted_url();
+    let checked = transport.verify(plan).await;
+    transport.close().await;
+    // The transport names every missing object, as `queue NAME` or `exchange NAME`.
+    let missing: Vec<String> = match checked {
+        Ok(()) => Vec::new(),
+        Err(TransportError::MissingAddress { address, .. }) => {
+            address.split(", ").map(str::to_owned).collect()
+        }
+        Err(e) => return Err(CliError::failure_from("cannot verify the plan", e)),
+    };
+    let work = plan.work_queue();
+    if missing.contains(&format!("queue {work}")) {
+        return Err(no_work_queue(work, &at));
+    }
+    outln!(
+        "verifying work queue `{work}` on {at} over AMQP 1.0: that every object exists (the \
+         probes through the delay queues need AMQP 0-9-1)"
+    );
+    let objects: Vec<String> = plan
+        .exchanges()
+        .iter()
+        .map(|e| format!("exchange {}", e.name))
+        .chain(plan.queues().iter().map(|q| format!("queue {}", q.name)))
+        .collect();
+    let mut failed = 0;
+    for object in &objects {
+        if missing.contains(object) {
+            failed += 1;
+            outln!("  FAIL  {object}: missing");
+        } else {
+            outln!("  ok    {object}");
+        }
+    }
+    if failed == 0 && !missing.is_empty() {
+        // Named otherwise than expected: report what the transport said.
+        return Err(CliError::failure(format!(
+            "missing on {at}: {}",
+            missing.join(", ")
+        )));
+    }
+    if failed > 0 {
+        return Err(CliError::failure(format!(
+            "{failed} of {} checks failed: the broker does not match the plan of `{work}`",
+            objects.len()
+        )));
+    }
+    outln!("every object of the plan of `{work}` exists (its routing is not probed over AMQP 1.0)");
+    Ok(())
+}
+
+fn no_work_queue(work: &str, at: &str) -> CliError {
+    CliError::failure(format!(
+        "there is no queue `{work}` on {at}: check the name, or create its topology with \
+         `retryctl topology apply {work} --policy FILE`"
+    ))
+}
+
 async fn verify_on(
     plan: &TopologyPlan,
     args: &VerifyArgs,
@@ -147,10 +221,7 @@ async fn verify_on(
 ) -> Result<(), CliError> {
     let work = plan.work_queue();
     let Some(_) = broker::queue_state(conn, work).await? else {
-        return Err(CliError::failure(format!(
-            "there is no queue `{work}` on {at}: check the name, or create its topology with \
-             `retryctl topology apply {work} --policy FILE`"
-        )));
+        return Err(no_work_queue(work, at));
     };
     outln!("verifying work queue `{work}` on {at}");
 

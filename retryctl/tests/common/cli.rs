@@ -50,6 +50,8 @@ pub async fn retryctl_with_env(args: &[&str], amqp_url: &str) -> Run {
     let out = tokio::process::Command::new(RETRYCTL)
         .args(args)
         .env("AMQP_URL", amqp_url)
+        // The protocol is the one the arguments ask for, whatever the environment says.
+        .env_remove("RETRYCTL_PROTOCOL")
         .output()
         .await
         .expect("retryctl runs");
