@@ -460,7 +460,9 @@ async fn list<T: Transport>(
     json: bool,
     total: Option<u64>,
 ) -> Result<(), CliError> {
-    if !json {
+    // The table's header comes with the first line, or after a walk that listed none: not
+    // before an error that only the walk finds (a missing queue, over AMQP 1.0).
+    let header = || {
         outln!(
             "{:<24} {:<18} {:>8} {:>7}  {:<24}  LAST ERROR",
             "ID",
@@ -469,7 +471,7 @@ async fn list<T: Transport>(
             "CRASHES",
             "PARKED AT"
         );
-    }
+    };
     let mut listed = 0u64;
     let mut stopped = false;
     let report = lot
@@ -477,6 +479,9 @@ async fn list<T: Transport>(
             if limit.is_some_and(|n| listed >= n) {
                 stopped = true;
                 return ControlFlow::Break(());
+            }
+            if !json && listed == 0 {
+                header();
             }
             listed += 1;
             if json {
@@ -494,6 +499,9 @@ async fn list<T: Transport>(
         .await
         .map_err(|e| walk_error("listing", queue, e))?;
     if !json {
+        if listed == 0 {
+            header();
+        }
         // A walk that went to the end counted the queue.
         let Some(total) = total.or((!stopped).then_some(report.seen)) else {
             outln!(

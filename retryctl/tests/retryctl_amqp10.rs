@@ -303,6 +303,7 @@ async fn parked_over_amqp10_purges_but_will_not_replay_what_an_amqp091_consumer_
     let nowhere = format!("{queue}-nowhere");
     let unknown = retryctl10(&["parked", "list", &nowhere]).await;
     assert_eq!(unknown.code, 1, "{unknown:?}");
+    assert!(unknown.stdout.is_empty(), "{unknown:?}");
     assert!(
         unknown.stderr.contains(&format!(
             "parking queue \"{nowhere}.parking\" does not exist"
