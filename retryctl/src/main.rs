@@ -35,11 +35,14 @@
 //! AMQP 1.0 the `parked` commands work as over 0-9-1; `topology apply` is refused (RabbitMQ
 //! cannot declare queues over AMQP 1.0: apply over 0-9-1), and `topology verify` checks
 //! that every address of the plan exists, without the probes, which need AMQP 0-9-1.
+//! RabbitMQ 3.x shows AMQP 1.0 clients none of the headers of a message parked over AMQP
+//! 0-9-1: it lists as `unknown`, and a replay over AMQP 1.0 that selects it is refused.
 //!
 //! Exit codes: 0 success; 1 failure, a mismatch found by `verify` or an unknown queue
 //! included; 2 bad usage or bad input (an unknown option, a `purge` without `--yes`, a
 //! policy file that does not parse or has an unknown key, a URL scheme no protocol speaks,
-//! `topology apply` over AMQP 1.0).
+//! `topology apply` over AMQP 1.0, a replay over AMQP 1.0 of a message whose headers it
+//! cannot see).
 //!
 //! A crate of its own: `cargo run -p retryctl -- --help`, or `cargo install --path
 //! retryctl` to put it on the `PATH`.
