@@ -39,16 +39,9 @@ async fn retryctl10(args: &[&str]) -> Run {
     retryctl(&all).await
 }
 
-/// `url` as transport-amqp10 shows it: the password replaced by `***`.
+/// `url` as transport-amqp10 shows it, its password masked.
 fn redacted10(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap();
-    match rest.split_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split(':').next().unwrap();
-            format!("{scheme}://{user}:***@{host}")
-        }
-        None => url.to_owned(),
-    }
+    transport_amqp10::Amqp10Config::new(url).redacted_url()
 }
 
 fn text(s: &str) -> AMQPValue {
