@@ -47,3 +47,17 @@ struct Limitations;
 #[doc = include_str!("../../docs/testing.md")]
 struct Testing;
 
+// The crates' READMEs that no crate of their own compiles (transport-memory's README is its
+// own crate's doc test, and the root README is retry-core's).
+
+/// `retry-core/README.md`.
+#[doc = include_str!("../../retry-core/README.md")]
+struct RetryCoreReadme;
+
+/// `transport-amqp091/README.md`.
+#[doc = include_str!("../../transport-amqp091/README.md")]
+struct Amqp091Readme;
+
+/// `transport-amqp10/README.md`.
+#[doc = include_str!("../../transport-amqp10/README.md")]
+struct Amqp10Readme;
