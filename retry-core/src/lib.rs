@@ -49,7 +49,7 @@
 //!   the work queue with their counters reset and their history kept ([`replay_headers`]),
 //!   or purge them. It reads the queue through a [`QueueWalk`] ([`Transport::walk`]), which
 //!   leaves what it does not take in place, and holds one message at a time.
-//!   `retryctl parked` (transport-amqp091's `cli` feature) is this API on RabbitMQ.
+//!   `retryctl parked` (the `retryctl` crate) is this API from a shell.
 //!
 //! ## The run loop
 //!
@@ -104,143 +104,28 @@
 //! embedded`); [`Terminal`]'s `Display` and [`Terminal::is_final`],
 //! [`TopologyPlan::lane_queue`] and `Outcome::from(handler_result)` are the helpers it uses.
 //!
-//! ## Header schema
+//! ## Headers, crash attribution, metrics
 //!
-//! The engine keeps its state on the message, in headers it owns (AMQP 0-9-1 headers, AMQP
-//! 1.0 application properties). The body is never touched. Times are integers counting
-//! milliseconds since the Unix epoch.
+//! The guide, in the repository's `docs/` folder (plain Markdown, `docs/README.md` is its
+//! table of contents), explains the concepts behind these types; the API docs here do not
+//! repeat it:
 //!
-//! | header | type | meaning |
-//! |---|---|---|
-//! | `x-retry-attempts` | integer | handler runs that failed so far |
-//! | `x-retry-crashes` | integer | deliveries lost to a consumer crash so far |
-//! | `x-retry-first-failure` | integer (ms) | first failure or crash |
-//! | `x-retry-last-failure` | integer (ms) | latest failure or crash |
-//! | `x-retry-last-error` | string, ≤ 1024 bytes | the latest failure's cause, cut at a character boundary |
-//! | `x-retry-origin-queue` | string | the queue the message was consumed from when it first failed |
-//! | `x-retry-origin-exchange` | string | the exchange of that delivery |
-//! | `x-retry-origin-routing-key` | string | the routing key of that delivery |
-//! | `x-retry-reason` | string | on parked messages: `attempts-exhausted`, `max-elapsed`, `permanent` or `crash-loop` |
-//! | `x-retry-delay` | integer (ms) | on delayed copies: the delay they went through |
-//! | `x-retry-replays` | integer | on replayed copies: times replayed from the parking queue |
-//! | `x-retry-replayed-at` | integer (ms) | on replayed copies: the latest replay |
-//! | `x-retry-previous-reason` | string | on replayed copies: the reason it had been parked with |
-//! | `x-retry-previous-error` | string | on replayed copies: the last error it had been parked with |
-//! | `x-retry-probe` | any | marks a topology probe: consumers acknowledge it without running the handler |
-//! | `x-retry-suspect` | integer | on a suspect's copy in the isolation queue: a token unique to that copy, which excuses are keyed by |
-//! | `x-retry-publish-id` | integer | a transport's stamp on one publish, so that a returned message names its publish ([`ReturnMatcher`]); clones drop it |
-//!
-//! Counters above [`MAX_COUNTER`], negative numbers, times past the year 9999, wrong types
-//! and garbage bytes are read as absent and reported in [`Malformed`]. The broker's own
-//! counters are read too: `x-death` (summed into [`DeliveryFacts::deaths`]), quorum
-//! `x-delivery-count` (into [`DeliveryFacts::x_delivery_count`], which the engine trusts only
-//! when its plan's queues are quorum queues: on a classic queue only a publisher can have set
-//! it), AMQP 1.0 `delivery-count` (into [`DeliveryFacts::delivery_count`]), and the
-//! redelivered flag or AMQP 1.0 `first-acquirer`. Clones drop the broker-owned headers listed
-//! in [`headers::BROKER_OWNED`].
-//!
-//! ## Crash attribution
-//!
-//! The redelivered flag (or a broker delivery count) says a consumer went away holding a
-//! delivery. It does not say which delivery killed it: with prefetch 20, one poison message
-//! takes 19 bystanders down with it, and a dropped connection or a requeue looks the same.
-//! So a redelivered delivery is never blamed on sight:
-//!
-//! 1. A delivery that arrives redelivered from the work queue is a **suspect**. It is cloned,
-//!    with a confirm, into the plan's isolation queue (`Q.suspect`) and the original is
-//!    acknowledged ([`Terminal::Isolated`]). No crash is counted and its handler does not run.
-//! 2. Suspects **run alone**. When the isolation queue has messages, the consumer stops
-//!    starting work-queue handlers, lets the running ones finish and settle, sends its
-//!    batched acknowledgements, then fetches exactly one suspect and runs it with nothing
-//!    else running; it settles it and fetches the next, until the queue is empty or the
-//!    [solo limit](ConsumerBuilder::with_solo_limit) is reached, and the work lane resumes.
-//! 3. Only a suspect that comes back **redelivered from the isolation queue** counts a crash:
-//!    it was the only thing running when its consumer died. It goes through the crash delay
-//!    back to the isolation queue ([`Terminal::Diverted`]), and past the crash limit it is
-//!    parked with reason `crash-loop`. A suspect whose connection dropped while it ran, in a
-//!    process that saw the drop, or that was requeued after its clone could not be
-//!    published, is excused by that process ([`Engine::excuse`], [`Excuses`]): the excuse
-//!    is keyed by the token the engine wrote on that very copy (`x-retry-suspect`), so
-//!    another message with the same id or body cannot use it, and the process claims the
-//!    suspect again before any work runs.
-//! 4. A suspect that succeeds is handled; one that fails takes the normal retry path, back
-//!    to the work queue through its delay queues.
-//!
-//! "Alone" holds for the process, since a crash takes the whole process down: consumers
-//! of one process pass through one [`SoloGate`] (on the in-memory broker, whose consumers
-//! run in virtual time, consumers of one broker do), and while one of them runs suspects, every
-//! other one has drained, flushed its acknowledgements and starts nothing. They share
-//! their excuses through it too. The [`Consumer`] keeps to the rules that make a crash the
-//! only way a suspect can come back redelivered from the isolation queue:
-//!
-//! * a solo phase ends only with nothing held and no fetch under way; a fetch that fails
-//!   keeps the solo phase and is tried again before anything else runs, since a transport
-//!   may hold the message of a fetch that gave up, on its way, for the next fetch;
-//! * a suspect fetched once shutdown has begun is not run but put back as a fresh copy
-//!   ([`Engine::handle_declined`], [`RunReport::declined`]), and a graceful shutdown puts
-//!   back fresh the suspects the process excused, which the next process could not know;
-//! * a requeue of a suspect that showed a crash keeps that crash: it is recorded nowhere
-//!   else.
-//!
-//! The path of a poison message that kills every consumer running it, with a crash limit
-//! of 2:
-//!
-//! ```text
-//!  Q ──run with 19 others: the process dies──▶ Q (redelivered, as are the 19)
-//!  Q ──suspect: isolated, 0 crashes──────────▶ Q.suspect
-//!  Q.suspect ──runs alone: the process dies──▶ Q.suspect (redelivered)
-//!  Q.suspect ──crash 1──▶ Q.crash.<delay> ──TTL──▶ Q.suspect ──runs alone: dies──▶ …
-//!  Q.suspect ──crash 2──▶ Q.crash.<delay> ──TTL──▶ Q.suspect ──runs alone: dies──▶ …
-//!  Q.suspect ──crash 3 > limit──▶ Q.parking (reason crash-loop, crashes 3)
-//! ```
-//!
-//! The 19 bystanders each cost one solo run and are handled; none of them is ever blamed.
-//! Work deliveries prefetched but not started during a solo run that crashes come back
-//! redelivered too, and become suspects in turn. On quorum queues the broker's
-//! `x-delivery-limit` stays a backstop: the broker parks a message returned that often,
-//! whatever the engine decided.
-//!
-//! ## Metrics
-//!
-//! [`Consumer`] emits through the [`metrics`](https://docs.rs/metrics) facade, so you pick
-//! the exporter (`metrics-exporter-prometheus`, OpenTelemetry, StatsD…): install its
-//! recorder before the consumer runs. The handles are registered once when a run starts,
-//! with every label value the run can use, so each series exists from the start at 0. With
-//! no recorder installed, each emission is a branch on a no-op handle.
-//! `transport-amqp091/examples/metrics.rs` serves them to Prometheus.
-//!
-//! | metric | type | labels | what it counts |
-//! |---|---|---|---|
-//! | `retry_deliveries_total` | counter | `queue`, `lane` | deliveries taken, from the work queue (`lane="work"`) or the isolation queue (`lane="isolation"`) |
-//! | `retry_terminals_total` | counter | `queue`, `lane`, `terminal`, `reason` | deliveries settled, by [`Terminal`]: `handled`, `retried`, `isolated`, `diverted`, `parked`, `dropped`, `requeued`; `reason` is the [`DeadLetterReason`] of `parked` and `dropped`, and the broker's last answer (`nack`, `returned`, `failed`) of `requeued` |
-//! | `retry_handler_seconds` | histogram | `queue`, `lane`, `outcome` | handler run time; `outcome` is `success`, `transient`, `permanent`, `retry-after`, `panic` or `timeout` |
-//! | `retry_publish_confirm_seconds` | histogram | `queue`, `lane` | from publishing a clone (retry, isolation, diversion, parking) to its confirm |
-//! | `retry_in_flight` | gauge | `queue` | deliveries held: running, waiting in-process, publishing or settling |
-//! | `retry_handled_attempt` | histogram | `queue`, `lane` | the attempt on which handled messages succeeded (1: first time) |
-//! | `retry_storm_paused` | gauge | `queue` | 1 while [storm control](ConsumerBuilder::with_storm_control) holds the work lane back (paused or probing), else 0 |
-//!
-//! Over a run, `retry_deliveries_total` summed over lanes equals [`RunReport::received`],
-//! and each `terminal` of `retry_terminals_total` equals its [`RunReport`] field. Times are
-//! read from [`Transport::now`], to the millisecond (virtual time in a simulation).
-//!
-//! ## Tracing
-//!
-//! Each delivery runs in a `delivery` span (`tracing`, level INFO); its handler runs,
-//! publishes and settlement are inside it. Its fields:
-//!
-//! | field | value |
-//! |---|---|
-//! | `queue` | the work queue |
-//! | `lane` | `work` or `isolation` |
-//! | `message_id` | the message's `message-id` property, when it has one: all the attempts of one message, across deliveries and processes, share it |
-//! | `delivery` | the engine's id of this delivery, unique in the process |
-//! | `attempt` | the run number of the latest handler run |
-//! | `crashes` | crashes counted so far, from its headers |
-//! | `outcome` | how the latest handler run ended, as the `outcome` label above |
-//! | `terminal` | how the delivery ended ([`Terminal`]) |
-//!
-//! Storm control logs a pause at WARN and probing and resuming at INFO, and tells
-//! [`ConsumerBuilder::with_on_storm`]; [`RunReport::storm_pauses`] counts the pauses.
+//! * **Attempts and headers** (`docs/concepts.md`): the engine keeps its state on the
+//!   message, in `x-retry-*` headers it owns (names in [`headers`]), and never touches the
+//!   body. [`DeliveryFacts::decode`] reads them with the broker's own counters; malformed
+//!   values are reported in [`Malformed`].
+//! * **Suspects and crashes** (`docs/concepts.md`): a redelivered delivery is never blamed
+//!   on sight. It is isolated as a suspect ([`Terminal::Isolated`]), suspects run alone
+//!   through the process's [`SoloGate`] (bounded by [`ConsumerBuilder::with_solo_limit`]),
+//!   and only a suspect that comes back redelivered from the isolation queue counts a crash
+//!   ([`Terminal::Diverted`], then parked with [`DeadLetterReason::CrashLoop`]). A process
+//!   excuses what it knows was not a crash ([`Engine::excuse`], [`Excuses`]).
+//! * **Metrics and tracing** (`docs/operating.md`, which has the table of every series):
+//!   [`Consumer`] emits through the [`metrics`](https://docs.rs/metrics) facade and runs
+//!   each delivery in a `delivery` tracing span; over a run the counters add up to the
+//!   [`RunReport`]. [Storm control](ConsumerBuilder::with_storm_control) is there too.
+//! * **Policies and delay strategies** (`docs/policies.md`), **embedding the engine**
+//!   (`docs/embedding.md`) and **the parking lot** (`docs/parking-lot.md`).
 //!
 //! ## Features
 //!

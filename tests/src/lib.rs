@@ -25,6 +25,10 @@
 //! `REQUIRE_BROKER=1` they fail instead. A scenario that skips on a transport prints why,
 //! past the output capture, in every run.
 //!
+//! The guide's `docs/testing.md` says which brokers the tests need and what CI runs. This
+//! crate also compiles the guide's Rust snippets as doc tests (`cargo test --doc -p
+//! conformance`).
+//!
 //! ## Design
 //!
 //! After object_store's `integration.rs`: each scenario in [`scenarios`] is a
@@ -155,6 +159,8 @@ pub mod amqp10;
 pub mod chaos;
 pub mod differential;
 pub mod drive;
+#[cfg(doctest)]
+mod guide;
 pub mod harness;
 pub mod journal;
 pub mod memory;

@@ -225,8 +225,11 @@ mod tests {
                 &parked,
             ]
         );
-        // The README shows what `cargo run` prints, on the queue `main` uses.
+        // The guide's embedding chapter shows what `cargo run` prints, on the queue `main` uses.
         let shown = printed.join("\n").replace(&queue, "embedded-comments");
-        assert!(include_str!("../../README.md").contains(&shown), "{shown}");
+        assert!(
+            include_str!("../../docs/embedding.md").contains(&shown),
+            "{shown}"
+        );
     }
 }

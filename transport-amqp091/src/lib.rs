@@ -35,6 +35,12 @@
 //! * The password never appears in logs, errors or `Debug` output ([`AmqpConfig`]).
 //! * [`testing`]: one reading of `REQUIRE_BROKER` for tests that need a broker.
 //!
+//! The guide, in the repository's `docs/` folder, covers what this transport does on
+//! RabbitMQ (`docs/transports.md`), embedding the engine with the [`embed`] glue
+//! (`docs/embedding.md`), node lists, failover and quorum queues (`docs/clusters.md`), the
+//! parking lot and `retryctl` (`docs/parking-lot.md`), the benchmarks against plain lapin
+//! (`docs/benchmarks.md`) and the known limitations (`docs/limitations.md`).
+//!
 //! The broker behaviour this relies on (RabbitMQ 3.10) is measured in the project's design
 //! notes and checked by this crate's integration tests against a real broker.
 

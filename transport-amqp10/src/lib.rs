@@ -159,6 +159,12 @@
 //! ```
 //!
 //! `examples/consumer.rs` runs the whole path against a local RabbitMQ and exits.
+//!
+//! The crate's README (`transport-amqp10/README.md`) is how it works concern by concern,
+//! and what the RabbitMQ 3.x profile cannot do. The guide, in the repository's `docs/`
+//! folder, covers where this transport sits beside the others (`docs/transports.md`),
+//! clusters (`docs/clusters.md`), the parking lot over AMQP 1.0 (`docs/parking-lot.md`),
+//! its benchmarks (`docs/benchmarks.md`) and the known limitations (`docs/limitations.md`).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

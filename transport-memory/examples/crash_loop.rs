@@ -157,7 +157,7 @@ fn elapsed(d: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    /// The text block that follows `intro` in a README.
+    /// The text block that follows `intro` in a Markdown file.
     fn block_after<'a>(readme: &'a str, intro: &str) -> &'a str {
         let after = &readme[readme.find(intro).expect("the introduction") + intro.len()..];
         let start = after.find("```text\n").expect("a text block") + "```text\n".len();
@@ -165,13 +165,14 @@ mod tests {
         &after[start..start + len]
     }
 
-    /// The example prints what both READMEs say it prints.
+    /// The example prints what the guide's concepts chapter and this crate's README say it
+    /// prints.
     #[test]
     fn prints_what_the_readmes_show() {
         let out = super::run(false).unwrap();
-        let root = include_str!("../../README.md");
+        let guide = include_str!("../../docs/concepts.md");
         let here = include_str!("../README.md");
-        assert_eq!(out, block_after(root, "The crash-loop example prints"));
+        assert_eq!(out, block_after(guide, "The crash-loop example prints"));
         assert_eq!(out, block_after(here, "## Crash loop"));
     }
 }

@@ -5,6 +5,10 @@
 //! consumer driver ([`retry_core::Consumer`]) on it. A day of retries runs in
 //! milliseconds, and the same script gives the same trace, byte for byte.
 //!
+//! The crate's README (`transport-memory/README.md`) is the simulation API in full, and the
+//! guide, in the repository's `docs/` folder, explains what it simulates: suspects, crashes
+//! and crash loops (`docs/concepts.md`).
+//!
 //! ## Design
 //!
 //! Three layers, each usable on its own, each in its own folder of `src/`. A layer uses the
