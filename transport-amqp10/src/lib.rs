@@ -172,6 +172,7 @@ mod profile;
 mod publisher;
 mod receiver;
 mod scan;
+mod shared;
 mod subscription;
 mod tap;
 mod transport;
