@@ -13,7 +13,8 @@ use crate::harness::{
     Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
     assert_declares,
 };
-use crate::suite::{Scenario, Verdict};
+use crate::suite::Scenario;
+use crate::verdict::Verdict;
 
 /// The in-memory broker as a harness: a fresh broker per harness, so scenarios share
 /// nothing, and time that moves only when everything is waiting.
