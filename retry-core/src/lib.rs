@@ -263,6 +263,7 @@ mod handler;
 pub mod headers;
 mod jitter;
 mod message;
+mod node_list;
 mod parking;
 mod policy;
 pub mod returns;
@@ -286,6 +287,7 @@ pub use handler::{FailureKind, Handler, HandlerError};
 pub use headers::{DeadLetterReason, HeaderValue, Headers};
 pub use jitter::{Jitter, message_identity, splitmix64};
 pub use message::{Delivery, Message, MessageParts, NativeParts, Properties};
+pub use node_list::{NodeListError, PASSWORD_MASK, redact_url};
 pub use parking::{
     ParkedFilter, ParkedMessage, ParkedReason, ParkingError, ParkingLot, ParkingReport,
     ParseReasonError, ReplayOptions, parked_at, replay_headers,
