@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use retry_core::{Capabilities, Settlement, TopologyPlan, Transport};
-use transport_memory::{Broker, MemoryTransport, Outgoing, Overflow, QueueOptions};
+use transport_memory::{Broker, MemoryTransport, Outgoing, QueueOptions, QueueOverflow};
 
 use crate::harness::{
     Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
@@ -118,7 +118,7 @@ impl Harness for MemoryHarness {
             if faults.refuse_publishes_to.contains(&q.name) {
                 options = options
                     .with_max_length(0)
-                    .with_overflow(Overflow::RejectPublish);
+                    .with_overflow(QueueOverflow::RejectPublish);
             }
             self.broker
                 .declare_queue(&q.name, options)
