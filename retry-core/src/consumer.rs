@@ -9,6 +9,7 @@
 //! suspects fetched one at a time from the isolation queue while nothing else runs.
 
 mod builder;
+mod config_error;
 mod error;
 mod lanes;
 mod metrics;
@@ -28,7 +29,8 @@ use crate::policy::RetryPolicy;
 use crate::topology::TopologyPlan;
 use crate::transport::Transport;
 
-pub use builder::{ConsumerBuilder, ConsumerConfigError};
+pub use builder::ConsumerBuilder;
+pub use config_error::ConsumerConfigError;
 pub use error::ConsumerError;
 pub use report::RunReport;
 pub use storm::{StormControl, StormEvent};

@@ -148,6 +148,7 @@ mod handler;
 pub mod headers;
 mod jitter;
 mod message;
+mod node_list;
 mod parking;
 mod policy;
 pub mod returns;
@@ -171,6 +172,7 @@ pub use handler::{FailureKind, Handler, HandlerError};
 pub use headers::{DeadLetterReason, HeaderValue, Headers};
 pub use jitter::{Jitter, message_identity, splitmix64};
 pub use message::{Delivery, Message, MessageParts, NativeParts, Properties};
+pub use node_list::{NodeListError, PASSWORD_MASK, redact_url};
 pub use parking::{
     ParkedFilter, ParkedMessage, ParkedReason, ParkingError, ParkingLot, ParkingReport,
     ParseReasonError, ReplayOptions, parked_at, replay_headers,

@@ -12,11 +12,10 @@ use crate::harness::{
     assert_declares,
 };
 use crate::rabbitmq::{Admin, BrokerEnv, run_scenario, unique_name};
-use crate::suite::{Scenario, Verdict};
+use crate::suite::Scenario;
+use crate::verdict::Verdict;
 
-/// How far below a delay an observed wait may fall on RabbitMQ: its TTL timers fire on
-/// millisecond boundaries.
-pub const SLACK: Duration = Duration::from_millis(10);
+pub use crate::rabbitmq::SLACK;
 
 /// RabbitMQ over AMQP 0-9-1 as a harness: consumers on transport-amqp091 connections,
 /// topology, test messages and inspection through an [`Admin`] connection of its own.

@@ -7,13 +7,13 @@ use async_trait::async_trait;
 use retry_core::{Capabilities, Settlement, Subscription, TopologyPlan, Transport};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 
-use crate::amqp091::SLACK;
 use crate::harness::{
     Harness, HarnessCapabilities, Need, ParkedMessage, Stopwatch, TestMessage, Timing,
     TopologyFaults, assert_declares,
 };
-use crate::rabbitmq::{Admin, BrokerEnv, run_scenario, unique_name};
-use crate::suite::{Scenario, Verdict};
+use crate::rabbitmq::{Admin, BrokerEnv, SLACK, run_scenario, unique_name};
+use crate::suite::Scenario;
+use crate::verdict::Verdict;
 
 /// RabbitMQ 3.x over AMQP 1.0 as a harness. The plugin cannot declare queues with
 /// arguments, so topology is declared over AMQP 0-9-1 by an [`Admin`] connection, as a

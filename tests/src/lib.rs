@@ -171,6 +171,7 @@ pub mod scenarios;
 pub mod storm;
 pub mod suite;
 pub mod support;
+mod verdict;
 
 pub use amqp10::Amqp10Harness;
 pub use amqp091::Amqp091Harness;
@@ -180,4 +181,4 @@ pub use harness::{
 };
 pub use journal::{Journal, RunInfo, RunRecord, ScriptedHandler, Step, TerminalRecord};
 pub use memory::MemoryHarness;
-pub use suite::Verdict;
+pub use verdict::Verdict;

@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use retry_core::{Capabilities, Settlement, TopologyPlan, Transport};
-use transport_memory::{Broker, MemoryTransport, Outgoing, Overflow, QueueOptions};
+use transport_memory::{Broker, MemoryTransport, Outgoing, QueueOptions, QueueOverflow};
 
 use crate::harness::{
     Harness, HarnessCapabilities, ParkedMessage, Stopwatch, TestMessage, Timing, TopologyFaults,
     assert_declares,
 };
-use crate::suite::{Scenario, Verdict};
+use crate::suite::Scenario;
+use crate::verdict::Verdict;
 
 /// The in-memory broker as a harness: a fresh broker per harness, so scenarios share
 /// nothing, and time that moves only when everything is waiting.
@@ -117,7 +118,7 @@ impl Harness for MemoryHarness {
             if faults.refuse_publishes_to.contains(&q.name) {
                 options = options
                     .with_max_length(0)
-                    .with_overflow(Overflow::RejectPublish);
+                    .with_overflow(QueueOverflow::RejectPublish);
             }
             self.broker
                 .declare_queue(&q.name, options)

@@ -18,8 +18,13 @@ use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table};
 
 use crate::harness::{Harness, ParkedMessage, TestMessage, TopologyFaults};
-use crate::suite::{Scenario, Verdict, print_uncaptured, run_and_clean_up};
+use crate::suite::{Scenario, print_uncaptured, run_and_clean_up};
+use crate::verdict::Verdict;
 use transport_amqp091::testing::{no_broker, redeclare, refusing};
+
+/// How far below a delay an observed wait may fall on RabbitMQ: its TTL timers fire on
+/// millisecond boundaries.
+pub const SLACK: Duration = Duration::from_millis(10);
 
 /// Where the broker is: `AMQP_URL` and `AMQP10_URL`, loopback by default.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -30,11 +30,11 @@ use crate::drive::{Ended, assert_waited, drive, wait_until};
 use crate::harness::{Harness, Need, ParkedMessage, TestMessage, Timing, TopologyFaults};
 use crate::journal::{Journal, ScriptedHandler, Step, permanent_cause, transient_cause};
 use crate::storm::{StormConfig, storm};
-use crate::suite::Verdict;
 use crate::support::{
     Setup, WITHIN, assert_nothing_left, delay_queue, ms, setup, setup_cascade, setup_with_faults,
     unmet,
 };
+use crate::verdict::Verdict;
 
 /// Calls the macro `callback` with every scenario of [`scenarios`](crate::scenarios): the
 /// one list of them.
@@ -80,10 +80,6 @@ macro_rules! for_each_scenario {
         ] }
     };
 }
-
-// Every public function of this file is in the list above: checked while compiling, so a
-// scenario cannot be left out of the tests.
-const _: () = crate::suite::assert_all_listed(include_str!("scenarios.rs"), crate::suite::NAMES);
 
 /// The `(queue, reason)` of each `x-death` entry.
 fn deaths(headers: &Headers) -> Vec<(&str, &str)> {

@@ -15,32 +15,9 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 
 use crate::harness::Harness;
+pub use crate::verdict::Verdict;
 
 pub use transport_amqp091::testing::print_uncaptured;
-
-/// How a scenario ended, when it did not fail. A failing scenario panics.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Every check held; the notes say what was observed (waits, counts).
-    Passed {
-        /// What was observed, for the test's output.
-        notes: Vec<String>,
-    },
-    /// The harness lacks something the scenario needs.
-    Skipped {
-        /// Why, for the test's output.
-        reason: String,
-    },
-}
-
-impl Verdict {
-    /// A pass with notes.
-    pub fn passed(notes: impl IntoIterator<Item = String>) -> Self {
-        Verdict::Passed {
-            notes: notes.into_iter().collect(),
-        }
-    }
-}
 
 /// A scenario function, boxed so one type holds every scenario.
 pub type ScenarioFn<H> = for<'a> fn(&'a H) -> BoxFuture<'a, Verdict>;
@@ -94,6 +71,10 @@ macro_rules! names {
 
 /// Every scenario's name, in list order.
 pub const NAMES: &[&str] = crate::for_each_scenario!(names =>);
+
+// Every public function of src/scenarios.rs is in its for_each_scenario! list: checked
+// while compiling, so a scenario cannot be left out of the tests.
+const _: () = assert_all_listed(include_str!("scenarios.rs"), NAMES);
 
 macro_rules! scenarios {
     (() [$($name:ident),* $(,)?]) => {

@@ -12,7 +12,7 @@ use retry_core::{
 
 use crate::harness::{Harness, Need, TopologyFaults};
 use crate::journal::{Journal, ScriptedHandler};
-use crate::suite::Verdict;
+use crate::verdict::Verdict;
 
 /// The skip verdict for the first of `needs` the harness lacks, if any.
 pub fn unmet<H: Harness>(h: &H, needs: &[Need]) -> Option<Verdict> {

@@ -3,9 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use retry_core::QueueType;
+use retry_core::{NodeListError, QueueType, redact_url};
 
-use crate::nodes::{self, Node, NodeListError, NodeOrder};
+use crate::nodes::{self, Node, NodeOrder};
 
 /// How to reach the broker, or the nodes of a cluster, and how long to wait for it.
 ///
@@ -93,6 +93,23 @@ impl AmqpConfig {
     /// let transport = AmqpTransport::connect(config).await?;
     /// println!("on {}", transport.node().unwrap_or_default());
     /// # Ok(()) }
+    /// ```
+    ///
+    /// Every refusal names the node, with the password replaced by `****`:
+    ///
+    /// ```
+    /// use transport_amqp091::{AmqpConfig, NodeListError};
+    ///
+    /// let err = AmqpConfig::cluster(Vec::<String>::new()).unwrap_err();
+    /// assert_eq!(err, NodeListError::Empty);
+    ///
+    /// let err = AmqpConfig::cluster([
+    ///     "amqp://app:s3cret@10.0.0.1:5672/orders",
+    ///     "amqp://app:s3cret@10.0.0.2:5672/billing",
+    /// ])
+    /// .unwrap_err();
+    /// assert!(matches!(err, NodeListError::Differs { position: 2, field: "virtual host", .. }));
+    /// assert!(!err.to_string().contains("s3cret"));
     /// ```
     pub fn cluster<I>(urls: I) -> Result<Self, NodeListError>
     where
@@ -286,7 +303,8 @@ impl AmqpConfig {
         self.auto_recover
     }
 
-    /// The URL with its password replaced by `****` (every node's, for a list).
+    /// The URL with its password replaced by `****` ([`PASSWORD_MASK`](retry_core::PASSWORD_MASK);
+    /// every node's, for a list).
     pub fn redacted_url(&self) -> String {
         match &self.nodes {
             Ok(nodes) => nodes
@@ -296,7 +314,7 @@ impl AmqpConfig {
                 .join(","),
             Err(_) => nodes::split(&self.url)
                 .iter()
-                .map(|u| redact(u))
+                .map(|u| redact_url(u))
                 .collect::<Vec<_>>()
                 .join(","),
         }
@@ -320,50 +338,5 @@ impl fmt::Debug for AmqpConfig {
             .field("ack_flush_interval", &self.ack_flush_interval)
             .field("auto_recover", &self.auto_recover)
             .finish()
-    }
-}
-
-/// `url` with the password of its user-info replaced by `****`.
-pub(crate) fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &authority[..at];
-    let user = userinfo.split(':').next().unwrap_or("");
-    if !userinfo.contains(':') {
-        return url.to_owned();
-    }
-    format!("{}{}:****{}", &url[..scheme_end], user, &rest[at..])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::redact;
-
-    #[test]
-    fn passwords_are_redacted() {
-        let table = [
-            (
-                "amqp://guest:guest@127.0.0.1:5672/%2f",
-                "amqp://guest:****@127.0.0.1:5672/%2f",
-            ),
-            (
-                "amqps://u:p%40ss@host/vh?heartbeat=5",
-                "amqps://u:****@host/vh?heartbeat=5",
-            ),
-            ("amqp://u:a@b@host", "amqp://u:****@host"),
-            ("amqp://127.0.0.1", "amqp://127.0.0.1"),
-            ("amqp://user@host", "amqp://user@host"),
-            ("not a url", "not a url"),
-        ];
-        for (url, want) in table {
-            assert_eq!(redact(url), want);
-        }
     }
 }

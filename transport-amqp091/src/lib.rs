@@ -66,8 +66,9 @@ mod walk;
 
 pub use config::AmqpConfig;
 pub use convert::{FROM_AMQP10, headers_from_table, table_from_headers};
-pub use nodes::{NodeListError, NodeOrder};
+pub use nodes::NodeOrder;
 pub use provision::ProvisionReport;
+pub use retry_core::NodeListError;
 pub use subscription::AmqpSubscription;
 pub use tag::AmqpTag;
 pub use transport::AmqpTransport;

@@ -27,9 +27,8 @@ use futures::io::{AsyncReadExt, AsyncWriteExt};
 use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, OwnedTLSConfig};
 use lapin::types::AMQPValue;
 use lapin::uri::AMQPUri;
+use retry_core::{NodeListError, redact_url};
 use tracing::{error, info, warn};
-
-use crate::config::redact;
 
 /// The order the nodes of a list are tried in.
 ///
@@ -54,77 +53,6 @@ pub enum NodeOrder {
     Shuffled,
 }
 
-/// A node list that cannot be used, or nodes that are not one cluster. Every variant names
-/// the node by its address, with the password replaced by `****`.
-///
-/// ```
-/// use transport_amqp091::{AmqpConfig, NodeListError};
-///
-/// let err = AmqpConfig::cluster(Vec::<String>::new()).unwrap_err();
-/// assert_eq!(err, NodeListError::Empty);
-///
-/// let err = AmqpConfig::cluster([
-///     "amqp://app:s3cret@10.0.0.1:5672/orders",
-///     "amqp://app:s3cret@10.0.0.2:5672/billing",
-/// ])
-/// .unwrap_err();
-/// assert!(matches!(err, NodeListError::Differs { position: 2, field: "virtual host", .. }));
-/// assert!(!err.to_string().contains("s3cret"));
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum NodeListError {
-    /// No node at all (an empty list, or a URL string with nothing between its commas).
-    #[error("the node list is empty: give at least one amqp:// or amqps:// URL")]
-    Empty,
-    /// A node that is not an AMQP URL.
-    #[error("node {position} of the list ({node}) is not an AMQP URL: {reason}")]
-    Invalid {
-        /// Its place in the list, from 1.
-        position: usize,
-        /// The node as given, password redacted.
-        node: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// A node reached differently from the first: another scheme, user, password, virtual
-    /// host or URL option. One connection's recovery moves between the nodes with one
-    /// handshake, so they must agree.
-    #[error(
-        "node {position} of the list ({node}) has another {field} than node 1 ({first}): every node is reached with the same scheme, user, password, virtual host and options"
-    )]
-    Differs {
-        /// Its place in the list, from 1.
-        position: usize,
-        /// The node, password redacted.
-        node: String,
-        /// The first node, password redacted.
-        first: String,
-        /// What differs: `scheme`, `user`, `password`, `virtual host` or `options`.
-        field: &'static str,
-    },
-    /// The same node twice.
-    #[error("node {node} is in the list twice")]
-    Duplicate {
-        /// The node, password redacted.
-        node: String,
-    },
-    /// Two nodes that answered with different cluster names: the list mixes clusters.
-    #[error(
-        "{node} belongs to cluster {cluster:?} but {first} to {first_cluster:?}: a node list names the nodes of one cluster"
-    )]
-    DifferentClusters {
-        /// The node seen first, password redacted.
-        first: String,
-        /// Its cluster name.
-        first_cluster: String,
-        /// The node of the other cluster, password redacted.
-        node: String,
-        /// Its cluster name.
-        cluster: String,
-    },
-}
-
 /// One node: where to open the TCP stream, and how to name it in logs.
 #[derive(Clone, Debug)]
 pub(crate) struct Node {
@@ -140,14 +68,21 @@ pub(crate) fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Vec<Node>, NodeListErro
     for (i, url) in urls.iter().enumerate() {
         let url = url.as_ref().trim();
         let position = i + 1;
-        let address = redact(url);
-        let uri: AMQPUri = url
-            .parse()
-            .map_err(|reason: String| NodeListError::Invalid {
-                position,
-                node: address.clone(),
-                reason,
-            })?;
+        let address = redact_url(url);
+        let uri: AMQPUri =
+            url.parse()
+                .map_err(|reason: String| match unsupported_scheme(url, &reason) {
+                    Some(scheme) => NodeListError::UnsupportedScheme {
+                        position,
+                        node: address.clone(),
+                        scheme,
+                    },
+                    None => NodeListError::Invalid {
+                        position,
+                        node: address.clone(),
+                        reason,
+                    },
+                })?;
         if let Some(first) = nodes.first() {
             let field = if uri.scheme != first.uri.scheme {
                 Some("scheme")
@@ -183,6 +118,15 @@ pub(crate) fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Vec<Node>, NodeListErro
         return Err(NodeListError::Empty);
     }
     Ok(nodes)
+}
+
+/// The scheme of `url` when lapin refused it for that scheme (`reason`), neither `amqp` nor
+/// `amqps`; `None` when it refused the URL for anything else.
+fn unsupported_scheme(url: &str, reason: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once(':')?;
+    let scheme = scheme.to_ascii_lowercase();
+    let refused = scheme.parse::<lapin::uri::AMQPScheme>().err()?;
+    (rest.starts_with("//") && refused == reason).then_some(scheme)
 }
 
 /// Splits a comma-separated URL string into its nodes, dropping empty pieces.
@@ -557,6 +501,16 @@ mod tests {
         assert!(
             matches!(err, NodeListError::Invalid { position: 2, .. }),
             "{err:?}"
+        );
+        assert!(!err.to_string().contains("secret"), "{err}");
+        let err = parse(&split("amqp://u:secret@h1/%2f,HTTP://u:secret@h2/%2f")).unwrap_err();
+        assert_eq!(
+            err,
+            NodeListError::UnsupportedScheme {
+                position: 2,
+                node: "HTTP://u:****@h2/%2f".into(),
+                scheme: "http".into(),
+            }
         );
         assert!(!err.to_string().contains("secret"), "{err}");
     }

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use retry_core::{NodeListError, PASSWORD_MASK, redact_url};
+
 use crate::profile::BrokerProfile;
 
 /// Settings of an [`Amqp10Transport`](crate::Amqp10Transport). Built with `with_*` methods;
@@ -30,11 +32,11 @@ use crate::profile::BrokerProfile;
 ///     .with_publish_timeout(Duration::from_secs(2));
 /// assert_eq!(config.publish_timeout(), Duration::from_secs(2));
 /// assert!(!format!("{config:?}").contains("s3cret"));
-/// assert_eq!(config.redacted_url(), "amqp://guest:***@127.0.0.1:5672");
+/// assert_eq!(config.redacted_url(), "amqp://guest:****@127.0.0.1:5672");
 ///
 /// let cluster = Amqp10Config::cluster(["amqp://guest:s3cret@10.0.0.1:5672", "amqp://guest:s3cret@10.0.0.2:5672"])?;
-/// assert_eq!(cluster.redacted_url(), "amqp://guest:***@10.0.0.1:5672,amqp://guest:***@10.0.0.2:5672");
-/// # Ok::<(), transport_amqp10::ConfigError>(())
+/// assert_eq!(cluster.redacted_url(), "amqp://guest:****@10.0.0.1:5672,amqp://guest:****@10.0.0.2:5672");
+/// # Ok::<(), transport_amqp10::NodeListError>(())
 /// ```
 #[derive(Clone)]
 pub struct Amqp10Config {
@@ -67,16 +69,16 @@ impl Amqp10Config {
         }
     }
 
-    /// Settings for the nodes of one cluster, one URL each; refused with a [`ConfigError`]
+    /// Settings for the nodes of one cluster, one URL each; refused with a [`NodeListError`]
     /// naming the node when the list is empty or a URL cannot be used.
-    pub fn cluster<I>(urls: I) -> Result<Self, ConfigError>
+    pub fn cluster<I>(urls: I) -> Result<Self, NodeListError>
     where
         I: IntoIterator,
         I::Item: Into<String>,
     {
         let urls: Vec<String> = urls.into_iter().map(Into::into).collect();
         if urls.iter().any(|u| u.trim().is_empty()) {
-            return Err(ConfigError::EmptyNodeList);
+            return Err(NodeListError::Empty);
         }
         let config = Amqp10Config::new(urls.join(","));
         config.node_list()?;
@@ -230,20 +232,22 @@ impl Amqp10Config {
         self.tls.as_ref()
     }
 
-    /// The URL with its password replaced by `***`, for logs (every node's, for a list).
+    /// The URL with its password replaced by `****`
+    /// ([`PASSWORD_MASK`](retry_core::PASSWORD_MASK)), for logs (every node's, for a list).
     pub fn redacted_url(&self) -> String {
         node_urls(&self.url)
-            .map(redact)
+            .map(redact_url)
             .collect::<Vec<_>>()
             .join(",")
     }
 
-    pub(crate) fn node_list(&self) -> Result<Nodes, ConfigError> {
+    pub(crate) fn node_list(&self) -> Result<Nodes, NodeListError> {
         let list = node_urls(&self.url)
-            .map(|url| Endpoint::parse(url, &self.profile))
+            .enumerate()
+            .map(|(i, url)| Endpoint::parse(i + 1, url, &self.profile))
             .collect::<Result<Vec<_>, _>>()?;
         if list.is_empty() {
-            return Err(ConfigError::EmptyNodeList);
+            return Err(NodeListError::Empty);
         }
         Ok(Nodes {
             list: list.into(),
@@ -252,7 +256,7 @@ impl Amqp10Config {
     }
 
     #[cfg(test)]
-    pub(crate) fn endpoint(&self) -> Result<Endpoint, ConfigError> {
+    pub(crate) fn endpoint(&self) -> Result<Endpoint, NodeListError> {
         Ok(self.node_list()?.list[0].clone())
     }
 }
@@ -272,37 +276,6 @@ impl fmt::Debug for Amqp10Config {
             .field("tls", &self.tls.is_some())
             .finish()
     }
-}
-
-/// A URL that cannot be used. Its messages never contain the password.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// Not a URL.
-    #[error("{url} is not a valid URL: {reason}")]
-    InvalidUrl {
-        /// The URL, redacted.
-        url: String,
-        /// What is wrong.
-        reason: String,
-    },
-    /// Neither `amqp` nor `amqps`.
-    #[error("{url}: the scheme must be amqp or amqps, not {scheme:?}")]
-    UnsupportedScheme {
-        /// The URL, redacted.
-        url: String,
-        /// The scheme given.
-        scheme: String,
-    },
-    /// No host.
-    #[error("{url} names no host")]
-    MissingHost {
-        /// The URL, redacted.
-        url: String,
-    },
-    /// No URL at all, or an empty one in a node list.
-    #[error("the node list is empty or has an empty URL: give amqp:// or amqps:// URLs")]
-    EmptyNodeList,
 }
 
 /// The URLs of a comma-separated list, trimmed, empty pieces left out.
@@ -361,7 +334,7 @@ impl Nodes {
     }
 }
 
-/// A password that prints as `***`.
+/// A password that prints as [`PASSWORD_MASK`].
 #[derive(Clone, PartialEq, Eq)]
 pub(crate) struct Secret(String);
 
@@ -373,7 +346,7 @@ impl Secret {
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("***")
+        f.write_str(PASSWORD_MASK)
     }
 }
 
@@ -392,31 +365,41 @@ pub(crate) struct Endpoint {
 }
 
 impl Endpoint {
-    fn parse(raw: &str, profile: &BrokerProfile) -> Result<Self, ConfigError> {
-        let redacted = redact(raw);
-        let url = url::Url::parse(raw).map_err(|e| ConfigError::InvalidUrl {
-            url: redacted.clone(),
+    /// Node `position` (from 1) of the list, `raw`.
+    fn parse(position: usize, raw: &str, profile: &BrokerProfile) -> Result<Self, NodeListError> {
+        let redacted = redact_url(raw);
+        let url = url::Url::parse(raw).map_err(|e| NodeListError::Invalid {
+            position,
+            node: redacted.clone(),
             reason: e.to_string(),
         })?;
         let tls = match url.scheme() {
             "amqp" => false,
             "amqps" => true,
             other => {
-                return Err(ConfigError::UnsupportedScheme {
-                    url: redacted,
+                return Err(NodeListError::UnsupportedScheme {
+                    position,
+                    node: redacted,
                     scheme: other.to_owned(),
                 });
             }
         };
         let host = match url.host_str() {
             Some(h) if !h.is_empty() => h.trim_start_matches('[').trim_end_matches(']'),
-            _ => return Err(ConfigError::MissingHost { url: redacted }),
+            _ => {
+                return Err(NodeListError::Invalid {
+                    position,
+                    node: redacted,
+                    reason: "it names no host".into(),
+                });
+            }
         }
         .to_owned();
         let port = url.port().unwrap_or(if tls { 5671 } else { 5672 });
         let decode = |s: &str| {
-            percent_decode(s).ok_or_else(|| ConfigError::InvalidUrl {
-                url: redacted.clone(),
+            percent_decode(s).ok_or_else(|| NodeListError::Invalid {
+                position,
+                node: redacted.clone(),
                 reason: "user name or password is not valid percent-encoded UTF-8".into(),
             })
         };
@@ -457,32 +440,6 @@ fn percent_decode(s: &str) -> Option<String> {
         }
     }
     String::from_utf8(out).ok()
-}
-
-/// The URL with the password replaced, without parsing it (so a URL that does not parse is
-/// redacted too): everything between the first `:` after `//` and the last `@` before the
-/// path.
-fn redact(raw: &str) -> String {
-    let Some(scheme_end) = raw.find("//") else {
-        return raw.to_owned();
-    };
-    let rest_start = scheme_end + 2;
-    let rest = &raw[rest_start..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else {
-        return raw.to_owned();
-    };
-    let userinfo = &authority[..at];
-    let Some(colon) = userinfo.find(':') else {
-        return raw.to_owned();
-    };
-    format!(
-        "{}{}:***{}",
-        &raw[..rest_start],
-        &userinfo[..colon],
-        &raw[rest_start + at..]
-    )
 }
 
 #[cfg(test)]
@@ -542,7 +499,7 @@ mod tests {
             assert!(!shown.contains("p%3Ass"), "{shown}");
             assert!(!shown.contains("p:ss"), "{shown}");
         }
-        assert_eq!(config.redacted_url(), "amqp://al%40ice:***@h:1234");
+        assert_eq!(config.redacted_url(), "amqp://al%40ice:****@h:1234");
     }
 
     #[test]
@@ -550,16 +507,16 @@ mod tests {
         let err = Amqp10Config::new("http://u:hunter2@h")
             .endpoint()
             .expect_err("scheme");
-        assert!(matches!(err, ConfigError::UnsupportedScheme { .. }));
+        assert!(matches!(err, NodeListError::UnsupportedScheme { .. }));
         assert!(!err.to_string().contains("hunter2"), "{err}");
         let err = Amqp10Config::new("amqp://u:hunter2@[::1")
             .endpoint()
             .expect_err("invalid");
         assert!(!err.to_string().contains("hunter2"), "{err}");
-        assert_eq!(redact("no-scheme"), "no-scheme");
-        assert_eq!(redact("amqp://h/v"), "amqp://h/v");
-        assert_eq!(redact("amqp://u@h"), "amqp://u@h");
-        assert_eq!(redact("amqp://u:p:q@h/x@y"), "amqp://u:***@h/x@y");
+        assert_eq!(redact_url("no-scheme"), "no-scheme");
+        assert_eq!(redact_url("amqp://h/v"), "amqp://h/v");
+        assert_eq!(redact_url("amqp://u@h"), "amqp://u@h");
+        assert_eq!(redact_url("amqp://u:p:q@h/x@y"), "amqp://u:****@h/x@y");
     }
 
     #[test]
@@ -568,7 +525,7 @@ mod tests {
         let nodes = config.node_list().expect("three nodes");
         let order = |n: &Nodes| n.order().map(|(i, _)| i).collect::<Vec<_>>();
         assert_eq!(order(&nodes), [0, 1, 2]);
-        assert_eq!(nodes.current(), "amqp://u:***@h1:5672");
+        assert_eq!(nodes.current(), "amqp://u:****@h1:5672");
         // The first connection names no node it left.
         assert!(nodes.answered(1).is_none());
         assert_eq!(order(&nodes), [1, 2, 0]);
@@ -576,20 +533,20 @@ mod tests {
         assert_eq!(order(&nodes), [2, 0, 1]);
         assert_eq!(
             config.redacted_url(),
-            "amqp://u:***@h1:5672,amqp://u:***@h2:5673,amqp://h3"
+            "amqp://u:****@h1:5672,amqp://u:****@h2:5673,amqp://h3"
         );
 
         assert_eq!(
             Amqp10Config::new(" , ").node_list().unwrap_err(),
-            ConfigError::EmptyNodeList
+            NodeListError::Empty
         );
         assert_eq!(
             Amqp10Config::cluster(["amqp://h1", ""]).unwrap_err(),
-            ConfigError::EmptyNodeList
+            NodeListError::Empty
         );
         let err = Amqp10Config::cluster(["amqp://u:pw@h1", "http://u:pw@h2"]).unwrap_err();
         assert!(
-            matches!(err, ConfigError::UnsupportedScheme { .. }),
+            matches!(err, NodeListError::UnsupportedScheme { position: 2, .. }),
             "{err:?}"
         );
         assert!(!err.to_string().contains("pw"), "{err}");

@@ -178,6 +178,7 @@ mod profile;
 mod publisher;
 mod receiver;
 mod scan;
+mod shared;
 mod subscription;
 mod tap;
 mod transport;
@@ -185,8 +186,18 @@ mod verification;
 mod walk;
 
 pub use codec::{NATIVE_HEADER, UNDECODABLE_HEADER};
-pub use config::{Amqp10Config, ConfigError};
+pub use config::Amqp10Config;
 pub use profile::{BrokerProfile, GenericProfile, NativeDelay};
 pub use receiver::Amqp10Tag;
+pub use retry_core::NodeListError;
 pub use subscription::Amqp10Subscription;
 pub use transport::Amqp10Transport;
+
+/// The former name of [`NodeListError`]. Its variants are now those of the node-list error
+/// both AMQP transports share: `EmptyNodeList` is `Empty`, `InvalidUrl` and `MissingHost`
+/// are `Invalid`, and every node variant names the node's `position` and `node` (the
+/// redacted URL, formerly `url`).
+#[deprecated(
+    note = "renamed NodeListError, the URL error shared with transport-amqp091 (retry_core::NodeListError); ConfigError goes in the next release"
+)]
+pub type ConfigError = NodeListError;

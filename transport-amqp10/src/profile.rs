@@ -221,6 +221,14 @@ impl BrokerProfile {
     }
 }
 
+/// How to provision what is missing, for the profile.
+pub(crate) fn provision_hint(profile: &BrokerProfile) -> String {
+    match profile {
+        BrokerProfile::RabbitMq3 => "RabbitMQ's AMQP 1.0 plugin cannot declare queues with arguments: declare the topology over AMQP 0-9-1 first (transport-amqp091's `provision` with the same TopologyPlan, or rabbitmqadmin / a definitions file)".to_owned(),
+        BrokerProfile::Generic(_) => "create it on the broker (its console or management API); this transport does not declare topology".to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,7 +25,7 @@ use tracing::{debug, warn};
 
 use crate::config::{Amqp10Config, Nodes};
 use crate::connection::{self, Probe, ProbeError, end_session, link_name};
-use crate::transport::provision_hint;
+use crate::profile::provision_hint;
 use crate::verification::Verifications;
 
 /// No connection has been opened yet.

@@ -128,7 +128,7 @@ pub(crate) async fn attach_receiver(
         .map_err(|e| match classify_receiver(e) {
             ProbeError::Missing(why) => TransportError::MissingAddress {
                 address,
-                hint: format!("{why}; {}", crate::transport::provision_hint(profile)),
+                hint: format!("{why}; {}", crate::profile::provision_hint(profile)),
             },
             ProbeError::Failed(e) => e,
         })?;

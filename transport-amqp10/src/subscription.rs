@@ -10,7 +10,7 @@ use tokio::time::timeout;
 use tracing::info;
 
 use crate::receiver::{self, Amqp10Tag, Command, Incoming, Link};
-use crate::transport::Shared;
+use crate::shared::Shared;
 
 /// A subscription to one queue over AMQP 1.0, made by
 /// [`consume`](retry_core::Transport::consume) on an

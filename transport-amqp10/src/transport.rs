@@ -14,12 +14,13 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info};
 
 use crate::codec::{Schedule, UNDECODABLE_HEADER, build_clone};
-use crate::config::{Amqp10Config, Nodes};
+use crate::config::Amqp10Config;
 use crate::connection::{Probe, ProbeError};
 use crate::fetch::{self, Purpose};
-use crate::profile::BrokerProfile;
+use crate::profile::{BrokerProfile, provision_hint};
 use crate::publisher::Publisher;
 use crate::receiver::{self, Amqp10Tag, Command};
+use crate::shared::Shared;
 use crate::subscription::Amqp10Subscription;
 use crate::walk::LinkWalk;
 
@@ -58,41 +59,7 @@ use crate::walk::LinkWalk;
 /// ```
 pub struct Amqp10Transport {
     shared: Arc<Shared>,
-}
-
-/// What the transport and its subscriptions share.
-pub(crate) struct Shared {
-    pub(crate) config: Amqp10Config,
-    pub(crate) nodes: Nodes,
-    publisher: Publisher,
     routes: RwLock<Routes>,
-    /// Every link task started by a subscription, weakly: a subscription dropped without
-    /// cancelling still ends its link at `close`.
-    links: std::sync::Mutex<Vec<mpsc::WeakSender<Command>>>,
-    /// The fetch link of each queue fetched from.
-    fetchers: std::sync::Mutex<HashMap<String, mpsc::Sender<Command>>>,
-    closed: AtomicBool,
-}
-
-impl Shared {
-    /// Keeps a weak handle on a new link task, for `close`; `false` once the transport is
-    /// closed (checked under the lock `close` drains, so no link slips past it).
-    #[must_use]
-    pub(crate) fn register(&self, link: &mpsc::Sender<Command>) -> bool {
-        let Ok(mut links) = self.links.lock() else {
-            return false;
-        };
-        if self.is_closed() {
-            return false;
-        }
-        links.retain(|l| l.strong_count() > 0);
-        links.push(link.downgrade());
-        true
-    }
-
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
 }
 
 /// What the provisioned plans say about routes.
@@ -234,14 +201,6 @@ fn unsupported(plan: &TopologyPlan, profile: &BrokerProfile) -> Option<Transport
     })
 }
 
-/// How to provision what is missing, for the profile.
-pub(crate) fn provision_hint(profile: &BrokerProfile) -> String {
-    match profile {
-        BrokerProfile::RabbitMq3 => "RabbitMQ's AMQP 1.0 plugin cannot declare queues with arguments: declare the topology over AMQP 0-9-1 first (transport-amqp091's `provision` with the same TopologyPlan, or rabbitmqadmin / a definitions file)".to_owned(),
-        BrokerProfile::Generic(_) => "create it on the broker (its console or management API); this transport does not declare topology".to_owned(),
-    }
-}
-
 impl Amqp10Transport {
     /// Opens the publishing connection. Consuming starts with
     /// [`consume`](Transport::consume) or [`fetch`](Transport::fetch).
@@ -257,11 +216,11 @@ impl Amqp10Transport {
                 config,
                 nodes,
                 publisher,
-                routes: RwLock::new(Routes::default()),
                 links: std::sync::Mutex::new(Vec::new()),
                 fetchers: std::sync::Mutex::new(HashMap::new()),
                 closed: AtomicBool::new(false),
             }),
+            routes: RwLock::new(Routes::default()),
         })
     }
 
@@ -344,7 +303,7 @@ impl Amqp10Transport {
                 hint: provision_hint(&profile),
             });
         }
-        if let Ok(mut routes) = self.shared.routes.write() {
+        if let Ok(mut routes) = self.routes.write() {
             routes.learn(plan);
         }
         Ok(())
@@ -407,7 +366,6 @@ impl Amqp10Transport {
 
     fn target(&self, route: &Route) -> Result<Target, TransportError> {
         let routes = self
-            .shared
             .routes
             .read()
             .map_err(|_| TransportError::Other("route table poisoned".into()))?;

@@ -116,8 +116,8 @@ async fn a_subscription_consumes_on_another_node_after_its_node_is_stopped() {
     assert!(
         moved
             .iter()
-            .any(|l| l.contains("left=amqp://guest:***@127.0.0.1:5681")
-                && l.contains("reached=amqp://guest:***@127.0.0.1:568")),
+            .any(|l| l.contains("left=amqp://guest:****@127.0.0.1:5681")
+                && l.contains("reached=amqp://guest:****@127.0.0.1:568")),
         "{moved:?}"
     );
     assert!(

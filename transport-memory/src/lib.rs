@@ -184,7 +184,7 @@ pub use broker::error::BrokerError;
 pub use broker::exchange::topic_matches;
 pub use broker::fault::FaultRates;
 pub use broker::message::{MessageKey, Outgoing, QueuedMessage};
-pub use broker::queue::{Overflow, QueueOptions};
+pub use broker::queue::{QueueOptions, QueueOverflow};
 pub use broker::trace::{
     DeathReason, Event, EventKind, MessageRef, PublishOutcome, Publisher, Trace,
 };
@@ -199,6 +199,13 @@ pub use simulation::simulator::{SimEvent, Simulation};
 pub use transport::connection::MemoryTransport;
 pub use transport::delivery::DeliveryTag;
 pub use transport::subscription::MemorySubscription;
+
+/// The former name of [`QueueOverflow`], renamed so that it is not confused with
+/// [`retry_core::Overflow`] (a plan's `x-overflow` argument).
+#[deprecated(
+    note = "renamed QueueOverflow (retry_core::Overflow is the topology plan's x-overflow); Overflow goes in the next release"
+)]
+pub type Overflow = QueueOverflow;
 
 // The README's Rust examples are compiled and run with the doc tests.
 #[cfg(doctest)]

@@ -707,7 +707,7 @@ fn an_exchange_binding_routes_the_dead_letters_waiting_for_a_route() {
                 .with_queue_type(QueueType::Quorum)
                 .with_message_ttl(secs(1))
                 .with_dead_letter_exchange("dlx")
-                .with_overflow(transport_memory::Overflow::RejectPublish)
+                .with_overflow(transport_memory::QueueOverflow::RejectPublish)
                 .with_at_least_once(true),
         )
         .unwrap();

@@ -14,7 +14,7 @@ use retry_core::{
 };
 use transport_memory::{
     Broker, BrokerError, DeathReason, DeliveryTag, EventKind, MemorySubscription, MemoryTransport,
-    Outgoing, Overflow, QueueOptions,
+    Outgoing, QueueOptions, QueueOverflow,
 };
 
 const S: Duration = Duration::from_secs(1);
@@ -409,7 +409,7 @@ fn a_full_reject_publish_queue_nacks_and_drop_head_dead_letters_with_maxlen() {
             "bounded",
             QueueOptions::new()
                 .with_max_length(1)
-                .with_overflow(Overflow::RejectPublish),
+                .with_overflow(QueueOverflow::RejectPublish),
         )
         .unwrap();
     assert_eq!(
@@ -434,7 +434,7 @@ fn a_full_reject_publish_queue_nacks_and_drop_head_dead_letters_with_maxlen() {
             QueueOptions::new()
                 .with_queue_type(QueueType::Quorum)
                 .with_max_length(0)
-                .with_overflow(Overflow::RejectPublish),
+                .with_overflow(QueueOverflow::RejectPublish),
         )
         .unwrap();
     let confirms: Vec<_> = (0..4)

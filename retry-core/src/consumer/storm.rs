@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::builder::ConsumerConfigError;
+use super::config_error::ConsumerConfigError;
 use crate::time::Timestamp;
 
 const DEFAULT_COOL_DOWN: Duration = Duration::from_secs(5);

@@ -13,7 +13,7 @@ use crate::broker::trace::DeathReason;
 
 /// What a queue does when a publish would take it past `x-max-length`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Overflow {
+pub enum QueueOverflow {
     /// Dead-letter (or drop) the oldest message to make room, with reason `maxlen`
     /// (RabbitMQ's default).
     #[default]
@@ -22,11 +22,11 @@ pub enum Overflow {
     RejectPublish,
 }
 
-impl Overflow {
+impl QueueOverflow {
     fn as_str(self) -> &'static str {
         match self {
-            Overflow::DropHead => "drop-head",
-            Overflow::RejectPublish => "reject-publish",
+            QueueOverflow::DropHead => "drop-head",
+            QueueOverflow::RejectPublish => "reject-publish",
         }
     }
 }
@@ -37,14 +37,14 @@ impl Overflow {
 /// [`from_arguments`].
 ///
 /// ```
-/// use transport_memory::{Overflow, QueueOptions};
+/// use transport_memory::{QueueOverflow, QueueOptions};
 /// use std::time::Duration;
 ///
 /// let delay = QueueOptions::new()
 ///     .with_message_ttl(Duration::from_secs(30))
 ///     .with_dead_letter_exchange("")
 ///     .with_dead_letter_routing_key("comments");
-/// let bounded = QueueOptions::new().with_max_length(100).with_overflow(Overflow::RejectPublish);
+/// let bounded = QueueOptions::new().with_max_length(100).with_overflow(QueueOverflow::RejectPublish);
 /// # let _ = (delay, bounded);
 /// ```
 ///
@@ -63,7 +63,7 @@ pub struct QueueOptions {
     /// `x-max-length`: the most ready messages the queue holds.
     pub max_length: Option<u64>,
     /// `x-overflow`.
-    pub overflow: Overflow,
+    pub overflow: QueueOverflow,
     /// `x-delivery-limit` (quorum queues only; classic queues ignore it, as RabbitMQ does).
     pub delivery_limit: Option<u32>,
     /// `x-dead-letter-strategy: at-least-once` (quorum queues with `reject-publish` only;
@@ -108,7 +108,7 @@ impl QueueOptions {
     }
 
     /// Sets `x-overflow`.
-    pub fn with_overflow(mut self, overflow: Overflow) -> Self {
+    pub fn with_overflow(mut self, overflow: QueueOverflow) -> Self {
         self.overflow = overflow;
         self
     }
@@ -131,14 +131,14 @@ impl QueueOptions {
     ///
     /// ```
     /// use retry_core::Headers;
-    /// use transport_memory::{Overflow, QueueOptions};
+    /// use transport_memory::{QueueOverflow, QueueOptions};
     ///
     /// let args: Headers = [("x-max-length", 2i64)].into_iter().collect();
     /// let mut args = args;
     /// args.insert("x-overflow", "reject-publish");
     /// let options = QueueOptions::from_arguments(&args)?;
     /// assert_eq!(options.max_length, Some(2));
-    /// assert_eq!(options.overflow, Overflow::RejectPublish);
+    /// assert_eq!(options.overflow, QueueOverflow::RejectPublish);
     ///
     /// let bad: Headers = [("x-message-ttl", -1i64)].into_iter().collect();
     /// assert!(QueueOptions::from_arguments(&bad).is_err());
@@ -174,8 +174,8 @@ impl QueueOptions {
             Some(_) => return Err(invalid("x-queue-type", "must be classic or quorum")),
         };
         let overflow = match text("x-overflow")?.as_deref() {
-            None | Some("drop-head") => Overflow::DropHead,
-            Some("reject-publish") => Overflow::RejectPublish,
+            None | Some("drop-head") => QueueOverflow::DropHead,
+            Some("reject-publish") => QueueOverflow::RejectPublish,
             Some(_) => {
                 return Err(invalid("x-overflow", "must be drop-head or reject-publish"));
             }
@@ -266,7 +266,7 @@ impl QueueOptions {
     pub(crate) fn effective_at_least_once(&self) -> bool {
         self.at_least_once
             && self.queue_type == QueueType::Quorum
-            && self.overflow == Overflow::RejectPublish
+            && self.overflow == QueueOverflow::RejectPublish
             && self.dead_letter_exchange.is_some()
     }
 }
@@ -373,7 +373,7 @@ impl Queue {
             true => self.ready.len() as u64 > max,
             false => self.ready.len() as u64 >= max,
         };
-        self.options.overflow == Overflow::RejectPublish
+        self.options.overflow == QueueOverflow::RejectPublish
             && self.options.max_length.is_some_and(full)
     }
 
@@ -413,7 +413,7 @@ impl Queue {
     /// The oldest message, when `drop-head` must make room under `x-max-length`.
     pub(crate) fn take_over_max_length(&mut self) -> Option<Stored> {
         let max = self.options.max_length?;
-        if self.options.overflow != Overflow::DropHead || self.ready.len() as u64 <= max {
+        if self.options.overflow != QueueOverflow::DropHead || self.ready.len() as u64 <= max {
             return None;
         }
         self.ready.pop_front()

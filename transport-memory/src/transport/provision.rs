@@ -6,7 +6,7 @@ use retry_core::{BindingSpec, CascadePlan, ExchangeSpec, QueueArguments, QueueSp
 use crate::broker::Broker;
 use crate::broker::core::State;
 use crate::broker::error::BrokerError;
-use crate::broker::queue::{Overflow, QueueOptions};
+use crate::broker::queue::{QueueOptions, QueueOverflow};
 
 impl Broker {
     /// Declares everything in `plan`: its [cascade](TopologyPlan::cascade) first, when it
@@ -110,8 +110,8 @@ impl From<&QueueArguments> for QueueOptions {
             dead_letter_routing_key: args.dead_letter_routing_key.clone(),
             max_length: None,
             overflow: match args.overflow {
-                Some(retry_core::Overflow::RejectPublish) => Overflow::RejectPublish,
-                None => Overflow::DropHead,
+                Some(retry_core::Overflow::RejectPublish) => QueueOverflow::RejectPublish,
+                None => QueueOverflow::DropHead,
             },
             delivery_limit: args.delivery_limit,
             at_least_once: args.at_least_once,
