@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use retry_core::{QueueType, RetryPolicy, TopologyPlan};
+use retry_core::{QueueRole, QueueType, RetryPolicy, TopologyPlan};
 use transport_amqp091::AmqpConfig;
 
 use crate::error::CliError;
@@ -70,4 +70,14 @@ pub fn load_policy(path: &std::path::Path) -> Result<RetryPolicy, CliError> {
     // toml's message names the line and column, and shows the line.
     toml::from_str::<RetryPolicy>(&text)
         .map_err(|e| CliError::usage_from(format!("policy file {shown}"), e))
+}
+
+/// The TTL of a queue whose messages wait, if it is one.
+pub fn role_ttl(role: QueueRole) -> Option<std::time::Duration> {
+    match role {
+        QueueRole::Delay { ttl }
+        | QueueRole::CrashDelay { ttl }
+        | QueueRole::CascadeLevel { ttl, .. } => Some(ttl),
+        QueueRole::Work | QueueRole::Isolation | QueueRole::Parking => None,
+    }
 }

@@ -7,7 +7,7 @@ use retry_core::{HeaderValue, QueueRole, QueueSpec, QueueType, TopologyPlan, for
 use serde_json::{Value, json};
 
 use crate::error::CliError;
-use crate::policy::PlanArgs;
+use crate::policy::{PlanArgs, role_ttl};
 use crate::protocol::Protocol;
 use crate::render::header_json;
 use crate::verify::{self, VerifyArgs};
@@ -139,16 +139,6 @@ fn role_name(role: QueueRole) -> &'static str {
         QueueRole::CrashDelay { .. } => "crash-delay",
         QueueRole::Parking => "parking",
         QueueRole::CascadeLevel { .. } => "cascade-level",
-    }
-}
-
-/// The TTL of a queue whose messages wait, if it is one.
-pub fn role_ttl(role: QueueRole) -> Option<std::time::Duration> {
-    match role {
-        QueueRole::Delay { ttl }
-        | QueueRole::CrashDelay { ttl }
-        | QueueRole::CascadeLevel { ttl, .. } => Some(ttl),
-        QueueRole::Work | QueueRole::Isolation | QueueRole::Parking => None,
     }
 }
 

@@ -35,8 +35,8 @@ use transport_amqp091::headers_from_table;
 
 use crate::broker::{self, QueueState};
 use crate::error::CliError;
-use crate::policy::PlanArgs;
-use crate::topology::role_ttl;
+use crate::policy::{PlanArgs, role_ttl};
+
 use crate::{outln, protocol};
 
 /// How long past its expiration a probe may take to come back.
