@@ -469,7 +469,7 @@ enum Take<'v> {
 /// ```
 ///
 /// A complete run on the in-memory broker is in `transport-memory/tests/parking.rs`; on
-/// RabbitMQ, `retryctl parked` (the `cli` feature of `transport-amqp091`) drives it.
+/// RabbitMQ, `retryctl parked` (the `retryctl` crate) drives it.
 pub struct ParkingLot<T> {
     transport: T,
     work_queue: String,

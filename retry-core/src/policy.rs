@@ -23,8 +23,9 @@ const DECORRELATED_WINDOW: u32 = 32;
 /// What a suspect that crashed its consumer does next.
 ///
 /// Only a suspect that ran alone and came back redelivered from the isolation queue counts a
-/// crash (see the crate docs, "Crash attribution"). Either way the crash is counted on the
-/// message, and past the crash limit it is parked with reason `crash-loop`.
+/// crash (see the guide, `docs/concepts.md`, "Suspects and crashes: crash attribution").
+/// Either way the crash is counted on the message, and past the crash limit it is parked
+/// with reason `crash-loop`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "kebab-case"))]

@@ -160,7 +160,7 @@ impl TransportError {
 /// [`consume`](Self::consume), with up to `prefetch` deliveries held at once. The isolation
 /// queue is read one message at a time with [`fetch`](Self::fetch), only while nothing else
 /// runs, so that a delivery fetched from it is the only thing its consumer is doing (see the
-/// crate docs, "Crash attribution").
+/// guide, `docs/concepts.md`, "Suspects and crashes: crash attribution").
 ///
 /// Time comes from the transport too, so a simulated broker can run on virtual time:
 /// [`now`](Self::now) and [`sleep`](Self::sleep) default to the system clock and

@@ -14,7 +14,7 @@
 //! This ends every IO loop that waits on its socket. One it cannot reach: lapin's loop
 //! after a broker's `connection.close` followed at once by a reset, which waits for a
 //! `close-ok` it can no longer write without waiting on the socket at all (see the `link`
-//! module and the README's known limitations).
+//! module and the guide's known limitations, `docs/limitations.md`).
 
 use std::io::Write as _;
 use std::net::{Shutdown, TcpListener, TcpStream};

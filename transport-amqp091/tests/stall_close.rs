@@ -4,7 +4,7 @@
 //!
 //! A proxy on loopback stands between the transport and the broker and, on demand, sends the
 //! client a `connection.close` (320, `CONNECTION_FORCED`) and resets its socket at once.
-//! lapin keeps the IO thread of each stalled recovery (a README known limitation), so this
+//! lapin keeps the IO thread of each stalled recovery (a known limitation, `docs/limitations.md`), so this
 //! test has a binary of its own: the thread counts of `stall.rs` stay exact.
 
 mod common;

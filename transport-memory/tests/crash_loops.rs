@@ -190,7 +190,7 @@ fn every_storm_ends_the_same_way() {
         // Each order ends as its content says, whatever the storm did. A healthy order
         // whose connection drops while it runs alone, and which another process takes
         // back, is counted a crash there (crash attribution is per process: see the
-        // README's known limitations), but it is never parked for it.
+        // guide's known limitations, `docs/limitations.md`), but it is never parked for it.
         let limit = policy().crash_limit();
         assert_eq!(report.messages.len(), 15, "{}", context());
         for m in report.messages.values() {

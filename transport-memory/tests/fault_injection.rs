@@ -7,7 +7,7 @@
 //! that give up with their message on the way, graceful restarts (a deploy) that can land
 //! while a fetch is under way, and messages that share a message id or a body. A
 //! single-process mix adds the faults whose excuse only the process that saw them holds
-//! (see the README's known limitations): publishes lost, refused, returned as unroutable
+//! (see the guide's known limitations, `docs/limitations.md`): publishes lost, refused, returned as unroutable
 //! and returns reported against the wrong publish, connections dropped mid-run. Poison
 //! messages kill their process on every run. For every seed:
 //!

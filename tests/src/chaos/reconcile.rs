@@ -255,7 +255,7 @@ enum Charge {
     Explained(String),
     /// The process that held it alone lost its connection and lived on, and the broker
     /// redelivered the message to another process, which could not know why: excuses are
-    /// kept per process (the README's "crash attribution is per process").
+    /// kept per process (`docs/limitations.md`: "Excuses do not cross processes").
     AcrossProcesses(String),
     /// Nothing explains it.
     Wrong(String),
