@@ -33,7 +33,7 @@
 //!   backing off ([`NodeOrder`], [`NodeListError`]). [`AmqpConfig::queue_type`] is quorum
 //!   for a cluster.
 //! * The password never appears in logs, errors or `Debug` output ([`AmqpConfig`]).
-//! * [`testing`]: one reading of `REQUIRE_BROKER` for tests that need a broker.
+//! * `testing` (feature `testing`): one reading of `REQUIRE_BROKER` for tests that need a broker.
 //!
 //! The broker behaviour this relies on (RabbitMQ 3.10) is measured in the project's design
 //! notes and checked by this crate's integration tests against a real broker.
@@ -54,6 +54,7 @@ mod provision;
 mod publisher;
 mod subscription;
 mod tag;
+#[cfg(feature = "testing")]
 pub mod testing;
 mod transport;
 mod walk;
