@@ -18,14 +18,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use bench_support::BoxError;
+use bench_support::args::Args;
+use bench_support::publish::{confirm_channel, persistent, prefill};
+use bench_support::url::amqp_url;
+use lapin::{Connection, ConnectionProperties};
 use retry_core::{
     Consumer, HandlerError, Message, QueueType, RetryPolicy, TopologyPlan, Transport,
 };
 use transport_amqp091::{AmqpConfig, AmqpTransport};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 const PREFETCH: u16 = 100;
 const DELAY: Duration = Duration::from_secs(3600);
@@ -42,7 +43,7 @@ fn urls(cluster: bool) -> String {
     if cluster {
         std::env::var("AMQP_CLUSTER_URLS").expect("AMQP_CLUSTER_URLS (tests/cluster.sh urls)")
     } else {
-        std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+        amqp_url()
     }
 }
 
@@ -58,36 +59,18 @@ fn plan(setup: Setup, queue: &str, policy: &RetryPolicy) -> Result<TopologyPlan,
     Ok(builder.build()?)
 }
 
-async fn prefill(url: &str, queue: &str, n: u64) -> Result<(), BoxError> {
+/// Prefills `queue` with `n` persistent 256-byte messages through the first node of `url`.
+async fn fill(url: &str, queue: &str, n: u64) -> Result<(), BoxError> {
     let first = url.split(',').next().unwrap_or(url);
     let conn = Connection::connect(first, ConnectionProperties::default()).await?;
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
-    let body = [b'x'; 256];
-    let mut confirms = Vec::with_capacity(1_000);
-    for i in 0..n {
-        let props = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_message_id(format!("m-{i}").into());
-        confirms.push(
-            ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &body,
-                props,
-            )
-            .await?,
-        );
-        if confirms.len() == 1_000 {
-            for c in confirms.drain(..) {
-                c.await?;
-            }
-        }
-    }
-    for c in confirms {
-        c.await?;
-    }
+    let ch = confirm_channel(&conn).await?;
+    prefill(&ch, queue, n, |i| {
+        (
+            [b'x'; 256],
+            persistent().with_message_id(format!("m-{i}").into()),
+        )
+    })
+    .await?;
     conn.close(200, "prefilled".into()).await?;
     Ok(())
 }
@@ -105,7 +88,7 @@ async fn measure(setup: Setup, retry: bool, round: usize, n: u64) -> Result<f64,
     let plan = plan(setup, &q, &policy)?;
     let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(url.clone())).await?);
     transport.provision(&plan).await?;
-    prefill(&url, &q, n).await?;
+    fill(&url, &q, n).await?;
     let settled = Arc::new(AtomicU64::new(0));
     let done = Arc::new(tokio::sync::Notify::new());
     let (s, d) = (Arc::clone(&settled), Arc::clone(&done));
@@ -152,13 +135,9 @@ async fn measure(setup: Setup, retry: bool, round: usize, n: u64) -> Result<f64,
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let mut args = std::env::args().skip(1);
-    let n: u64 = args
-        .next()
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(20_000);
-    let rounds: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(3);
+    let mut args = Args::new("usage: cluster_throughput [MESSAGES] [ROUNDS]");
+    let n: u64 = args.positional(20_000)?;
+    let rounds: usize = args.positional(3)?;
     println!(
         "{n} persistent 256-byte messages per measurement, prefetch {PREFETCH}, {rounds} rounds"
     );

@@ -37,16 +37,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bench_support::BoxError;
+use bench_support::args::Args;
+use bench_support::proc::load1_shown;
+use bench_support::publish::publish_paced;
+use bench_support::stats::percentiles;
+use bench_support::url::amqp_url;
 use lapin::{Connection, ConnectionProperties};
 use retry_core::{
     Cascade, Consumer, DelayStrategy, HandlerError, Jitter, Message, RetryPolicy, Terminal,
     TopologyPlan, Transport, splitmix64,
 };
 use transport_amqp091::{AmqpConfig, AmqpTransport};
-
-#[path = "paced/mod.rs"]
-mod paced;
-use paced::{BoxError, load1, percentiles, publish_paced, url};
 
 const PREFETCH: u16 = 200;
 const UNIT: Duration = Duration::from_millis(10);
@@ -108,7 +110,7 @@ async fn measure(
     let plan = TopologyPlan::builder(&work, &policy)
         .with_strategy(strategy.clone())
         .build()?;
-    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(url())).await?);
+    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?);
     transport.provision(&plan).await?;
 
     let result = async {
@@ -266,14 +268,13 @@ fn row(out: &mut String, label: &str, f: &Figures) {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let (mut n, mut rate, mut rounds) = (2_000u64, 500.0f64, 2usize);
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value; {USAGE}"));
+    let mut args = Args::new(USAGE);
+    while let Some(arg) = args.next() {
         match arg.as_str() {
-            "--n" => n = value()?.parse()?,
-            "--rate" => rate = value()?.parse()?,
-            "--rounds" => rounds = value()?.parse()?,
-            other => return Err(format!("unknown argument {other:?}; {USAGE}").into()),
+            "--n" => n = args.value(&arg)?,
+            "--rate" => rate = args.value(&arg)?,
+            "--rounds" => rounds = args.value(&arg)?,
+            other => return Err(args.unknown(other)),
         }
     }
     if n < 2 || rounds == 0 || rate <= 0.0 {
@@ -281,7 +282,7 @@ async fn main() -> Result<(), BoxError> {
             format!("N must be at least 2, the rate and the rounds positive; {USAGE}").into(),
         );
     }
-    let conn = Connection::connect(&url(), ConnectionProperties::default()).await?;
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
     let pid = std::process::id();
     let mut out = format!(
         "retry_after spread over 0.1-10 s, {n} persistent messages in random order at {rate} msg/s, prefetch {PREFETCH}\n\
@@ -301,7 +302,7 @@ async fn main() -> Result<(), BoxError> {
                 .with_prefix(format!("accuracy-{tag}.cascade")),
         );
         let per_delay = DelayStrategy::PerDelayQueue;
-        let load_before = load1();
+        let load_before = load1_shown();
         let (p, c) = if round % 2 == 1 {
             let p = measure(&conn, &format!("{tag}-per-delay"), per_delay, n, rate).await?;
             (
@@ -315,7 +316,11 @@ async fn main() -> Result<(), BoxError> {
                 c,
             )
         };
-        let _ = writeln!(out, "round {round} (load {load_before} -> {})", load1());
+        let _ = writeln!(
+            out,
+            "round {round} (load {load_before} -> {})",
+            load1_shown()
+        );
         row(&mut out, "per-delay", &p);
         row(&mut out, "cascade", &c);
         if let Some((most, _)) = c.hops {

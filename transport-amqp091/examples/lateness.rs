@@ -27,20 +27,22 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bench_support::BoxError;
+use bench_support::args::Args;
+use bench_support::proc::load1_shown;
+use bench_support::publish::{confirm_channel, publish_paced};
+use bench_support::stats::percentiles;
+use bench_support::url::amqp_url;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan, Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
-
-#[path = "paced/mod.rs"]
-mod paced;
-use paced::{BoxError, load1, percentiles, publish_paced, url};
 
 const PREFETCH: u16 = 100;
 const DELAY: Duration = Duration::from_secs(1);
@@ -107,10 +109,7 @@ async fn plain(conn: &Connection, tag: &str, n: u64, rate: f64) -> Result<Clock,
     let result = async {
         let ch = conn.create_channel().await?;
         ch.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
-        let publisher = conn.create_channel().await?;
-        publisher
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let publisher = confirm_channel(conn).await?;
         let mut consumer = ch
             .basic_consume(
                 work.as_str().into(),
@@ -199,7 +198,7 @@ async fn ours(conn: &Connection, tag: &str, n: u64, rate: f64) -> Result<Clock, 
     let work = format!("late-{tag}-ours");
     let policy = RetryPolicy::delays([DELAY]).build()?;
     let plan = TopologyPlan::new(&work, &policy)?;
-    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(url())).await?);
+    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?);
     transport.provision(&plan).await?;
 
     let result = async {
@@ -264,29 +263,19 @@ fn diff(a: (f64, f64, f64), b: (f64, f64, f64)) -> (f64, f64, f64) {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let (mut n, mut rate, mut rounds) = (2_000u64, 500.0f64, 3usize);
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || {
-            it.next().ok_or(format!(
-                "{arg} needs a value; usage: lateness [--n N] [--rate R] [--rounds R]"
-            ))
-        };
+    let mut args = Args::new("usage: lateness [--n N] [--rate R] [--rounds R]");
+    while let Some(arg) = args.next() {
         match arg.as_str() {
-            "--n" => n = value()?.parse()?,
-            "--rate" => rate = value()?.parse()?,
-            "--rounds" => rounds = value()?.parse()?,
-            other => {
-                return Err(format!(
-                    "unknown argument {other:?}; usage: lateness [--n N] [--rate R] [--rounds R]"
-                )
-                .into());
-            }
+            "--n" => n = args.value(&arg)?,
+            "--rate" => rate = args.value(&arg)?,
+            "--rounds" => rounds = args.value(&arg)?,
+            other => return Err(args.unknown(other)),
         }
     }
     if n == 0 || rounds == 0 || rate <= 0.0 {
         return Err("N, the rate and the rounds must be positive".into());
     }
-    let conn = Connection::connect(&url(), ConnectionProperties::default()).await?;
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
     let pid = std::process::id();
     let (mut all_plain, mut all_ours) = (Vec::new(), Vec::new());
     let mut out = format!(
@@ -295,7 +284,7 @@ async fn main() -> Result<(), BoxError> {
     let _ = writeln!(out, "  {:<34}{:>9}{:>9}{:>9}", "", "p50", "p99", "max");
     for round in 1..=rounds {
         let tag = format!("{pid}-{round}");
-        let load_before = load1();
+        let load_before = load1_shown();
         // Alternate which goes first.
         let (p, o) = if round % 2 == 1 {
             let p = plain(&conn, &tag, n, rate).await?;
@@ -315,7 +304,11 @@ async fn main() -> Result<(), BoxError> {
             }
         }
         let (pp, po) = (percentiles(ms(&p.late)), percentiles(ms(&o.late)));
-        let _ = writeln!(out, "round {round} (load {load_before} -> {})", load1());
+        let _ = writeln!(
+            out,
+            "round {round} (load {load_before} -> {})",
+            load1_shown()
+        );
         row(&mut out, "plain lapin, 1 s TTL queue + DLX", pp);
         row(&mut out, "retry consumer (ours)", po);
         row(&mut out, "ours - plain", diff(po, pp));

@@ -19,45 +19,29 @@
 //! the process's peak resident memory (`VmHWM`) over the runs so far, then deletes its
 //! queues. `AMQP_URL` names the broker.
 
-// Only the broker URL and the load reading are used here.
-#[allow(dead_code)]
-#[path = "paced/mod.rs"]
-mod paced;
-
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
+use bench_support::BoxError;
+use bench_support::args::env_or;
+use bench_support::proc::{load1_shown, peak_rss};
+use bench_support::publish::{confirm_channel, persistent, prefill};
+use bench_support::url::amqp_url;
+use lapin::options::BasicGetOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
-use paced::{BoxError, load1, url};
+use lapin::{Connection, ConnectionProperties};
 use retry_core::{
     DeadLetterReason, ParkedFilter, ParkedReason, ParkingLot, ReplayOptions, RetryPolicy,
     TopologyPlan, Transport,
 };
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-/// Peak resident memory of this process so far, in bytes.
-fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// Parks `n` messages in `queue`, one in a thousand for reason `permanent`, pipelined with
-/// confirms in batches.
+/// Parks `n` messages in `queue`, one in a thousand for reason `permanent`.
 async fn park(conn: &Connection, queue: &str, n: u64) -> Result<(), BoxError> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let ch = confirm_channel(conn).await?;
     let body = vec![b'x'; 1024];
-    for i in 0..n {
+    prefill(&ch, queue, n, |i| {
         let reason = if i % 1000 == 0 {
             "permanent"
         } else {
@@ -69,24 +53,12 @@ async fn park(conn: &Connection, queue: &str, n: u64) -> Result<(), BoxError> {
             AMQPValue::LongString(LongString::from(reason)),
         );
         headers.insert("x-retry-attempts".into(), AMQPValue::LongLongInt(3));
-        drop(
-            ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &body,
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(format!("m{i}").into())
-                    .with_headers(headers),
-            )
-            .await?,
-        );
-        if i % 5000 == 4999 {
-            ch.wait_for_confirms().await?;
-        }
-    }
-    ch.wait_for_confirms().await?;
+        let properties = persistent()
+            .with_message_id(format!("m{i}").into())
+            .with_headers(headers);
+        (&body, properties)
+    })
+    .await?;
     ch.close(200, "parked".into()).await?;
     Ok(())
 }
@@ -127,11 +99,11 @@ async fn main() -> Result<(), BoxError> {
     } else {
         sizes
     };
-    let rounds: u32 = std::env::var("ROUNDS").map_or(Ok(2), |r| r.parse())?;
-    let conn = Connection::connect(&url(), ConnectionProperties::default()).await?;
-    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(url())).await?);
+    let rounds: u32 = env_or("ROUNDS", 2)?;
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?);
     let policy = RetryPolicy::delays([Duration::from_secs(1)]).build()?;
-    println!("load {} at start", load1());
+    println!("load {} at start", load1_shown());
     for n in sizes {
         let plan = TopologyPlan::new(&format!("parking-walk-{n}"), &policy)?;
         transport.provision(&plan).await?;
@@ -168,7 +140,7 @@ async fn main() -> Result<(), BoxError> {
                 "  replayed {}, left {}; load {}",
                 report.replayed,
                 report.left,
-                load1()
+                load1_shown()
             );
         }
         transport.teardown(&plan).await?;

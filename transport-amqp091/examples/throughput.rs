@@ -47,24 +47,26 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use bench_support::BoxError;
+use bench_support::args::env_or;
+use bench_support::proc::{Clock, Timing, load1, wait_for_idle_broker};
+use bench_support::publish::{confirm_channel, persistent, prefill};
+use bench_support::queue::message_count;
+use bench_support::stats::min_median_max;
+use bench_support::url::amqp_url;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{Confirmation, Connection, ConnectionProperties};
 use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan, Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 const PREFETCH: u16 = 100;
 const BODY: [u8; 256] = [b'x'; 256];
 const DELAY: Duration = Duration::from_secs(3600);
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The paths this example measures, in their default order.
 const PATHS: [&str; 5] = [
@@ -74,136 +76,6 @@ const PATHS: [&str; 5] = [
     "lapin-pipelined",
     "ours-retry",
 ];
-
-/// Wall time and CPU time (this process, and the broker when it runs on this machine) of
-/// one measurement.
-#[derive(Clone, Copy, Debug)]
-struct Timing {
-    wall: Duration,
-    client_cpu: Duration,
-    broker_cpu: Option<Duration>,
-}
-
-/// CPU time so far, in clock ticks (`utime + stime` of `/proc/<pid>/stat`).
-fn cpu_ticks(pid: &str) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces: fields count from the closing parenthesis.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
-}
-
-/// The local RabbitMQ's Erlang VM, if there is one.
-fn broker_pid() -> Option<String> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid = e.file_name().into_string().ok()?;
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-        (comm.trim() == "beam.smp").then_some(pid)
-    })
-}
-
-/// Waits (at most 5 s) until the local broker has been idle for 200 ms, so that no
-/// measurement starts while the broker still works off the one before (deleting its queues,
-/// writing its index). Measurement setup (declaring, prefilling) comes after, as for the
-/// Node.js peer.
-async fn wait_for_idle_broker() {
-    let Some(pid) = broker_pid() else { return };
-    for _ in 0..25 {
-        let Some(before) = cpu_ticks(&pid) else {
-            return;
-        };
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        match cpu_ticks(&pid) {
-            // Under 5% of one core.
-            Some(after) if after - before <= 1 => return,
-            Some(_) => {}
-            None => return,
-        }
-    }
-}
-
-/// Ticks of `/proc/*/stat` (`getconf CLK_TCK`, 100 on Linux).
-const TICK: Duration = Duration::from_millis(10);
-
-struct Clock {
-    start: Instant,
-    client: Option<u64>,
-    broker: Option<(String, u64)>,
-}
-
-impl Clock {
-    fn start() -> Self {
-        let broker = broker_pid().and_then(|pid| Some((pid.clone(), cpu_ticks(&pid)?)));
-        Clock {
-            client: cpu_ticks("self"),
-            broker,
-            start: Instant::now(),
-        }
-    }
-
-    fn stop(self) -> Timing {
-        let wall = self.start.elapsed();
-        let since = |pid: &str, before: u64| cpu_ticks(pid).map(|now| TICK * (now - before) as u32);
-        Timing {
-            wall,
-            client_cpu: self
-                .client
-                .and_then(|t| since("self", t))
-                .unwrap_or_default(),
-            broker_cpu: self.broker.and_then(|(pid, t)| since(&pid, t)),
-        }
-    }
-}
-
-fn url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn load1() -> f64 {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
-async fn confirm_channel(conn: &Connection) -> Result<Channel, BoxError> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
-    Ok(ch)
-}
-
-async fn prefill(ch: &Channel, queue: &str, n: u64) -> Result<(), BoxError> {
-    for _ in 0..n {
-        // Dropped confirms are collected by wait_for_confirms below.
-        drop(
-            ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &BODY,
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await?,
-        );
-    }
-    ch.wait_for_confirms().await?;
-    Ok(())
-}
-
-async fn message_count(conn: &Connection, queue: &str) -> Result<u32, BoxError> {
-    let ch = conn.create_channel().await?;
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    ch.close(200, "counted".into()).await?;
-    Ok(q.message_count())
-}
 
 /// Plain lapin, success path: consume `n` and ack each, or every `batch`-th with `multiple`.
 async fn lapin_consume(
@@ -305,7 +177,7 @@ async fn lapin_pipelined(
 /// The retry consumer on a transport of its own: consume `n`; `fail` makes every first run
 /// fail, so every message is cloned to the delay queue.
 async fn ours(policy: RetryPolicy, queue: &str, n: u64, fail: bool) -> Result<Timing, BoxError> {
-    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(url())).await?);
+    let transport = Arc::new(AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?);
     let settled = Arc::new(AtomicU64::new(0));
     let done = Arc::new(tokio::sync::Notify::new());
     let (s, d) = (Arc::clone(&settled), Arc::clone(&done));
@@ -339,6 +211,7 @@ async fn ours(policy: RetryPolicy, queue: &str, n: u64, fail: bool) -> Result<Ti
 
 /// One measurement of `path` on fresh queues.
 async fn measure(conn: &Connection, path: &str, round: usize, n: u64) -> Result<Timing, BoxError> {
+    // Setup (declaring, prefilling) comes after the broker is idle, as for the Node.js peer.
     wait_for_idle_broker().await;
     let policy = RetryPolicy::delays([DELAY]).build()?;
     let q = format!("bench-{}-{round}-{path}", std::process::id());
@@ -347,11 +220,11 @@ async fn measure(conn: &Connection, path: &str, round: usize, n: u64) -> Result<
     // delay queue's name.
     let (route, _) = plan.route_for(DELAY).ok_or("the plan has no delay level")?;
     let (exchange, delay_queue) = (route.exchange.to_string(), route.routing_key.to_string());
-    let setup = AmqpTransport::connect(AmqpConfig::new(url())).await?;
+    let setup = AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?;
     setup.provision(&plan).await?;
     let result = async {
         let publisher = confirm_channel(conn).await?;
-        prefill(&publisher, &q, n).await?;
+        prefill(&publisher, &q, n, |_| (BODY, persistent())).await?;
         publisher.close(200, "prefilled".into()).await?;
         let (took, retry) = match path {
             "lapin-ack-each" => (lapin_consume(conn, &q, n, 1).await?, false),
@@ -368,8 +241,10 @@ async fn measure(conn: &Connection, path: &str, round: usize, n: u64) -> Result<
             other => return Err(format!("unknown path {other:?}; known: {PATHS:?}").into()),
         };
         // Nothing lost, nothing left: every delivery was settled, every clone arrived.
-        let left = message_count(conn, &q).await?;
-        let clones = message_count(conn, &delay_queue).await?;
+        let counting = conn.create_channel().await?;
+        let left = message_count(&counting, &q).await?;
+        let clones = message_count(&counting, &delay_queue).await?;
+        counting.close(200, "counted".into()).await?;
         let want = if retry { n } else { 0 };
         if left != 0 || u64::from(clones) != want {
             return Err(format!(
@@ -406,9 +281,9 @@ impl Sample {
             path: path.to_owned(),
             n,
             rate: n as f64 / t.wall.as_secs_f64(),
-            load: load1(),
-            client_us: per_message(t.client_cpu),
-            broker_us: t.broker_cpu.map_or(f64::NAN, per_message),
+            load: load1().unwrap_or(f64::NAN),
+            client_us: per_message(t.cpu.client.unwrap_or_default()),
+            broker_us: t.cpu.broker.map_or(f64::NAN, per_message),
         }
     }
 
@@ -451,16 +326,6 @@ fn parse_tsv(text: &str) -> Result<Vec<Sample>, BoxError> {
         });
     }
     Ok(out)
-}
-
-fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    let median = if v.len() % 2 == 1 {
-        v[v.len() / 2]
-    } else {
-        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
-    };
-    (v[0], median, v[v.len() - 1])
 }
 
 /// A consumer in the table: its path and its label.
@@ -521,7 +386,7 @@ fn table(samples: &[Sample]) -> String {
         .filter(|l| !l.is_nan())
         .collect();
     if !loads.is_empty() {
-        let (lo, _, hi) = stats(loads);
+        let (lo, _, hi) = min_median_max(loads);
         let _ = writeln!(
             out,
             "load average (1 min) during the run: {lo:.2} to {hi:.2}"
@@ -544,7 +409,7 @@ fn table(samples: &[Sample]) -> String {
         }
         let known: Vec<f64> = values.iter().flatten().copied().collect();
         if !known.is_empty() {
-            let (lo, mid, hi) = stats(known);
+            let (lo, mid, hi) = min_median_max(known);
             let _ = write!(out, "{:>9}{:>9}{:>9}", fmt(lo), fmt(mid), fmt(hi));
         }
         out.push('\n');
@@ -622,28 +487,29 @@ const USAGE: &str = "usage: throughput [N] [--n N] [--rounds R] [--round R] [--p
 fn args() -> Result<Args, BoxError> {
     let mut a = Args {
         n: 20_000,
-        rounds: std::env::var("ROUNDS")
-            .ok()
-            .map(|s| s.parse())
-            .transpose()?
-            .unwrap_or(3),
+        rounds: env_or("ROUNDS", 3)?,
         round: None,
         paths: PATHS.iter().map(|p| (*p).to_owned()).collect(),
         tsv: false,
         report: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value; {USAGE}"));
+    let mut argv = bench_support::args::Args::new(USAGE);
+    while let Some(arg) = argv.next() {
         match arg.as_str() {
-            "--n" => a.n = value()?.parse()?,
-            "--rounds" => a.rounds = value()?.parse()?,
-            "--round" => a.round = Some(value()?.parse()?),
-            "--paths" => a.paths = value()?.split(',').map(str::to_owned).collect(),
+            "--n" => a.n = argv.value(&arg)?,
+            "--rounds" => a.rounds = argv.value(&arg)?,
+            "--round" => a.round = Some(argv.value(&arg)?),
+            "--paths" => {
+                a.paths = argv
+                    .value::<String>(&arg)?
+                    .split(',')
+                    .map(str::to_owned)
+                    .collect();
+            }
             "--tsv" => a.tsv = true,
-            "--report" => a.report = Some(value()?),
+            "--report" => a.report = Some(argv.value(&arg)?),
             n if n.parse::<u64>().is_ok() => a.n = n.parse()?,
-            other => return Err(format!("unknown argument {other:?}; {USAGE}").into()),
+            other => return Err(argv.unknown(other)),
         }
     }
     if let Some(unknown) = a.paths.iter().find(|p| !PATHS.contains(&p.as_str())) {
@@ -662,7 +528,7 @@ async fn main() -> Result<(), BoxError> {
         print!("{}", table(&parse_tsv(&std::fs::read_to_string(file)?)?));
         return Ok(());
     }
-    let conn = Connection::connect(&url(), ConnectionProperties::default()).await?;
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
     let rounds: Vec<usize> = match args.round {
         Some(r) => vec![r],
         None => (1..=args.rounds).collect(),

@@ -33,7 +33,7 @@
 //!   backing off ([`NodeOrder`], [`NodeListError`]). [`AmqpConfig::queue_type`] is quorum
 //!   for a cluster.
 //! * The password never appears in logs, errors or `Debug` output ([`AmqpConfig`]).
-//! * [`testing`]: one reading of `REQUIRE_BROKER` for tests that need a broker.
+//! * `testing` (feature `testing`): one reading of `REQUIRE_BROKER` for tests that need a broker.
 //!
 //! The guide, in the repository's `docs/` folder, covers what this transport does on
 //! RabbitMQ (`docs/transports.md`), embedding the engine with the [`embed`] glue
@@ -60,6 +60,7 @@ mod provision;
 mod publisher;
 mod subscription;
 mod tag;
+#[cfg(feature = "testing")]
 pub mod testing;
 mod transport;
 mod walk;

@@ -65,6 +65,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use bench_support::BoxError;
+use bench_support::args::Args;
+use bench_support::proc::{CpuClock, load_average_shown};
+use bench_support::publish::{confirm_channel, persistent, prefill};
+use bench_support::queue::wait_for_count;
+use bench_support::stats::min_middle_max;
+use bench_support::url::{amqp_url, amqp10_url};
 use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::link::receiver::CreditMode;
 use fe2o3_amqp::sasl_profile::SaslProfile;
@@ -76,9 +83,7 @@ use fe2o3_amqp::types::primitives::{SimpleValue, Value};
 use fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel};
+use lapin::Channel;
 use retry_core::{
     Consumer, Handler, HandlerError, Message, QueueRole, RetryPolicy, Terminal, TopologyPlan,
     Transport,
@@ -87,14 +92,15 @@ use tokio::sync::Notify;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
 const PREFETCH: u16 = 100;
 const BODY: [u8; 256] = [b'x'; 256];
 /// Long enough that no clone comes back during a run.
 const DELAY: Duration = Duration::from_secs(600);
 /// A measurement that has not finished by then failed.
 const BOUND: Duration = Duration::from_secs(300);
+/// How long the queues' counts may take to settle after a measurement (the broker handles
+/// dispositions and the end of a connection asynchronously).
+const SETTLING: Duration = Duration::from_secs(5);
 
 /// The paths, in their order in the first round.
 const PATHS: [&str; 7] = [
@@ -116,28 +122,6 @@ struct Timing {
     cpu: Option<(f64, f64)>,
 }
 
-/// CPU seconds (user + system) a process has used so far, from `/proc`; `None` elsewhere.
-fn cpu_seconds(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The fields after the command name, which is in parentheses and may hold spaces.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    // USER_HZ is 100 on Linux.
-    Some(ticks as f64 / 100.0)
-}
-
-/// The local broker's Erlang VM, if it runs on this machine and can be seen.
-fn broker_pid() -> Option<String> {
-    std::fs::read_dir("/proc")
-        .ok()?
-        .flatten()
-        .find_map(|entry| {
-            let pid = entry.file_name().into_string().ok()?;
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-            (comm.trim() == "beam.smp").then_some(pid)
-        })
-}
-
 impl Timing {
     fn new(start: Instant, first: Instant, end: Instant) -> Self {
         Timing {
@@ -148,76 +132,11 @@ impl Timing {
     }
 }
 
-fn url10() -> String {
-    std::env::var("AMQP10_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into())
-}
-
-fn url091() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
-/// Publishes `n` persistent 256-byte messages to `queue` over AMQP 0-9-1, confirms pipelined.
-async fn prefill(channel: &Channel, queue: &str, n: u64) -> Result<(), BoxError> {
-    let mut confirms = Vec::with_capacity(1_000);
-    for i in 0..n {
-        confirms.push(
-            channel
-                .basic_publish(
-                    "".into(),
-                    queue.into(),
-                    BasicPublishOptions::default(),
-                    &BODY,
-                    BasicProperties::default()
-                        .with_delivery_mode(2)
-                        .with_message_id(format!("m{i}").into()),
-                )
-                .await?,
-        );
-        if confirms.len() == 1_000 || i + 1 == n {
-            for confirm in confirms.drain(..) {
-                if !confirm.await?.is_ack() {
-                    return Err("a prefilled message was not confirmed".into());
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Messages ready in `queue`, waiting up to 5 s for it to reach `expected` (the broker
-/// handles dispositions and the end of a connection asynchronously).
-async fn settle_count(channel: &Channel, queue: &str, expected: u32) -> Result<u32, BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let count = channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?
-            .message_count();
-        if count == expected || Instant::now() >= deadline {
-            return Ok(count);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Opens an AMQP 1.0 connection as a careful user would: with `TCP_NODELAY`, which
 /// fe2o3's `Connection::open(name, url)` leaves off. (With Nagle on, dispositions, flows and
 /// confirms wait for delayed ACKs: the plain loops ran at 2 000 to 6 600 msg/s that way.)
 async fn plain_connection(name: &str) -> Result<ConnectionHandle<()>, BoxError> {
-    let url = url::Url::parse(&url10())?;
+    let url = url::Url::parse(&amqp10_url())?;
     let host = url.host_str().ok_or("AMQP10_URL has no host")?.to_owned();
     let port = url.port().unwrap_or(5672);
     let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
@@ -427,7 +346,7 @@ impl Handler for Bench {
 /// Either path through `retry_core::Consumer` over `Amqp10Transport`.
 async fn ours(queue: &str, policy: &RetryPolicy, n: u64, fail: bool) -> Result<Timing, BoxError> {
     let start = Instant::now();
-    let transport = Arc::new(Amqp10Transport::connect(Amqp10Config::new(url10())).await?);
+    let transport = Arc::new(Amqp10Transport::connect(Amqp10Config::new(amqp10_url())).await?);
     let first = Arc::new(OnceLock::new());
     let ended = Arc::new(AtomicU64::new(0));
     let done = Arc::new(Notify::new());
@@ -488,7 +407,10 @@ async fn measure(
             .find(|q| matches!(q.role, QueueRole::Delay { .. }))
             .map(|q| q.name.clone())
             .ok_or("the plan has no delay queue")?;
-        prefill(channel, &queue, n).await?;
+        prefill(channel, &queue, n, |i| {
+            (BODY, persistent().with_message_id(format!("m{i}").into()))
+        })
+        .await?;
         let measuring = async {
             match path {
                 "plain-accept-each" => plain_success(&queue, n, false).await,
@@ -507,21 +429,20 @@ async fn measure(
                 other => Err(format!("unknown path {other}").into()),
             }
         };
-        let broker = broker_pid();
-        let before = (cpu_seconds("self"), broker.as_deref().and_then(cpu_seconds));
+        let cpu = CpuClock::start();
         let mut timing = tokio::time::timeout(BOUND, measuring)
             .await
             .map_err(|_| format!("{path} did not finish within {BOUND:?}"))??;
-        let after = (cpu_seconds("self"), broker.as_deref().and_then(cpu_seconds));
-        if let ((Some(c0), Some(b0)), (Some(c1), Some(b1))) = (before, after) {
-            timing.cpu = Some((c1 - c0, b1 - b0));
+        let used = cpu.used();
+        if let (Some(client), Some(broker)) = (used.client, used.broker) {
+            timing.cpu = Some((client.as_secs_f64(), broker.as_secs_f64()));
         }
-        let left = settle_count(channel, &queue, 0).await?;
+        let left = wait_for_count(channel, &queue, 0, SETTLING).await?;
         if left != 0 {
             return Err(format!("{path}: {left} messages left in the work queue").into());
         }
         if path.contains("retry") {
-            let clones = settle_count(channel, &delay_queue, n as u32).await?;
+            let clones = wait_for_count(channel, &delay_queue, n as u32, SETTLING).await?;
             if u64::from(clones) != n {
                 return Err(format!("{path}: {clones} clones in the delay queue, not {n}").into());
             }
@@ -533,20 +454,11 @@ async fn measure(
     outcome
 }
 
-fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[0], v[v.len() / 2], v[v.len() - 1])
-}
-
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let mut args = std::env::args().skip(1);
-    let n: u64 = args
-        .next()
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(20_000);
-    let rounds: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(3);
+    let mut args = Args::new("usage: amqp10_throughput [MESSAGES] [ROUNDS] [PATHS]");
+    let n: u64 = args.positional(20_000)?;
+    let rounds: usize = args.positional(3)?;
     // Only these paths (comma-separated), for profiling one; the table and ratios need all.
     let only: Option<Vec<String>> = args
         .next()
@@ -554,14 +466,11 @@ async fn main() -> Result<(), BoxError> {
     if n == 0 || n > u64::from(u32::MAX) || rounds == 0 {
         return Err("MESSAGES and ROUNDS must be at least 1".into());
     }
-    let setup = AmqpTransport::connect(AmqpConfig::new(url091())).await?;
-    let channel = setup.connection().create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+    let setup = AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?;
+    let channel = confirm_channel(&setup.connection()).await?;
     println!(
         "{n} persistent 256-byte messages, prefetch {PREFETCH}, {rounds} rounds; load average {}",
-        load_average()
+        load_average_shown()
     );
     // rates[path][round] = (total msg/s, steady msg/s)
     let mut rates = vec![Vec::new(); PATHS.len()];
@@ -584,7 +493,7 @@ async fn main() -> Result<(), BoxError> {
                 "round {}: {path:<21} total {total:>7.0} msg/s ({:.2} s), steady {steady:>7.0} msg/s; cpu µs/msg client + broker {cpu}; load {}",
                 round + 1,
                 timing.total.as_secs_f64(),
-                load_average()
+                load_average_shown()
             );
             rates[i].push((total, steady));
         }
@@ -598,8 +507,8 @@ async fn main() -> Result<(), BoxError> {
         "msg/s min/median/max", "total", "steady"
     );
     for (i, path) in PATHS.iter().enumerate() {
-        let (t0, t1, t2) = stats(rates[i].iter().map(|r| r.0).collect());
-        let (s0, s1, s2) = stats(rates[i].iter().map(|r| r.1).collect());
+        let (t0, t1, t2) = min_middle_max(rates[i].iter().map(|r| r.0).collect());
+        let (s0, s1, s2) = min_middle_max(rates[i].iter().map(|r| r.1).collect());
         println!("{path:<21} {t0:>7.0} {t1:>7.0} {t2:>7.0}  {s0:>7.0} {s1:>7.0} {s2:>7.0}");
     }
     // Ours against the stronger plain loop of the same round.
@@ -617,12 +526,12 @@ async fn main() -> Result<(), BoxError> {
     println!();
     println!("ratio ours / strongest plain, same round: min/median/max");
     for (name, ours, plain) in [("success", 2, &[0, 1][..]), ("retry", 5, &[3, 4][..])] {
-        let (t0, t1, t2) = stats(ratios(ours, plain, |r| r.0));
-        let (s0, s1, s2) = stats(ratios(ours, plain, |r| r.1));
+        let (t0, t1, t2) = min_middle_max(ratios(ours, plain, |r| r.0));
+        let (s0, s1, s2) = min_middle_max(ratios(ours, plain, |r| r.1));
         println!("{name:<21} total {t0:.2} {t1:.2} {t2:.2}   steady {s0:.2} {s1:.2} {s2:.2}");
     }
     println!();
-    println!("load average at the end {}", load_average());
+    println!("load average at the end {}", load_average_shown());
     let _ = channel.close(200, "done".into()).await;
     Ok(())
 }

@@ -24,16 +24,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use bench_support::BoxError;
+use bench_support::args::Args;
+use bench_support::publish::{confirm_channel, prefill};
+use bench_support::stats::min_median_max;
+use bench_support::url::{amqp_url, amqp10_url};
 use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions};
+use lapin::options::QueuePurgeOptions;
 use retry_core::{
     Consumer, HandlerError, Message, QueueRole, RetryPolicy, TopologyPlan, Transport,
 };
 use tokio::sync::Notify;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 const PREFETCH: u16 = 50;
 
@@ -43,32 +46,12 @@ async fn fails(_msg: Message) -> Result<(), HandlerError> {
 
 /// Publishes `n` small messages to `queue` over AMQP 0-9-1, confirms pipelined.
 async fn fill(setup: &AmqpTransport, queue: &str, n: u64) -> Result<(), BoxError> {
-    let channel = setup.connection().create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    let mut confirms = Vec::with_capacity(1_000);
-    for i in 0..n {
+    let channel = confirm_channel(&setup.connection()).await?;
+    prefill(&channel, queue, n, |i| {
         let body = format!("message {i:>8} of the re-verification benchmark");
-        confirms.push(
-            channel
-                .basic_publish(
-                    "".into(),
-                    queue.into(),
-                    BasicPublishOptions::default(),
-                    body.as_bytes(),
-                    BasicProperties::default(),
-                )
-                .await?,
-        );
-        if confirms.len() == 1_000 || i + 1 == n {
-            for confirm in confirms.drain(..) {
-                if !confirm.await?.is_ack() {
-                    return Err("a benchmark message was not confirmed".into());
-                }
-            }
-        }
-    }
+        (body, BasicProperties::default())
+    })
+    .await?;
     let _ = channel.close(200, "filled".into()).await;
     Ok(())
 }
@@ -119,17 +102,10 @@ async fn round(
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let url10 =
-        std::env::var("AMQP10_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into());
-    let url091 = std::env::var("AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    let mut args = std::env::args().skip(1);
-    let n: u64 = args
-        .next()
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(20_000);
-    let rounds: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(3);
+    let (url10, url091) = (amqp10_url(), amqp_url());
+    let mut args = Args::new("usage: reverify_cost [MESSAGES] [ROUNDS]");
+    let n: u64 = args.positional(20_000)?;
+    let rounds: u32 = args.positional(3)?;
     if n == 0 || rounds == 0 {
         return Err("MESSAGES and ROUNDS must be at least 1".into());
     }
@@ -198,8 +174,7 @@ async fn measure(
         println!("round {r}: default / never = {ratio:.3}");
         ratios.push(ratio);
     }
-    let min = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let max = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (min, _, max) = min_median_max(ratios);
     println!("default / never over {rounds} rounds: min {min:.3}, max {max:.3}");
     Ok(())
 }

@@ -1,0 +1,24 @@
+//! What the benchmark examples of `transport-amqp091` and `transport-amqp10` share, so
+//! that each example's file holds only what it measures:
+//!
+//! * [`args`]: command-line arguments (`--flag value` pairs, positional numbers) and
+//!   numbers from the environment, with the example's usage in every error;
+//! * [`url`]: the broker's URLs from `AMQP_URL` and `AMQP10_URL`;
+//! * [`publish`]: confirm channels, prefilling a queue with N messages, and publishing at a
+//!   steady rate;
+//! * [`queue`]: how many messages a queue holds;
+//! * [`proc`]: readings from `/proc`: CPU time of this process and of the local broker, the
+//!   load average, peak resident memory;
+//! * [`stats`]: min, median, max and percentiles of a run's figures.
+//!
+//! It is a dev-dependency of those crates only and is not published.
+
+pub mod args;
+pub mod proc;
+pub mod publish;
+pub mod queue;
+pub mod stats;
+pub mod url;
+
+/// The error type of the benchmarks: anything, sendable between threads.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

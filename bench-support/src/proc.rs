@@ -1,0 +1,185 @@
+//! Readings from Linux's `/proc`: CPU time of a process and of the local broker, the load
+//! average, and this process's peak resident memory. Each is `None` (or does nothing) where
+//! `/proc` cannot be read.
+
+use std::time::{Duration, Instant};
+
+/// One clock tick of `/proc/<pid>/stat` (`getconf CLK_TCK`, `USER_HZ`: 100 on Linux).
+pub const TICK: Duration = Duration::from_millis(10);
+
+/// The CPU time (user + system) process `pid` has used so far, from `/proc/<pid>/stat`, in
+/// whole clock ticks ([`TICK`]). `pid` may be `"self"`.
+pub fn cpu_time(pid: &str) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, in parentheses, may hold spaces: fields count from the closing one.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(TICK * u32::try_from(ticks).ok()?)
+}
+
+/// The process id of the local RabbitMQ's Erlang VM (`beam.smp`), if it runs on this
+/// machine and can be seen.
+pub fn broker_pid() -> Option<String> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid = entry.file_name().into_string().ok()?;
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            (comm.trim() == "beam.smp").then_some(pid)
+        })
+}
+
+/// The CPU time this process and the local broker use from [`CpuClock::start`] on.
+///
+/// ```
+/// let clock = bench_support::proc::CpuClock::start();
+/// let used = clock.used();
+/// # #[cfg(target_os = "linux")]
+/// assert!(used.client.is_some());
+/// ```
+#[derive(Clone, Debug)]
+pub struct CpuClock {
+    client: Option<Duration>,
+    broker: Option<(String, Duration)>,
+}
+
+/// What a [`CpuClock`] read: the CPU time used since it started, `None` if unknown.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuUsed {
+    /// This process.
+    pub client: Option<Duration>,
+    /// The local broker (`beam.smp`), if it runs on this machine.
+    pub broker: Option<Duration>,
+}
+
+impl CpuClock {
+    /// Reads both CPU times now: the broker's first, then this process's.
+    pub fn start() -> Self {
+        let broker = broker_pid().and_then(|pid| {
+            let now = cpu_time(&pid)?;
+            Some((pid, now))
+        });
+        CpuClock {
+            client: cpu_time("self"),
+            broker,
+        }
+    }
+
+    /// The CPU time used since [`CpuClock::start`]: this process's, then the broker's.
+    pub fn used(&self) -> CpuUsed {
+        let since = |pid: &str, before: Duration| cpu_time(pid).map(|now| now - before);
+        CpuUsed {
+            client: self.client.and_then(|before| since("self", before)),
+            broker: self
+                .broker
+                .as_ref()
+                .and_then(|(pid, before)| since(pid, *before)),
+        }
+    }
+}
+
+/// Waits (at most 5 s) until the local broker has been idle for 200 ms (under 5% of one
+/// core: at most one tick), so that a measurement does not start while the broker still
+/// works off the one before (deleting its queues, writing its index). Returns at once if the
+/// broker does not run on this machine.
+pub async fn wait_for_idle_broker() {
+    let Some(pid) = broker_pid() else { return };
+    for _ in 0..25 {
+        let Some(before) = cpu_time(&pid) else {
+            return;
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        match cpu_time(&pid) {
+            Some(after) if after - before <= TICK => return,
+            Some(_) => {}
+            None => return,
+        }
+    }
+}
+
+/// The load averages over 1, 5 and 15 minutes, from `/proc/loadavg`.
+pub fn load_average() -> Option<[f64; 3]> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let mut fields = text.split_whitespace().map(str::parse::<f64>);
+    Some([
+        fields.next()?.ok()?,
+        fields.next()?.ok()?,
+        fields.next()?.ok()?,
+    ])
+}
+
+/// The one-minute load average, from `/proc/loadavg`.
+pub fn load1() -> Option<f64> {
+    load_average().map(|[one, _, _]| one)
+}
+
+/// The one-minute load average as `/proc/loadavg` shows it (two decimals), or `?` if
+/// unknown.
+pub fn load1_shown() -> String {
+    load1().map_or_else(|| "?".into(), |l| format!("{l:.2}"))
+}
+
+/// The three load averages as `/proc/loadavg` shows them (`0.52 0.40 0.33`), or `?` if
+/// unknown.
+pub fn load_average_shown() -> String {
+    load_average().map_or_else(
+        || "?".into(),
+        |loads| loads.map(|l| format!("{l:.2}")).join(" "),
+    )
+}
+
+/// The peak resident memory of this process so far (`VmHWM`), in bytes; 0 if unknown.
+pub fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The wall time and [`CpuClock`] of one measurement, started together.
+///
+/// ```
+/// let clock = bench_support::proc::Clock::start();
+/// let timing = clock.stop();
+/// assert!(timing.wall < std::time::Duration::from_secs(60));
+/// ```
+#[derive(Clone, Debug)]
+pub struct Clock {
+    cpu: CpuClock,
+    start: Instant,
+}
+
+/// What a [`Clock`] measured.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// Wall time from [`Clock::start`] to [`Clock::stop`].
+    pub wall: Duration,
+    /// CPU time over the same span.
+    pub cpu: CpuUsed,
+}
+
+impl Clock {
+    /// Reads the CPU times, then starts the wall clock.
+    pub fn start() -> Self {
+        let cpu = CpuClock::start();
+        Clock {
+            cpu,
+            start: Instant::now(),
+        }
+    }
+
+    /// Stops the wall clock, then reads the CPU times.
+    pub fn stop(self) -> Timing {
+        let wall = self.start.elapsed();
+        Timing {
+            wall,
+            cpu: self.cpu.used(),
+        }
+    }
+}
