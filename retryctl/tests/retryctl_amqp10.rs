@@ -8,29 +8,11 @@ mod common;
 
 use std::time::Duration;
 
-use cli::{PolicyFile, Run, retryctl, retryctl_with_env};
+use cli::{POLICY, PolicyFile, Run, ids, json_lines, plan, retryctl, retryctl_with_env, text};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, LongString};
 use retry_core::{RetryPolicy, TopologyPlan, Transport};
 use serde_json::Value;
-
-/// Two delay queues and a crash-delay queue.
-const POLICY: &str = r#"max_attempts = 3
-crash_delay = "300ms"
-
-[backoff]
-kind = "list"
-delays = ["200ms", "500ms"]
-"#;
-
-fn plan(queue: &str) -> TopologyPlan {
-    let policy = RetryPolicy::delays([200, 500].map(Duration::from_millis))
-        .with_max_attempts(3)
-        .with_crash_delay(Duration::from_millis(300))
-        .build()
-        .unwrap();
-    TopologyPlan::new(queue, &policy).unwrap()
-}
 
 /// Runs `retryctl --protocol amqp10 --url <AMQP 1.0 URL> args`.
 async fn retryctl10(args: &[&str]) -> Run {
@@ -42,23 +24,6 @@ async fn retryctl10(args: &[&str]) -> Run {
 /// `url` as transport-amqp10 shows it, its password masked.
 fn redacted10(url: &str) -> String {
     transport_amqp10::Amqp10Config::new(url).redacted_url()
-}
-
-fn text(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s))
-}
-
-/// Parses JSON lines.
-fn json_lines(run: &Run) -> Vec<Value> {
-    assert_eq!(run.code, 0, "{run:?}");
-    run.stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
-        .collect()
-}
-
-fn ids(lines: &[Value]) -> Vec<&str> {
-    lines.iter().map(|l| l["id"].as_str().unwrap()).collect()
 }
 
 /// An AMQP 1.0 `application-properties` section holding these strings and longs, encoded as

@@ -8,8 +8,8 @@ mod common;
 
 use std::time::Duration;
 
-use cli::{Run, retryctl};
-use lapin::types::{AMQPValue, LongString};
+use cli::{ids, json_lines, retryctl, text};
+use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel};
 use retry_core::{HeaderValue, RetryPolicy, TopologyPlan, Transport};
 use serde_json::Value;
@@ -24,23 +24,6 @@ async fn park(ch: &Channel, queue: &str, id: &str, body: &[u8], headers: Vec<(&s
         .with_delivery_mode(2)
         .with_headers(common::table(headers));
     common::publish_with(ch, queue, body, properties).await;
-}
-
-fn text(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s))
-}
-
-/// Parses JSON lines.
-fn json_lines(run: &Run) -> Vec<Value> {
-    assert_eq!(run.code, 0, "{run:?}");
-    run.stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
-        .collect()
-}
-
-fn ids(lines: &[Value]) -> Vec<&str> {
-    lines.iter().map(|l| l["id"].as_str().unwrap()).collect()
 }
 
 #[tokio::test]

@@ -7,30 +7,10 @@ mod common;
 
 use std::time::Duration;
 
-use cli::{PolicyFile, Run, retryctl, retryctl_with_env};
+use cli::{POLICY, PolicyFile, Run, plan, retryctl, retryctl_with_env};
 use lapin::types::{AMQPValue, FieldTable};
 use retry_core::{RetryPolicy, TopologyPlan};
 use transport_amqp091::AmqpConfig;
-
-/// Short delays, so that `verify`'s probes come back within a second: two delay queues and
-/// a crash-delay queue.
-const POLICY: &str = r#"max_attempts = 3
-crash_delay = "300ms"
-
-[backoff]
-kind = "list"
-delays = ["200ms", "500ms"]
-"#;
-
-/// The plan `POLICY` gives for `queue`, for cleaning up and breaking.
-fn plan(queue: &str) -> TopologyPlan {
-    let policy = RetryPolicy::delays([200, 500].map(Duration::from_millis))
-        .with_max_attempts(3)
-        .with_crash_delay(Duration::from_millis(300))
-        .build()
-        .unwrap();
-    TopologyPlan::new(queue, &policy).unwrap()
-}
 
 /// Deletes `plan`'s queues and exchanges.
 async fn teardown(config: &AmqpConfig, plan: &TopologyPlan) {

@@ -3,6 +3,11 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::time::Duration;
+
+use lapin::types::{AMQPValue, LongString};
+use retry_core::{RetryPolicy, TopologyPlan};
+use serde_json::Value;
 
 const RETRYCTL: &str = env!("CARGO_BIN_EXE_retryctl");
 
@@ -60,4 +65,43 @@ pub async fn retryctl_with_env(args: &[&str], amqp_url: &str) -> Run {
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
+}
+
+/// Short delays, so that `verify`'s probes come back within a second: two delay queues and
+/// a crash-delay queue.
+pub const POLICY: &str = r#"max_attempts = 3
+crash_delay = "300ms"
+
+[backoff]
+kind = "list"
+delays = ["200ms", "500ms"]
+"#;
+
+/// The plan `POLICY` gives for `queue`, for cleaning up and breaking.
+pub fn plan(queue: &str) -> TopologyPlan {
+    let policy = RetryPolicy::delays([200, 500].map(Duration::from_millis))
+        .with_max_attempts(3)
+        .with_crash_delay(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    TopologyPlan::new(queue, &policy).unwrap()
+}
+
+/// An AMQP long string.
+pub fn text(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// Parses JSON lines (the run must have succeeded).
+pub fn json_lines(run: &Run) -> Vec<Value> {
+    assert_eq!(run.code, 0, "{run:?}");
+    run.stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect()
+}
+
+/// The `id` of each line.
+pub fn ids(lines: &[Value]) -> Vec<&str> {
+    lines.iter().map(|l| l["id"].as_str().unwrap()).collect()
 }
