@@ -197,6 +197,14 @@ pub use transport::Amqp10Transport;
 /// both AMQP transports share: `EmptyNodeList` is `Empty`, `InvalidUrl` and `MissingHost`
 /// are `Invalid`, and every node variant names the node's `position` and `node` (the
 /// redacted URL, formerly `url`).
+///
+/// ```
+/// # #![allow(deprecated)]
+/// use transport_amqp10::{ConfigError, NodeListError};
+///
+/// let old: ConfigError = NodeListError::Empty;
+/// assert!(matches!(old, NodeListError::Empty));
+/// ```
 #[deprecated(
     note = "renamed NodeListError, the URL error shared with transport-amqp091 (retry_core::NodeListError); ConfigError goes in the next release"
 )]

@@ -202,6 +202,15 @@ pub use transport::subscription::MemorySubscription;
 
 /// The former name of [`QueueOverflow`], renamed so that it is not confused with
 /// [`retry_core::Overflow`] (a plan's `x-overflow` argument).
+///
+/// ```
+/// # #![allow(deprecated)]
+/// use transport_memory::{Overflow, QueueOptions, QueueOverflow};
+///
+/// let old: Overflow = QueueOverflow::RejectPublish;
+/// let options = QueueOptions::default().with_max_length(10).with_overflow(old);
+/// # let _ = options;
+/// ```
 #[deprecated(
     note = "renamed QueueOverflow (retry_core::Overflow is the topology plan's x-overflow); Overflow goes in the next release"
 )]
