@@ -3,7 +3,9 @@
 use std::fmt::Write as _;
 
 use clap::Subcommand;
-use retry_core::{HeaderValue, QueueRole, QueueSpec, QueueType, TopologyPlan, format_delay};
+use retry_core::{
+    HeaderValue, QueueRole, QueueSpec, QueueType, TopologyPlan, format_delay, redact_url,
+};
 use serde_json::{Value, json};
 
 use crate::error::CliError;
@@ -11,7 +13,7 @@ use crate::policy::{PlanArgs, role_ttl};
 use crate::protocol::Protocol;
 use crate::render::header_json;
 use crate::verify::{self, VerifyArgs};
-use crate::{Broker, block_on, broker, outln};
+use crate::{Broker, DEFAULT_URL, block_on, broker, outln};
 
 /// The `topology` subcommands.
 #[derive(Debug, Subcommand)]
@@ -63,8 +65,9 @@ pub fn run(command: TopologyCommand, broker: &Broker<'_>) -> Result<(), CliError
             Protocol::Amqp10 => Err(CliError::usage(format!(
                 "topology apply needs AMQP 0-9-1: RabbitMQ cannot declare queues over AMQP \
                  1.0. Run it without --protocol amqp10, on the broker's AMQP 0-9-1 URL \
-                 (amqp://USER:PASSWORD@HOST:5672/VHOST, e.g. {DEFAULT_091}); `topology verify \
-                 --protocol amqp10` then checks the result over AMQP 1.0"
+                 (amqp://USER:PASSWORD@HOST:5672/VHOST, e.g. {}); `topology verify \
+                 --protocol amqp10` then checks the result over AMQP 1.0",
+                redact_url(DEFAULT_URL)
             ))),
         },
         TopologyCommand::Verify(args) => {
@@ -77,9 +80,6 @@ pub fn run(command: TopologyCommand, broker: &Broker<'_>) -> Result<(), CliError
         }
     }
 }
-
-/// An AMQP 0-9-1 URL as an example, its password masked.
-const DEFAULT_091: &str = "amqp://guest:****@127.0.0.1:5672/%2f";
 
 /// Declares `plan` and prints, object by object, what was created and what was verified.
 async fn apply(plan: &TopologyPlan, url: &str) -> Result<(), CliError> {

@@ -281,13 +281,47 @@ impl Amqp10Transport {
     /// # }
     /// ```
     pub async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        let missing = self.missing(plan).await?;
+        if !missing.is_empty() {
+            return Err(TransportError::MissingAddress {
+                address: missing.join(", "),
+                hint: provision_hint(&self.profile()),
+            });
+        }
+        if let Ok(mut routes) = self.routes.write() {
+            routes.learn(plan);
+        }
+        Ok(())
+    }
+
+    /// The objects of `plan` that do not exist, each as `queue NAME` or `exchange NAME`, in
+    /// the plan's order: what [`verify`](Self::verify) probes, for a tool that reports object
+    /// by object. Every address is probed now; a plan this transport cannot serve is refused
+    /// as `verify` refuses it, and a probe that fails for another reason than a missing
+    /// object is that error. Unlike `verify`, it does not learn the plan's routes.
+    ///
+    /// ```no_run
+    /// use retry_core::{RetryPolicy, TopologyPlan};
+    /// use std::time::Duration;
+    /// use transport_amqp10::{Amqp10Config, Amqp10Transport};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let transport = Amqp10Transport::connect(Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672")).await?;
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let plan = TopologyPlan::new("comments", &policy)?;
+    /// for object in transport.missing(&plan).await? {
+    ///     println!("missing: {object}"); // e.g. "queue comments.retry.30s"
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn missing(&self, plan: &TopologyPlan) -> Result<Vec<String>, TransportError> {
         let profile = self.profile();
         if let Some(refused) = unsupported(plan, &profile) {
             return Err(refused);
         }
-        let checks = checks(plan, &profile);
         let mut missing = Vec::new();
-        for (what, address, probe) in checks {
+        for (what, address, probe) in checks(plan, &profile) {
             match self.shared.publisher.verify(&address, probe).await {
                 Ok(_) => debug!(%address, "verified"),
                 Err(ProbeError::Missing(why)) => {
@@ -297,16 +331,7 @@ impl Amqp10Transport {
                 Err(ProbeError::Failed(e)) => return Err(e),
             }
         }
-        if !missing.is_empty() {
-            return Err(TransportError::MissingAddress {
-                address: missing.join(", "),
-                hint: provision_hint(&profile),
-            });
-        }
-        if let Ok(mut routes) = self.routes.write() {
-            routes.learn(plan);
-        }
-        Ok(())
+        Ok(missing)
     }
 
     /// Stops every subscription and fetch link this transport made, detaches their links and
