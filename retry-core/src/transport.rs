@@ -19,7 +19,9 @@ pub struct Capabilities {
     /// The broker counts deliveries of a message (quorum `x-delivery-count`, AMQP 1.0
     /// `delivery-count`).
     pub delivery_count: bool,
-    /// The broker can delay a message by itself (a scheduled-delivery annotation).
+    /// The broker can hold a message for a delay by itself: a scheduled-delivery annotation
+    /// (AMQP 1.0 brokers that have one), or a redelivery delay (NATS JetStream's nak with a
+    /// delay). Delayed retries then need no dead-lettering.
     pub native_delays: bool,
     /// Queues can dead-letter to an exchange (TTL delay queues and broker rejects work).
     pub dead_letter_exchange: bool,

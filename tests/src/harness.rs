@@ -70,7 +70,12 @@ pub enum Need {
     RefusePublishes,
     /// [`Capabilities::declares_topology`]: the transport declares a plan itself.
     DeclaresTopology,
-    /// [`Capabilities::dead_letter_exchange`]: TTL delay queues dead-letter back.
+    /// A delayed clone comes back: TTL delay queues dead-letter it back
+    /// ([`Capabilities::dead_letter_exchange`]), or the broker holds it for its delay
+    /// ([`Capabilities::native_delays`]).
+    DelayedRetries,
+    /// [`Capabilities::dead_letter_exchange`]: TTL queues dead-letter, as a delay cascade's
+    /// levels do into each other.
     DeadLetterExchange,
     /// [`Capabilities::publisher_confirms`]: a refused publish is reported, so the original
     /// can be requeued instead of lost.
@@ -83,6 +88,7 @@ impl fmt::Display for Need {
             Need::CrashConsumer => "crash_consumer",
             Need::RefusePublishes => "refuse_publishes",
             Need::DeclaresTopology => "declares_topology",
+            Need::DelayedRetries => "delayed_retries",
             Need::DeadLetterExchange => "dead_letter_exchange",
             Need::PublisherConfirms => "publisher_confirms",
         })
@@ -96,6 +102,9 @@ impl HarnessCapabilities {
             Need::CrashConsumer => self.crash_consumer,
             Need::RefusePublishes => self.refuse_publishes,
             Need::DeclaresTopology => self.transport.declares_topology,
+            Need::DelayedRetries => {
+                self.transport.dead_letter_exchange || self.transport.native_delays
+            }
             Need::DeadLetterExchange => self.transport.dead_letter_exchange,
             Need::PublisherConfirms => self.transport.publisher_confirms,
         }

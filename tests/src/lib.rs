@@ -164,6 +164,7 @@ mod guide;
 pub mod harness;
 pub mod journal;
 pub mod memory;
+pub mod nats;
 pub mod process;
 pub mod rabbitmq;
 pub mod recording;
@@ -181,4 +182,5 @@ pub use harness::{
 };
 pub use journal::{Journal, RunInfo, RunRecord, ScriptedHandler, Step, TerminalRecord};
 pub use memory::MemoryHarness;
+pub use nats::NatsHarness;
 pub use verdict::Verdict;

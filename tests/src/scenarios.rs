@@ -180,7 +180,7 @@ pub async fn success<H: Harness>(h: &H) -> Verdict {
 /// Two transient failures, then success: each retry goes through the delay the policy
 /// gives, and comes back no sooner.
 pub async fn transient_then_success<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::DelayedRetries]) {
         return skip;
     }
     let delays = [ms(200), ms(400), ms(600)];
@@ -266,7 +266,7 @@ pub async fn transient_then_success<H: Harness>(h: &H) -> Verdict {
 /// Every attempt fails: after the last one the message is parked, with the engine's
 /// diagnostics and its body intact.
 pub async fn attempts_exhausted_parked<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::DelayedRetries]) {
         return skip;
     }
     let delays = [ms(100), ms(200)];
@@ -388,7 +388,7 @@ pub async fn permanent_parked<H: Harness>(h: &H) -> Verdict {
 
 /// A handler's retry-after is honoured, clamped to the policy's delay bounds at both ends.
 pub async fn retry_after<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::DelayedRetries]) {
         return skip;
     }
     let (short, long) = (ms(100), ms(2_000));
@@ -463,7 +463,7 @@ pub async fn retry_after<H: Harness>(h: &H) -> Verdict {
 /// Two immediate (in-process) retries on the same delivery, then a delayed one through the
 /// broker, then success.
 pub async fn immediate_then_delayed<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::DelayedRetries]) {
         return skip;
     }
     let (wait, delay) = (ms(50), ms(300));
@@ -655,7 +655,7 @@ pub async fn redelivered_isolated<H: Harness>(h: &H) -> Verdict {
 /// crash delay; past the crash limit it is parked with reason `crash-loop`. The other
 /// messages are handled.
 pub async fn crash_limit_parked<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DelayedRetries]) {
         return skip;
     }
     let limit = 2;
@@ -685,7 +685,7 @@ pub async fn crash_limit_run_handler<H: Harness>(h: &H) -> Verdict {
 /// running when it kills their consumer: only the poison is ever blamed. The bystanders
 /// come back as suspects once, run alone and are handled, with no crash recorded.
 pub async fn poison_with_bystanders<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::CrashConsumer, Need::DelayedRetries]) {
         return skip;
     }
     let limit = 1;
@@ -836,7 +836,7 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
         &[
             Need::RefusePublishes,
             Need::PublisherConfirms,
-            Need::DeadLetterExchange,
+            Need::DelayedRetries,
         ],
     ) {
         return skip;
@@ -918,7 +918,7 @@ pub async fn refused_publish_not_lost<H: Harness>(h: &H) -> Verdict {
 /// A 1 s retry published behind a 10 s one comes back first: delays do not queue behind
 /// each other.
 pub async fn no_head_of_line_blocking<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::DelayedRetries]) {
         return skip;
     }
     let (fast, slow) = (Duration::from_secs(1), Duration::from_secs(10));
@@ -1080,7 +1080,7 @@ pub async fn no_head_of_line_blocking_any_delay<H: Harness>(h: &H) -> Verdict {
 /// The transport declares a plan itself, idempotently, and the declared delay queue routes
 /// a retry back.
 pub async fn transport_declares_topology<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeclaresTopology, Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::DeclaresTopology, Need::DelayedRetries]) {
         return skip;
     }
     let delay = ms(200);
@@ -1146,7 +1146,7 @@ pub async fn transport_declares_topology<H: Harness>(h: &H) -> Verdict {
 /// for exactly, every message's decisions are the engine's, and no message is duplicated
 /// (no faults are injected).
 pub async fn seeded_storm<H: Harness>(h: &H) -> Verdict {
-    if let Some(skip) = unmet(h, &[Need::DeadLetterExchange]) {
+    if let Some(skip) = unmet(h, &[Need::DelayedRetries]) {
         return skip;
     }
     let config = StormConfig {

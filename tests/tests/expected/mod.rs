@@ -52,3 +52,20 @@ pub const AMQP10_SKIPS: &[&str] = &[
     "no_head_of_line_blocking_any_delay",
     "transport_declares_topology",
 ];
+
+/// transport-nats on NATS 2.9 with JetStream: the server holds delayed clones itself (a nak
+/// with a delay); there is no dead-letter exchange, and `num_delivered`, which counts naks
+/// as much as crashes, is read as a redelivered flag, not as a delivery count.
+pub const NATS: Capabilities = Capabilities {
+    publisher_confirms: true,
+    delivery_count: false,
+    native_delays: true,
+    dead_letter_exchange: false,
+    declares_topology: true,
+};
+
+/// On NATS the delay cascade is refused: the server already holds every clone for exactly
+/// its own delay, so per-delay queues take any delay without one waiting behind another
+/// (`transport-nats/tests/delays.rs` checks that), and a cascade's exchanges have no NATS
+/// form.
+pub const NATS_SKIPS: &[&str] = &["no_head_of_line_blocking_any_delay"];

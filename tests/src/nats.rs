@@ -1,0 +1,255 @@
+//! The harness for transport-nats on the local NATS server with JetStream.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::message::PublishMessage;
+use async_trait::async_trait;
+use retry_core::{Capabilities, TopologyPlan, Transport};
+use transport_nats::{NatsConfig, NatsTransport, stream_name};
+
+use crate::harness::{
+    Harness, HarnessCapabilities, Need, ParkedMessage, Stopwatch, TestMessage, Timing,
+    TopologyFaults, assert_declares,
+};
+use crate::rabbitmq::{SLACK, runtime, unique_name};
+use crate::suite::{Scenario, print_uncaptured, run_and_clean_up};
+use crate::verdict::Verdict;
+
+/// The environment variable that makes the NATS tests fail, instead of skip, without a
+/// server: CI sets it.
+pub const REQUIRE_NATS: &str = "REQUIRE_NATS";
+
+/// The server's URL: `NATS_URL`, loopback by default.
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// The ack wait of every connection the NATS tests open: a crashed consumer's deliveries
+/// come back this long after the crash.
+pub const ACK_WAIT: Duration = Duration::from_secs(2);
+
+/// The configuration the NATS tests use for `url`: a short ack wait, so crashes are found
+/// quickly, and a short pull wait, so a cancelled subscription ends quickly.
+pub fn test_config(url: &str) -> NatsConfig {
+    NatsConfig::new(url)
+        .with_ack_wait(ACK_WAIT)
+        .with_pull_wait(Duration::from_millis(500))
+        .with_publish_timeout(Duration::from_secs(5))
+}
+
+/// Connects to `url`, or, when no server with JetStream answers, skips `what` loudly (and
+/// panics instead under [`REQUIRE_NATS`]).
+pub async fn detect(what: &str, url: &str) -> Option<NatsTransport> {
+    let why = match tokio::time::timeout(
+        Duration::from_secs(15),
+        NatsTransport::connect(test_config(url)),
+    )
+    .await
+    {
+        Ok(Ok(t)) => return Some(t),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer within 15 s".to_owned(),
+    };
+    if std::env::var_os(REQUIRE_NATS).is_some() {
+        panic!(
+            "{REQUIRE_NATS} is set, but no NATS server with JetStream answers for {what}: {why}"
+        );
+    }
+    print_uncaptured(&format!(
+        "\n!!! SKIPPED {what}: no NATS server with JetStream at {url} ({why}).\n\
+         !!! Start `nats-server -js`, or set {REQUIRE_NATS}=1 to make this a failure.\n"
+    ));
+    None
+}
+
+/// Publishes `message` to `queue`'s subject the way a NATS application would: its id as
+/// `Nats-Msg-Id`, with the stream's acknowledgement awaited.
+pub async fn publish_test_message(client: &async_nats::Client, queue: &str, message: &TestMessage) {
+    let js = async_nats::jetstream::new(client.clone());
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", message.id.as_str());
+    let publish = PublishMessage::build()
+        .payload(message.body.clone().into())
+        .headers(headers);
+    js.send_publish(queue.to_owned(), publish)
+        .await
+        .expect("publish a test message")
+        .await
+        .unwrap_or_else(|e| panic!("the stream of {queue} acknowledges {}: {e}", message.id));
+}
+
+/// Deletes every stream of `plan`.
+pub async fn delete_plan(client: &async_nats::Client, plan: &TopologyPlan) {
+    let js = async_nats::jetstream::new(client.clone());
+    for queue in plan.queues() {
+        let _ = js.delete_stream(stream_name(&queue.name)).await;
+    }
+}
+
+/// NATS JetStream as a harness: transport-nats declares the plans itself; test messages
+/// are published with plain async-nats; queues are counted and parked messages read
+/// through the transport.
+pub struct NatsHarness {
+    admin: NatsTransport,
+    url: String,
+    started: Instant,
+    expected: Capabilities,
+    plans: Mutex<Vec<TopologyPlan>>,
+}
+
+impl std::fmt::Debug for NatsHarness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsHarness").finish_non_exhaustive()
+    }
+}
+
+impl NatsHarness {
+    /// Runs `scenario` on a harness of its own on the local NATS server, whose connections
+    /// must declare `expected`: the runner [`conformance_tests!`](crate::conformance_tests)
+    /// takes for this transport. `None` without a server, unless [`REQUIRE_NATS`] is set.
+    pub fn run(scenario: Scenario<Self>, expected: Capabilities) -> Option<Verdict> {
+        runtime().block_on(async {
+            let url = nats_url();
+            let admin = detect("the conformance suite on transport-nats", &url).await?;
+            assert_declares("transport-nats", admin.capabilities(), expected);
+            let h = NatsHarness {
+                admin,
+                url,
+                started: Instant::now(),
+                expected,
+                plans: Mutex::new(Vec::new()),
+            };
+            Some(run_and_clean_up(&h, scenario, crate::rabbitmq::SCENARIO_LIMIT).await)
+        })
+    }
+}
+
+#[async_trait]
+impl Harness for NatsHarness {
+    type Transport = NatsTransport;
+
+    fn name(&self) -> &'static str {
+        "transport-nats"
+    }
+
+    fn capabilities(&self) -> HarnessCapabilities {
+        HarnessCapabilities {
+            transport: self.expected,
+            crash_consumer: true,
+            refuse_publishes: true,
+            death_records: false,
+            timing: Timing::Wall { slack: SLACK },
+        }
+    }
+
+    fn unsupported(&self, need: Need) -> Option<String> {
+        (!self.capabilities().has(need)).then(|| format!("NATS JetStream lacks {need}"))
+    }
+
+    fn stopwatch(&self) -> Stopwatch {
+        let started = self.started;
+        Stopwatch::new(move || started.elapsed())
+    }
+
+    fn unique_queue(&self, scenario: &str) -> String {
+        unique_name(scenario)
+    }
+
+    async fn transport(&self) -> Arc<NatsTransport> {
+        let t = NatsTransport::connect(test_config(&self.url))
+            .await
+            .expect("a NATS connection");
+        assert_declares(self.name(), t.capabilities(), self.expected);
+        Arc::new(t)
+    }
+
+    async fn provision(&self, plan: &TopologyPlan, faults: &TopologyFaults) {
+        self.track(plan);
+        self.admin
+            .provision(plan)
+            .await
+            .expect("provision over NATS");
+        let js = async_nats::jetstream::new(self.admin.client().clone());
+        for queue in &faults.refuse_publishes_to {
+            // A stream whose messages may be 1 byte long refuses every clone.
+            let mut stream = js
+                .get_stream(stream_name(queue))
+                .await
+                .expect("the stream to make refusing");
+            let mut config = stream.info().await.expect("stream info").config.clone();
+            config.max_message_size = 1;
+            js.update_stream(config)
+                .await
+                .expect("make the stream refuse publishes");
+        }
+    }
+
+    fn track(&self, plan: &TopologyPlan) {
+        self.plans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(plan.clone());
+    }
+
+    async fn prepare(&self, transport: &NatsTransport, plan: &TopologyPlan) {
+        transport
+            .verify(plan)
+            .await
+            .expect("the declared topology verifies");
+    }
+
+    async fn publish(&self, queue: &str, message: &TestMessage) {
+        publish_test_message(self.admin.client(), queue, message).await;
+    }
+
+    async fn ready(&self, queue: &str) -> usize {
+        let n = self
+            .admin
+            .count(queue)
+            .await
+            .unwrap_or_else(|e| panic!("count {queue}: {e}"));
+        usize::try_from(n).expect("a count that fits")
+    }
+
+    async fn take_parked(&self, plan: &TopologyPlan) -> Vec<ParkedMessage> {
+        let mut walk = self
+            .admin
+            .walk(plan.parking_queue())
+            .await
+            .expect("walk the parking queue");
+        let mut out = Vec::new();
+        while let Some(d) = walk.next().await.expect("read a parked message") {
+            out.push(ParkedMessage {
+                id: d.message.properties().message_id.clone(),
+                body: d.message.body().to_vec(),
+                headers: d.message.headers().clone(),
+            });
+            walk.ack(d.tag).await.expect("delete a parked message");
+        }
+        walk.end().await.expect("end the walk");
+        out
+    }
+
+    async fn crash(&self, transport: Arc<NatsTransport>) {
+        // Nothing settled: the server hands out what it held again after the ack wait.
+        transport.close().await;
+    }
+
+    async fn close(&self, transport: Arc<NatsTransport>) {
+        transport.close().await;
+    }
+
+    async fn sleep(&self, duration: Duration) {
+        tokio::time::sleep(duration).await;
+    }
+
+    async fn cleanup(&self) {
+        let plans = std::mem::take(&mut *self.plans.lock().unwrap_or_else(|e| e.into_inner()));
+        for plan in &plans {
+            delete_plan(self.admin.client(), plan).await;
+        }
+        self.admin.close().await;
+    }
+}

@@ -1,0 +1,177 @@
+//! [`NatsSubscription`]: a durable pull consumer read with pulls sized to the free prefetch.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::Client;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_trait::async_trait;
+use futures::StreamExt;
+use retry_core::{Delivery, Subscription, TransportError};
+use tokio::sync::{Mutex, Semaphore, mpsc, watch};
+
+use crate::tag::NatsTag;
+use crate::transport::delivery_of;
+
+/// A running subscription to one queue's durable consumer, made by
+/// [`consume`](retry_core::Transport::consume).
+///
+/// A task pulls for it: each pull asks for as many messages as the prefetch has free slots
+/// and waits at most the pull wait, so the subscription never holds more than `prefetch`
+/// unsettled deliveries, and none waits in a client buffer where a cancel would strand it.
+/// [`cancel`](Subscription::cancel) stops new pulls; what the last pull brings is still
+/// received, then [`recv`](Subscription::recv) answers `None`.
+pub struct NatsSubscription {
+    deliveries: Mutex<mpsc::Receiver<Result<Delivery<NatsTag>, TransportError>>>,
+    cancel: watch::Sender<bool>,
+    client: Client,
+    queue: String,
+}
+
+impl std::fmt::Debug for NatsSubscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsSubscription")
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Pulling {
+    pub client: Client,
+    pub consumer: PullConsumer,
+    pub queue: String,
+    pub prefetch: u16,
+    pub pull_wait: Duration,
+    pub ack_wait: Duration,
+    pub operation_timeout: Duration,
+}
+
+impl NatsSubscription {
+    pub(crate) fn start(p: Pulling) -> (Self, tokio::task::AbortHandle) {
+        let (tx, rx) = mpsc::channel(usize::from(p.prefetch.max(1)));
+        let (cancel, cancelled) = watch::channel(false);
+        let subscription = NatsSubscription {
+            deliveries: Mutex::new(rx),
+            cancel,
+            client: p.client.clone(),
+            queue: p.queue.clone(),
+        };
+        let task = tokio::spawn(pull(p, tx, cancelled));
+        (subscription, task.abort_handle())
+    }
+}
+
+async fn pull(
+    p: Pulling,
+    tx: mpsc::Sender<Result<Delivery<NatsTag>, TransportError>>,
+    mut cancelled: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(usize::from(p.prefetch.max(1))));
+    let mut failures = 0u32;
+    loop {
+        if *cancelled.borrow() {
+            return;
+        }
+        // One free slot at least, then every one free now.
+        let first = tokio::select! {
+            permit = Arc::clone(&slots).acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return,
+            },
+            _ = cancelled.changed() => return,
+        };
+        let mut permits = vec![first];
+        while let Ok(permit) = Arc::clone(&slots).try_acquire_owned() {
+            permits.push(permit);
+        }
+        let batch = p
+            .consumer
+            .batch()
+            .max_messages(permits.len())
+            .expires(p.pull_wait)
+            .messages();
+        let mut batch = match tokio::time::timeout(p.operation_timeout, batch).await {
+            Ok(Ok(batch)) => batch,
+            other => {
+                let why = match other {
+                    Ok(Err(e)) => TransportError::connection_failed(
+                        format!("pulling from queue {}", p.queue),
+                        e,
+                    ),
+                    _ => TransportError::Timeout {
+                        operation: "a pull request",
+                        after: p.operation_timeout,
+                    },
+                };
+                if tx.send(Err(why)).await.is_err() {
+                    return;
+                }
+                failures += 1;
+                tokio::time::sleep(Duration::from_millis(100 * u64::from(failures.min(20)))).await;
+                continue;
+            }
+        };
+        failures = 0;
+        while let Some(item) = batch.next().await {
+            let message = match item {
+                Ok(m) => m,
+                Err(e) => {
+                    let why = TransportError::Connection {
+                        context: format!("pulling from queue {}", p.queue),
+                        source: Some(e),
+                    };
+                    if tx.send(Err(why)).await.is_err() {
+                        return;
+                    }
+                    break;
+                }
+            };
+            let permit = permits.pop();
+            match delivery_of(
+                &p.client,
+                message,
+                &p.queue,
+                false,
+                p.operation_timeout,
+                permit,
+            ) {
+                Ok(delivery) => {
+                    delivery.tag.keep_alive(p.ack_wait / 3);
+                    if tx.send(Ok(delivery)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    if tx.send(Err(e)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for NatsSubscription {
+    type Tag = NatsTag;
+
+    async fn recv(&self) -> Result<Option<Delivery<NatsTag>>, TransportError> {
+        let mut deliveries = self.deliveries.lock().await;
+        match deliveries.recv().await {
+            Some(Ok(d)) => Ok(Some(d)),
+            Some(Err(e)) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    async fn cancel(&self) -> Result<(), TransportError> {
+        self.cancel.send_replace(true);
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), TransportError> {
+        self.client.flush().await.map_err(|e| {
+            TransportError::connection_failed(format!("flushing acks of {}", self.queue), e)
+        })
+    }
+}

@@ -1,0 +1,162 @@
+//! [`NatsTag`]: how one delivery is settled, and what it holds while unsettled.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::{Client, Subject};
+use bytes::Bytes;
+use retry_core::{Settlement, TransportError};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::task::AbortHandle;
+
+/// The handle that settles one delivery: the delivery's reply subject (JetStream's ack
+/// address) for a subscription's or a fetch's delivery, or a stream and sequence for a
+/// message a walk read from storage.
+#[derive(Clone)]
+pub struct NatsTag(pub(crate) Arc<TagState>);
+
+pub(crate) struct TagState {
+    pub kind: TagKind,
+    /// Tells the server the handler still works on it (`+WPI`) until it is settled.
+    pub keeper: Mutex<Option<AbortHandle>>,
+    /// The subscription's prefetch slot it holds.
+    pub permit: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+// A tag is one allocation (an `Arc`) either way; boxing the larger variant saves nothing.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum TagKind {
+    /// A delivery of a consumer: settled by a reply to its ack subject.
+    Delivered {
+        client: Client,
+        reply: Subject,
+        stream: String,
+        sequence: u64,
+        /// Fetched alone (the isolation lane): settled with a double ack, at once.
+        fetched: bool,
+        timeout: Duration,
+    },
+    /// A stored message a walk read: acking deletes it, anything else leaves it.
+    Stored { queue: String, sequence: u64 },
+}
+
+impl Drop for TagState {
+    fn drop(&mut self) {
+        if let Some(keeper) = self.keeper.get_mut().ok().and_then(Option::take) {
+            keeper.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for NatsTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0.kind {
+            TagKind::Delivered {
+                stream,
+                sequence,
+                fetched,
+                ..
+            } => write!(
+                f,
+                "NatsTag({stream}#{sequence}{})",
+                if *fetched { ", fetched" } else { "" }
+            ),
+            TagKind::Stored { queue, sequence } => {
+                write!(f, "NatsTag({queue}#{sequence}, stored)")
+            }
+        }
+    }
+}
+
+impl NatsTag {
+    pub(crate) fn delivered(kind: TagKind, permit: Option<OwnedSemaphorePermit>) -> Self {
+        NatsTag(Arc::new(TagState {
+            kind,
+            keeper: Mutex::new(None),
+            permit: Mutex::new(permit),
+        }))
+    }
+
+    /// Starts telling the server, every `every`, that the delivery is still being worked on.
+    pub(crate) fn keep_alive(&self, every: Duration) {
+        let TagKind::Delivered { client, reply, .. } = &self.0.kind else {
+            return;
+        };
+        let (client, reply) = (client.clone(), reply.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if client
+                    .publish(reply.clone(), Bytes::from_static(b"+WPI"))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        if let Ok(mut keeper) = self.0.keeper.lock() {
+            *keeper = Some(task.abort_handle());
+        }
+    }
+
+    /// Stops the keep-alive and gives back the prefetch slot.
+    fn release(&self) {
+        if let Some(keeper) = self.0.keeper.lock().ok().and_then(|mut k| k.take()) {
+            keeper.abort();
+        }
+        if let Ok(mut permit) = self.0.permit.lock() {
+            permit.take();
+        }
+    }
+
+    /// The queue and sequence of a stored message.
+    pub(crate) fn stored(&self) -> Option<(&str, u64)> {
+        match &self.0.kind {
+            TagKind::Stored { queue, sequence } => Some((queue, *sequence)),
+            TagKind::Delivered { .. } => None,
+        }
+    }
+
+    /// Settles a delivery: ack `+ACK`, requeue `-NAK` (redelivered at once, counted),
+    /// reject `+TERM` (never redelivered; a work-queue stream drops it). A fetched one is
+    /// double-acked: the server's answer proves it has the settlement.
+    pub(crate) async fn settle_delivery(
+        &self,
+        settlement: Settlement,
+    ) -> Result<(), TransportError> {
+        let TagKind::Delivered {
+            client,
+            reply,
+            stream,
+            sequence,
+            fetched,
+            timeout,
+        } = &self.0.kind
+        else {
+            return Ok(());
+        };
+        let body = Bytes::from_static(match settlement {
+            Settlement::Ack => b"+ACK",
+            Settlement::Requeue => b"-NAK",
+            Settlement::Reject => b"+TERM",
+        });
+        self.release();
+        let what = || format!("settling {stream}#{sequence} ({settlement:?})");
+        if *fetched {
+            match tokio::time::timeout(*timeout, client.request(reply.clone(), body)).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(TransportError::connection_failed(what(), e)),
+                Err(_) => Err(TransportError::Timeout {
+                    operation: "a double ack",
+                    after: *timeout,
+                }),
+            }
+        } else {
+            client
+                .publish(reply.clone(), body)
+                .await
+                .map_err(|e| TransportError::connection_failed(what(), e))
+        }
+    }
+}

@@ -1,0 +1,760 @@
+//! [`NatsTransport`]: the [`Transport`] on NATS JetStream.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::Client;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
+use async_nats::jetstream::{self, Context};
+use async_trait::async_trait;
+use futures::StreamExt;
+use retry_core::{
+    BrokerSignals, Capabilities, Delivery, Message, MessageParts, NativeParts, Publish,
+    PublishResult, QueueWalk, Route, Settlement, TopologyPlan, Transport, TransportError,
+};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::task::AbortHandle;
+use tracing::info;
+
+use crate::codec::{DUE, MSG_ID, read_headers, write_headers};
+use crate::config::NatsConfig;
+use crate::mover::Mover;
+use crate::names::{CONSUMER, stream_name};
+use crate::provision::{self, bounded};
+use crate::subscription::{NatsSubscription, Pulling};
+use crate::tag::{NatsTag, TagKind};
+
+/// The oldest server this transport runs on: 2.7.1 brought the nak with a delay.
+pub const MIN_SERVER_VERSION: (u64, u64, u64) = (2, 7, 1);
+
+/// A connection to NATS JetStream that a [`Consumer`](retry_core::Consumer) runs on.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use retry_core::{Consumer, HandlerError, Message, RetryPolicy};
+/// use transport_nats::{NatsConfig, NatsTransport};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// async fn handle(_: Message) -> Result<(), HandlerError> { Ok(()) }
+///
+/// let transport = NatsTransport::connect(NatsConfig::new("nats://127.0.0.1:4222")).await?;
+/// let policy = RetryPolicy::delays([Duration::from_secs(30), Duration::from_secs(600)]).build()?;
+/// // Streams `comments`, `comments_retry_30s`, ... are created on the first run.
+/// Consumer::builder(transport, "comments", policy, handle)
+///     .build()?
+///     .run(std::future::pending::<()>())
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct NatsTransport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: NatsConfig,
+    client: Client,
+    js: Context,
+    routes: RwLock<Routes>,
+    consumers: tokio::sync::Mutex<HashMap<String, PullConsumer>>,
+    /// Movers by delay queue, and every subscription's pulling task.
+    movers: Mutex<HashSet<String>>,
+    tasks: Mutex<Vec<AbortHandle>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Ok(tasks) = self.tasks.get_mut() {
+            for task in tasks.drain(..) {
+                task.abort();
+            }
+        }
+    }
+}
+
+/// Where a delivery came from, kept with its message so a clone's `Nats-Msg-Id` names it.
+#[derive(Clone, Debug)]
+struct Origin {
+    stream: String,
+    sequence: u64,
+    stored_ns: i128,
+}
+
+/// What the provisioned plans say about routes.
+#[derive(Default, Debug)]
+struct Routes {
+    /// (exchange, routing key) → the queue it is bound to.
+    bound: HashMap<(String, String), String>,
+    /// Delay queues (delay levels and crash delays): their level.
+    delays: HashMap<String, Duration>,
+}
+
+impl Routes {
+    fn learn(&mut self, plan: &TopologyPlan) {
+        for b in plan.bindings() {
+            self.bound
+                .insert((b.exchange.clone(), b.routing_key.clone()), b.queue.clone());
+        }
+        for (level, route, _) in plan.delayed_destinations() {
+            if let Some(queue) = self.queue_of(route) {
+                self.delays.insert(queue, level);
+            }
+        }
+    }
+
+    fn queue_of(&self, route: &Route) -> Option<String> {
+        if route.exchange.is_empty() {
+            return Some(route.routing_key.to_string());
+        }
+        self.bound
+            .get(&(route.exchange.to_string(), route.routing_key.to_string()))
+            .cloned()
+    }
+}
+
+/// An id no other publish of this process (or, by its time, of another) has.
+fn unique_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let started = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}-{started}-{n}", std::process::id())
+}
+
+pub(crate) fn now_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn version(text: &str) -> Option<(u64, u64, u64)> {
+    let core = text.trim_start_matches('v').split(['-', '+']).next()?;
+    let mut parts = core.split('.').map(|p| p.parse::<u64>().ok());
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
+/// The delivery a consumer's message makes.
+pub(crate) fn delivery_of(
+    client: &Client,
+    message: jetstream::Message,
+    queue: &str,
+    fetched: bool,
+    timeout: Duration,
+    permit: Option<OwnedSemaphorePermit>,
+) -> Result<Delivery<NatsTag>, TransportError> {
+    let info = message.info().map_err(TransportError::Other)?;
+    let origin = Origin {
+        stream: info.stream.to_owned(),
+        sequence: info.stream_sequence,
+        stored_ns: info.published.unix_timestamp_nanos(),
+    };
+    // The server counts every delivery, a nak's as much as a crash's: a redelivered flag.
+    let redelivered = info.delivered > 1;
+    let reply = message.message.reply.clone().ok_or_else(|| {
+        TransportError::Other("a JetStream delivery without a reply subject".into())
+    })?;
+    let (properties, headers) = read_headers(message.message.headers.as_ref());
+    let parts = MessageParts {
+        queue: queue.to_owned(),
+        exchange: String::new(),
+        routing_key: message.message.subject.to_string(),
+        body: message.message.payload.to_vec(),
+        properties,
+        headers,
+        native: NativeParts::new(origin.clone()),
+    };
+    let tag = NatsTag::delivered(
+        TagKind::Delivered {
+            client: client.clone(),
+            reply,
+            stream: origin.stream,
+            sequence: origin.sequence,
+            fetched,
+            timeout,
+        },
+        permit,
+    );
+    Ok(Delivery::new(
+        tag,
+        parts,
+        BrokerSignals {
+            redelivered,
+            delivery_count: None,
+        },
+    ))
+}
+
+impl NatsTransport {
+    /// Connects, and checks that the server has JetStream and is recent enough (2.7.1 or
+    /// later). A server without JetStream, an older one, or a configuration that cannot be
+    /// used fails here, with an error that says which, before anything is consumed.
+    pub async fn connect(config: NatsConfig) -> Result<Self, TransportError> {
+        let nodes = config
+            .check()
+            .map_err(|e| TransportError::Other(Box::new(e)))?;
+        let mut options = async_nats::ConnectOptions::new()
+            .connection_timeout(config.operation_timeout())
+            .request_timeout(Some(config.operation_timeout()));
+        if let Some(name) = config.name() {
+            options = options.name(name);
+        }
+        let url = config.url();
+        let client = bounded(
+            config.operation_timeout(),
+            "connecting to NATS",
+            options.connect(nodes),
+        )
+        .await?
+        .map_err(|e| TransportError::connection_failed(format!("connecting to {url}"), e))?;
+        let server = client.server_info();
+        let found = version(&server.version);
+        if found.is_none_or(|v| v < MIN_SERVER_VERSION) {
+            return Err(TransportError::Unsupported {
+                what: format!("NATS server {} at {url}", server.version),
+                why: "this transport needs 2.7.1 or later: it delays retries with a nak that carries a delay".into(),
+            });
+        }
+        let js = jetstream::ContextBuilder::new()
+            .timeout(config.publish_timeout())
+            .build(client.clone());
+        // The account's JetStream information: a server without JetStream has no responder,
+        // or answers with an error.
+        let asked = bounded(
+            config.operation_timeout(),
+            "asking for JetStream",
+            client.request("$JS.API.INFO", bytes::Bytes::new()),
+        )
+        .await?;
+        let answer: Result<serde_json::Value, String> = match asked {
+            Ok(m) => serde_json::from_slice(&m.payload).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let refusal = match &answer {
+            Ok(v) => v.get("error").map(ToString::to_string),
+            Err(e) => Some(e.clone()),
+        };
+        if let Some(why) = refusal {
+            return Err(TransportError::Unsupported {
+                what: format!("JetStream on the NATS server at {url}"),
+                why: format!(
+                    "the server does not answer JetStream requests ({why}): start it with JetStream on (`nats-server -js`, or a `jetstream {{}}` block in its configuration)"
+                ),
+            });
+        }
+        info!(url = %url, version = %server.version, "connected to NATS JetStream");
+        Ok(NatsTransport {
+            inner: Arc::new(Inner {
+                config,
+                client,
+                js,
+                routes: RwLock::new(Routes::default()),
+                consumers: tokio::sync::Mutex::new(HashMap::new()),
+                movers: Mutex::new(HashSet::new()),
+                tasks: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The configuration it was made with.
+    pub fn config(&self) -> &NatsConfig {
+        &self.inner.config
+    }
+
+    /// The async-nats client, for what this transport does not do itself.
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// The plan's missing streams and consumers, by name; a stream or consumer that exists
+    /// with other settings is an error that names it and the field.
+    pub async fn missing(&self, plan: &TopologyPlan) -> Result<Vec<String>, TransportError> {
+        let wanted = provision::wanted(plan, &self.inner.config)?;
+        provision::apply(
+            &self.inner.js,
+            &wanted,
+            false,
+            self.inner.config.operation_timeout(),
+        )
+        .await
+    }
+
+    /// Stops every pull and mover of this transport and closes its connection. What its
+    /// subscriptions held unsettled the server hands out again after the ack wait, marked
+    /// redelivered.
+    pub async fn close(&self) {
+        if let Ok(mut tasks) = self.inner.tasks.lock() {
+            for task in tasks.drain(..) {
+                task.abort();
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.inner.client.drain()).await;
+    }
+
+    /// Messages stored in `queue`'s stream: waiting, being handled, or (on a delay queue)
+    /// waiting for their time.
+    pub async fn count(&self, queue: &str) -> Result<u64, TransportError> {
+        let name = stream_name(queue);
+        let mut stream = bounded(
+            self.inner.config.operation_timeout(),
+            "looking up a stream",
+            self.inner.js.get_stream(&name),
+        )
+        .await?
+        .map_err(|e| missing_or_failed(queue, e))?;
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| TransportError::connection_failed(format!("reading stream {name}"), e))?;
+        Ok(info.state.messages)
+    }
+
+    fn spawned(&self, task: AbortHandle) {
+        if let Ok(mut tasks) = self.inner.tasks.lock() {
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(task);
+        }
+    }
+
+    async fn consumer(&self, queue: &str) -> Result<PullConsumer, TransportError> {
+        let mut consumers = self.inner.consumers.lock().await;
+        if let Some(c) = consumers.get(queue) {
+            return Ok(c.clone());
+        }
+        let name = stream_name(queue);
+        let timeout = self.inner.config.operation_timeout();
+        let stream = bounded(
+            timeout,
+            "looking up a stream",
+            self.inner.js.get_stream(&name),
+        )
+        .await?
+        .map_err(|e| missing_or_failed(queue, e))?;
+        let consumer: PullConsumer = bounded(
+            timeout,
+            "looking up a consumer",
+            stream.get_consumer(CONSUMER),
+        )
+        .await?
+        .map_err(|e| TransportError::MissingAddress {
+            address: format!("consumer {CONSUMER} on stream {name} (queue {queue})"),
+            hint: format!("{e}; provision the plan first"),
+        })?;
+        consumers.insert(queue.to_owned(), consumer.clone());
+        Ok(consumer)
+    }
+
+    /// Remembers `plan`'s routes and starts a mover for each of its delay queues.
+    async fn learn(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        let delays: Vec<(String, String, Duration)> = {
+            let mut routes = self
+                .inner
+                .routes
+                .write()
+                .map_err(|_| TransportError::Other("route table poisoned".into()))?;
+            routes.learn(plan);
+            plan.delayed_destinations()
+                .filter_map(|(level, route, destination)| {
+                    Some((routes.queue_of(route)?, destination.to_owned(), level))
+                })
+                .collect()
+        };
+        for (queue, destination, level) in delays {
+            let fresh = self
+                .inner
+                .movers
+                .lock()
+                .map(|mut m| m.insert(queue.clone()))
+                .unwrap_or(false);
+            if !fresh {
+                continue;
+            }
+            let consumer = match self.consumer(&queue).await {
+                Ok(c) => c,
+                Err(e) => {
+                    if let Ok(mut m) = self.inner.movers.lock() {
+                        m.remove(&queue);
+                    }
+                    return Err(e);
+                }
+            };
+            let mover = Mover {
+                js: self.inner.js.clone(),
+                consumer,
+                queue,
+                destination,
+                level,
+                pull_wait: self.inner.config.pull_wait(),
+            };
+            let task = tokio::spawn(mover.run());
+            self.spawned(task.abort_handle());
+        }
+        Ok(())
+    }
+
+    /// A handle on `queue`'s stream, without reading its info.
+    async fn stream(&self, queue: &str) -> Result<Stream<()>, TransportError> {
+        bounded(
+            self.inner.config.operation_timeout(),
+            "looking up a stream",
+            self.inner.js.get_stream_no_info(stream_name(queue)),
+        )
+        .await?
+        .map_err(|e| missing_or_failed(queue, e))
+    }
+}
+
+fn missing_or_failed(
+    queue: &str,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> TransportError {
+    let text = e.to_string();
+    if text.contains("stream not found") || text.contains("10059") {
+        TransportError::MissingAddress {
+            address: format!("stream {} (queue {queue})", stream_name(queue)),
+            hint: "provision the plan first (`provision`, a Consumer with provisioning on, or `retryctl topology apply`)".into(),
+        }
+    } else {
+        TransportError::connection_failed(format!("looking up the stream of {queue}"), e)
+    }
+}
+
+impl std::fmt::Debug for NatsTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsTransport")
+            .field("url", &self.inner.config.url())
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Transport for NatsTransport {
+    type Tag = NatsTag;
+    type Subscription = NatsSubscription;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            publisher_confirms: true,
+            // `num_delivered` counts a nak's redelivery as much as a crash's: it is read as
+            // a redelivered flag, never as a count of crashes.
+            delivery_count: false,
+            // Delays are held by the server: a nak with the time left.
+            native_delays: true,
+            dead_letter_exchange: false,
+            declares_topology: true,
+        }
+    }
+
+    async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        let wanted = provision::wanted(plan, &self.inner.config)?;
+        provision::apply(
+            &self.inner.js,
+            &wanted,
+            true,
+            self.inner.config.operation_timeout(),
+        )
+        .await?;
+        self.learn(plan).await
+    }
+
+    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        let missing = self.missing(plan).await?;
+        if !missing.is_empty() {
+            return Err(TransportError::MissingAddress {
+                address: missing.join(", "),
+                hint: "provision the plan first (`NatsTransport::provision`, a Consumer with provisioning on, or `retryctl topology apply`)".into(),
+            });
+        }
+        self.learn(plan).await
+    }
+
+    async fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<NatsSubscription, TransportError> {
+        let consumer = self.consumer(queue).await?;
+        let config = &self.inner.config;
+        let (subscription, task) = NatsSubscription::start(Pulling {
+            client: self.inner.client.clone(),
+            consumer,
+            queue: queue.to_owned(),
+            prefetch,
+            pull_wait: config.pull_wait(),
+            ack_wait: config.ack_wait(),
+            operation_timeout: config.operation_timeout(),
+        });
+        self.spawned(task);
+        Ok(subscription)
+    }
+
+    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<NatsTag>>, TransportError> {
+        let consumer = self.consumer(queue).await?;
+        let config = &self.inner.config;
+        let batch = consumer
+            .batch()
+            .max_messages(1)
+            .expires(config.fetch_wait())
+            .messages();
+        let mut batch = bounded(config.operation_timeout(), "a fetch", batch)
+            .await?
+            .map_err(|e| TransportError::connection_failed(format!("fetching from {queue}"), e))?;
+        let message = match bounded(
+            config.fetch_wait() + config.operation_timeout(),
+            "a fetch",
+            batch.next(),
+        )
+        .await?
+        {
+            None => return Ok(None),
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                return Err(TransportError::Connection {
+                    context: format!("fetching from {queue}"),
+                    source: Some(e),
+                });
+            }
+        };
+        let delivery = delivery_of(
+            &self.inner.client,
+            message,
+            queue,
+            true,
+            config.operation_timeout(),
+            None,
+        )?;
+        delivery.tag.keep_alive(config.ack_wait() / 3);
+        Ok(Some(delivery))
+    }
+
+    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
+        let consumer = self.consumer(queue).await?;
+        loop {
+            let info = bounded(
+                self.inner.config.operation_timeout(),
+                "reading a consumer",
+                consumer.get_info(),
+            )
+            .await?
+            .map_err(|e| {
+                TransportError::connection_failed(format!("reading the consumer of {queue}"), e)
+            })?;
+            // A message handed out and not acked (its consumer may have died with it) is not
+            // pending: the server hands it out again after the ack wait, and only a fetch
+            // can tell. So either counts.
+            if info.num_pending > 0 || info.num_ack_pending > 0 {
+                return Ok(());
+            }
+            tokio::time::sleep(poll).await;
+        }
+    }
+
+    /// Publishes the clone to the queue its route leads to and waits for the stream's
+    /// acknowledgement. A clone for a delay queue carries when it is due. Its
+    /// `Nats-Msg-Id` names the delivery it is a clone of and where it goes, so publishing
+    /// it again (after a lost acknowledgement) stores it once.
+    async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
+        let (queue, level) = {
+            let Ok(routes) = self.inner.routes.read() else {
+                return PublishResult::Failed(TransportError::Other("route table poisoned".into()));
+            };
+            match routes.queue_of(&publish.route) {
+                Some(q) => {
+                    let level = routes.delays.get(&q).copied();
+                    (q, level)
+                }
+                None => {
+                    return PublishResult::Failed(TransportError::MissingAddress {
+                        address: format!(
+                            "the queue behind exchange {:?} with routing key {:?}",
+                            publish.route.exchange, publish.route.routing_key
+                        ),
+                        hint: "no plan this transport provisioned or verified routes it".into(),
+                    });
+                }
+            }
+        };
+        let headers = publish.clone_headers(original);
+        let mut map = match write_headers(original.properties(), &headers) {
+            Ok(m) => m,
+            Err(e) => return PublishResult::Failed(e),
+        };
+        if let Some(level) = level {
+            let delay = publish.expiration.unwrap_or(level);
+            let due =
+                now_millis().saturating_add(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
+            map.insert(DUE, due.to_string().as_str());
+        }
+        let id = match original.parts().native.get::<Origin>() {
+            Some(o) => format!("{}:{}:{}:{queue}", o.stream, o.sequence, o.stored_ns),
+            None => format!("{}:{queue}", unique_id()),
+        };
+        map.insert(MSG_ID, id.as_str());
+        let message = PublishMessage::build()
+            .payload(original.body().to_vec().into())
+            .headers(map)
+            .expected_stream(stream_name(&queue));
+        let sent = match self.inner.js.send_publish(queue.clone(), message).await {
+            Ok(ack) => ack.await,
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(_) => PublishResult::Confirmed,
+            Err(e) => match e.kind() {
+                PublishErrorKind::StreamNotFound => PublishResult::Returned,
+                PublishErrorKind::TimedOut => PublishResult::Failed(TransportError::Timeout {
+                    operation: "a publish acknowledgement",
+                    after: self.inner.config.publish_timeout(),
+                }),
+                _ if refused(&e) => PublishResult::Refused,
+                _ => PublishResult::Failed(TransportError::connection_failed(
+                    format!("publishing to {queue}"),
+                    e,
+                )),
+            },
+        }
+    }
+
+    async fn settle(&self, tag: &NatsTag, settlement: Settlement) -> Result<(), TransportError> {
+        match tag.stored() {
+            None => tag.settle_delivery(settlement).await,
+            Some((queue, sequence)) if settlement == Settlement::Ack => {
+                let stream = self.stream(queue).await?;
+                bounded(
+                    self.inner.config.operation_timeout(),
+                    "deleting a stored message",
+                    stream.delete_message(sequence),
+                )
+                .await?
+                .map(|_| ())
+                .map_err(|e| TransportError::connection_failed(format!("deleting {tag:?}"), e))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Reads the stream's stored messages in order without consuming them: a message the
+    /// walk leaves stays where it is, untouched (no redelivery is counted), and one it
+    /// acks is deleted.
+    async fn walk<'a>(
+        &'a self,
+        queue: &str,
+    ) -> Result<Box<dyn QueueWalk<NatsTag> + 'a>, TransportError> {
+        // Fail now, by name, on a queue with no stream.
+        self.count(queue).await?;
+        Ok(Box::new(StoredWalk {
+            transport: self,
+            queue: queue.to_owned(),
+            stream: self.stream(queue).await?,
+            next: 1,
+        }))
+    }
+}
+
+/// A publish the stream refused for its limits (a full stream that discards new ones).
+fn refused(e: &async_nats::jetstream::context::PublishError) -> bool {
+    let text = format!(
+        "{e} {:?}",
+        std::error::Error::source(e).map(ToString::to_string)
+    );
+    [
+        "maximum messages",
+        "maximum bytes",
+        "resource limits exceeded",
+        "exceeded",
+    ]
+    .iter()
+    .any(|needle| text.contains(needle))
+}
+
+/// [`NatsTransport::walk`]: stored messages by sequence.
+struct StoredWalk<'a> {
+    transport: &'a NatsTransport,
+    queue: String,
+    stream: Stream<()>,
+    next: u64,
+}
+
+#[async_trait]
+impl QueueWalk<NatsTag> for StoredWalk<'_> {
+    async fn next(&mut self) -> Result<Option<Delivery<NatsTag>>, TransportError> {
+        let read = self
+            .stream
+            .raw_message_builder()
+            .sequence(self.next)
+            .next_by_subject(self.queue.clone())
+            .send();
+        let message = match bounded(
+            self.transport.inner.config.operation_timeout(),
+            "reading a stored message",
+            read,
+        )
+        .await?
+        {
+            Ok(m) => m,
+            Err(e) if matches!(e.kind(), RawMessageErrorKind::NoMessageFound) => return Ok(None),
+            Err(e) => {
+                return Err(TransportError::connection_failed(
+                    format!("reading {} from sequence {}", self.queue, self.next),
+                    e,
+                ));
+            }
+        };
+        self.next = message.sequence + 1;
+        let (properties, headers) = read_headers(Some(&message.headers));
+        let stream = stream_name(&self.queue);
+        let parts = MessageParts {
+            queue: self.queue.clone(),
+            exchange: String::new(),
+            routing_key: message.subject.to_string(),
+            body: message.payload.to_vec(),
+            properties,
+            headers,
+            native: NativeParts::new(Origin {
+                stream: stream.clone(),
+                sequence: message.sequence,
+                stored_ns: message.time.unix_timestamp_nanos(),
+            }),
+        };
+        let tag = NatsTag::delivered(
+            TagKind::Stored {
+                queue: self.queue.clone(),
+                sequence: message.sequence,
+            },
+            None,
+        );
+        Ok(Some(Delivery::new(tag, parts, BrokerSignals::default())))
+    }
+
+    fn leave(&mut self, _tag: NatsTag) {}
+
+    async fn ack(&mut self, tag: NatsTag) -> Result<(), TransportError> {
+        self.transport.settle(&tag, Settlement::Ack).await
+    }
+
+    async fn end(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_compared_as_numbers() {
+        assert_eq!(version("2.9.10"), Some((2, 9, 10)));
+        assert_eq!(version("v2.10.0-beta.1"), Some((2, 10, 0)));
+        assert!(version("2.9.10").unwrap() >= MIN_SERVER_VERSION);
+        assert!(version("2.7.0").unwrap() < MIN_SERVER_VERSION);
+        assert_eq!(version("garbage"), None);
+    }
+}
