@@ -1,15 +1,18 @@
-//! One handler and one policy on three transports: the in-memory broker, RabbitMQ over
-//! AMQP 0-9-1 and RabbitMQ over AMQP 1.0. The outcomes printed are the same on each.
+//! One handler and one policy on four transports: the in-memory broker, RabbitMQ over
+//! AMQP 0-9-1, RabbitMQ over AMQP 1.0 and NATS JetStream. The outcomes printed are the same
+//! on each.
 //!
 //! ```sh
 //! cargo run -p conformance --example swap_transports -- memory
 //! cargo run -p conformance --example swap_transports -- amqp091
 //! cargo run -p conformance --example swap_transports -- amqp10
+//! cargo run -p conformance --example swap_transports -- nats
 //! ```
 //!
 //! `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`) and `AMQP10_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672`) point at the broker; AMQP 1.0 needs the
-//! `rabbitmq_amqp1_0` plugin.
+//! `rabbitmq_amqp1_0` plugin. `NATS_URL` (default `nats://127.0.0.1:4222`) points at a
+//! NATS server with JetStream.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -23,6 +26,7 @@ use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan, Tra
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 use transport_memory::{Broker, Outgoing};
+use transport_nats::{NatsConfig, NatsTransport};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -131,14 +135,35 @@ async fn on_rabbitmq(broker: &BrokerEnv, amqp10: bool, queue: &str) -> Result<St
     outcome.map_err(|_| "not every comment was handled or parked within a minute")?
 }
 
-/// Runs the comments on `transport` (`memory`, `amqp091` or `amqp10`); `None` for another
-/// name.
+/// On NATS JetStream: the transport declares the plan's streams itself, and the comments
+/// are published as any NATS application would, with the stream's acknowledgement.
+async fn on_nats(url: &str, queue: &str) -> Result<String, BoxError> {
+    let transport = NatsTransport::connect(NatsConfig::new(url)).await?;
+    let plan = TopologyPlan::new(queue, &policy())?;
+    transport.provision(&plan).await?;
+    let js = async_nats::jetstream::new(transport.client().clone());
+    for comment in COMMENTS {
+        js.publish(queue.to_owned(), comment.into()).await?.await?;
+    }
+    let outcome =
+        tokio::time::timeout(Duration::from_secs(60), consume(transport.clone(), queue)).await;
+    for spec in plan.queues() {
+        js.delete_stream(transport_nats::stream_name(&spec.name))
+            .await?;
+    }
+    transport.close().await;
+    outcome.map_err(|_| "not every comment was handled or parked within a minute")?
+}
+
+/// Runs the comments on `transport` (`memory`, `amqp091`, `amqp10` or `nats`); `None` for
+/// another name.
 fn run(transport: &str, queue: &str) -> Option<Result<String, BoxError>> {
     let rabbitmq = |amqp10| runtime().block_on(on_rabbitmq(&BrokerEnv::from_env(), amqp10, queue));
     match transport {
         "memory" => Some(on_memory()),
         "amqp091" => Some(rabbitmq(false)),
         "amqp10" => Some(rabbitmq(true)),
+        "nats" => Some(runtime().block_on(on_nats(&conformance::nats::nats_url(), queue))),
         _ => None,
     }
 }
@@ -152,7 +177,7 @@ fn main() {
             std::process::exit(1);
         }
         None => {
-            eprintln!("usage: swap_transports memory|amqp091|amqp10");
+            eprintln!("usage: swap_transports memory|amqp091|amqp10|nats");
             std::process::exit(2);
         }
     }
@@ -201,6 +226,16 @@ broken      retried in 200ms, retried in 400ms, parked (attempts-exhausted)
     fn amqp10() {
         if broker_answers("amqp10") {
             check("amqp10");
+        }
+    }
+
+    #[test]
+    fn nats() {
+        let url = conformance::nats::nats_url();
+        let found = runtime().block_on(conformance::nats::detect("swap_transports on NATS", &url));
+        if let Some(probe) = found {
+            runtime().block_on(probe.close());
+            check("nats");
         }
     }
 }

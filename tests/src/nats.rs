@@ -88,6 +88,22 @@ pub async fn delete_plan(client: &async_nats::Client, plan: &TopologyPlan) {
     }
 }
 
+/// Takes every message stored in `queue` (read in order, each deleted once read).
+pub async fn take_all(transport: &NatsTransport, queue: &str) -> Vec<ParkedMessage> {
+    let mut walk = transport.walk(queue).await.expect("walk the queue");
+    let mut out = Vec::new();
+    while let Some(d) = walk.next().await.expect("read a stored message") {
+        out.push(ParkedMessage {
+            id: d.message.properties().message_id.clone(),
+            body: d.message.body().to_vec(),
+            headers: d.message.headers().clone(),
+        });
+        walk.ack(d.tag).await.expect("delete a stored message");
+    }
+    walk.end().await.expect("end the walk");
+    out
+}
+
 /// NATS JetStream as a harness: transport-nats declares the plans itself; test messages
 /// are published with plain async-nats; queues are counted and parked messages read
 /// through the transport.
@@ -214,22 +230,7 @@ impl Harness for NatsHarness {
     }
 
     async fn take_parked(&self, plan: &TopologyPlan) -> Vec<ParkedMessage> {
-        let mut walk = self
-            .admin
-            .walk(plan.parking_queue())
-            .await
-            .expect("walk the parking queue");
-        let mut out = Vec::new();
-        while let Some(d) = walk.next().await.expect("read a parked message") {
-            out.push(ParkedMessage {
-                id: d.message.properties().message_id.clone(),
-                body: d.message.body().to_vec(),
-                headers: d.message.headers().clone(),
-            });
-            walk.ack(d.tag).await.expect("delete a parked message");
-        }
-        walk.end().await.expect("end the walk");
-        out
+        take_all(&self.admin, plan.parking_queue()).await
     }
 
     async fn crash(&self, transport: Arc<NatsTransport>) {

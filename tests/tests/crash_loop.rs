@@ -1,6 +1,7 @@
-//! A real crash loop against the local RabbitMQ: consumer processes at prefetch 20 that
-//! abort on any of three poison messages among 300, restarted each time they die. Only the
-//! poison messages are blamed; everything else is handled.
+//! A real crash loop against the local RabbitMQ, and against the local NATS server:
+//! consumer processes at prefetch 20 that abort on any of three poison messages among 300,
+//! restarted each time they die. Only the poison messages are blamed; everything else is
+//! handled.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
@@ -8,15 +9,16 @@ use std::panic::AssertUnwindSafe;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use conformance::TestMessage;
 use conformance::process::{self, Event, Line, ProcessArgs};
 use conformance::rabbitmq::{Admin, BrokerEnv, runtime, unique_name};
 use conformance::suite::print_uncaptured;
+use conformance::{ParkedMessage, TestMessage};
 use futures::FutureExt;
 use retry_core::headers::CRASHES;
-use retry_core::{DeadLetterReason, HeaderValue, ParkedRecord, TopologyPlan};
+use retry_core::{DeadLetterReason, HeaderValue, ParkedRecord, TopologyPlan, Transport};
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
+use transport_nats::NatsTransport;
 
 const SIGABRT: i32 = 6;
 const MESSAGES: usize = 300;
@@ -34,6 +36,86 @@ fn id(i: usize) -> String {
     }
 }
 
+/// The broker the processes run on, and the test's own connection to it: to publish, count
+/// and read what was parked.
+enum Side {
+    RabbitMq { env: BrokerEnv, admin: Admin },
+    Nats { url: String, admin: NatsTransport },
+}
+
+impl Side {
+    async fn publish(&self, queue: &str, m: &TestMessage) {
+        match self {
+            Side::RabbitMq { admin, .. } => admin.publish(queue, m).await,
+            Side::Nats { admin, .. } => {
+                conformance::nats::publish_test_message(admin.client(), queue, m).await;
+            }
+        }
+    }
+
+    async fn ready(&self, queue: &str) -> usize {
+        match self {
+            Side::RabbitMq { admin, .. } => admin.ready(queue).await,
+            Side::Nats { admin, .. } => admin.count(queue).await.expect("count") as usize,
+        }
+    }
+
+    async fn take_all(&self, queue: &str) -> Vec<ParkedMessage> {
+        match self {
+            Side::RabbitMq { admin, .. } => admin.take_all(queue).await,
+            Side::Nats { admin, .. } => conformance::nats::take_all(admin, queue).await,
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut command = Command::new("sh");
+        match self {
+            Side::RabbitMq { env, .. } => command.env("AMQP_URL", &env.amqp091_url),
+            Side::Nats { url, .. } => command
+                .env("CRASHING_TRANSPORT", "nats")
+                .env("NATS_URL", url),
+        };
+        command
+    }
+
+    async fn cleanup(&self, plan: &TopologyPlan) {
+        match self {
+            Side::RabbitMq { admin, .. } => admin.cleanup().await,
+            Side::Nats { admin, .. } => {
+                conformance::nats::delete_plan(admin.client(), plan).await;
+                admin.close().await;
+            }
+        }
+    }
+}
+
+fn args_for(queue: &str) -> ProcessArgs {
+    ProcessArgs {
+        queue: queue.to_owned(),
+        poison: (0..MESSAGES).filter(|&i| is_poison(i)).map(id).collect(),
+        record: std::env::temp_dir().join(format!("{queue}.record")),
+        crash_limit: 3,
+        delay: Duration::from_millis(300),
+        prefetch: PREFETCH,
+    }
+}
+
+/// Runs the crash loop on `side`, whose plan `provision` declares, and cleans up.
+async fn run_on(side: Side, provision: impl AsyncFnOnce(&Side, &TopologyPlan)) {
+    let queue = unique_name("proc");
+    let args = args_for(&queue);
+    let plan = TopologyPlan::new(&queue, &args.policy()).expect("plan");
+    provision(&side, &plan).await;
+    let outcome = AssertUnwindSafe(crash_loop(&side, &args, &plan))
+        .catch_unwind()
+        .await;
+    side.cleanup(&plan).await;
+    let _ = std::fs::remove_file(&args.record);
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
 #[test]
 fn consumer_processes_aborting_on_poison_messages_blame_only_the_poison() {
     runtime().block_on(async {
@@ -41,27 +123,31 @@ fn consumer_processes_aborting_on_poison_messages_blame_only_the_poison() {
             return;
         };
         let admin = Admin::connect(&env.amqp091_url).await;
-        let queue = unique_name("proc");
-        let record = std::env::temp_dir().join(format!("{queue}.record"));
-        let args = ProcessArgs {
-            queue: queue.clone(),
-            poison: (0..MESSAGES).filter(|&i| is_poison(i)).map(id).collect(),
-            record: record.clone(),
-            crash_limit: 3,
-            delay: Duration::from_millis(300),
-            prefetch: PREFETCH,
-        };
-        let plan = TopologyPlan::new(&queue, &args.policy()).expect("plan");
-        admin.provision(&plan, &Default::default()).await;
+        run_on(Side::RabbitMq { env, admin }, async |side, plan| {
+            let Side::RabbitMq { admin, .. } = side else {
+                unreachable!()
+            };
+            admin.provision(plan, &Default::default()).await;
+        })
+        .await;
+    });
+}
 
-        let outcome = AssertUnwindSafe(crash_loop(&env, &admin, &args, &plan))
-            .catch_unwind()
-            .await;
-        admin.cleanup().await;
-        let _ = std::fs::remove_file(&record);
-        if let Err(panic) = outcome {
-            std::panic::resume_unwind(panic);
-        }
+#[test]
+fn consumer_processes_aborting_on_poison_messages_blame_only_the_poison_on_nats() {
+    runtime().block_on(async {
+        let url = conformance::nats::nats_url();
+        let what = "the crash-loop process test on NATS";
+        let Some(admin) = conformance::nats::detect(what, &url).await else {
+            return;
+        };
+        run_on(Side::Nats { url, admin }, async |side, plan| {
+            let Side::Nats { admin, .. } = side else {
+                unreachable!()
+            };
+            admin.provision(plan).await.expect("provision over NATS");
+        })
+        .await;
     });
 }
 
@@ -108,16 +194,15 @@ enum Turn {
     Finished,
 }
 
-async fn start(env: &BrokerEnv, args: &ProcessArgs) -> Child {
+async fn start(side: &Side, args: &ProcessArgs) -> Child {
     // Through a shell that turns core dumps off: each abort would otherwise leave a core
     // file wherever the machine's core pattern says. `exec` keeps the pid, so the exit
     // status is the consumer's own.
-    Command::new("sh")
+    side.command()
         .arg("-c")
         .arg("ulimit -c 0 && exec \"$0\" \"$@\"")
         .arg(env!("CARGO_BIN_EXE_crashing_consumer"))
         .args(args.to_args())
-        .env("AMQP_URL", &env.amqp091_url)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -135,10 +220,10 @@ async fn stderr_of(child: &mut Child) -> String {
     text
 }
 
-async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &TopologyPlan) {
+async fn crash_loop(side: &Side, args: &ProcessArgs, plan: &TopologyPlan) {
     let messages = messages();
     for m in &messages {
-        admin.publish(&args.queue, m).await;
+        side.publish(&args.queue, m).await;
     }
     let innocent: BTreeSet<String> = messages
         .iter()
@@ -160,14 +245,14 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
             aborts <= max_aborts,
             "{aborts} aborts; the loop should end after at most {max_aborts}"
         );
-        let mut child = start(env, args).await;
+        let mut child = start(side, args).await;
         let turn = loop {
             if let Some(status) = child.try_wait().expect("wait on the consumer") {
                 break Turn::Exited(status);
             }
             let lines = process::read(&args.record);
             let all_handled = handled(&lines).keys().cloned().collect::<BTreeSet<_>>() == innocent;
-            if all_handled && admin.ready(plan.parking_queue()).await == poison_count {
+            if all_handled && side.ready(plan.parking_queue()).await == poison_count {
                 break Turn::Finished;
             }
             if Instant::now() >= deadline {
@@ -178,7 +263,7 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
                     .collect();
                 let mut depths = Vec::new();
                 for q in plan.queues() {
-                    depths.push(format!("{} {}", q.name, admin.ready(&q.name).await));
+                    depths.push(format!("{} {}", q.name, side.ready(&q.name).await));
                 }
                 let record: Vec<&Line> = lines
                     .iter()
@@ -230,7 +315,7 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
     let runs = runs(&lines);
     let terminals = terminals(&lines);
     let delay_ms = args.delay.as_millis();
-    let parked = admin.take_all(plan.parking_queue()).await;
+    let parked = side.take_all(plan.parking_queue()).await;
     for p in &parked {
         assert!(
             args.poison.contains(p.id.as_ref().unwrap()),
@@ -302,7 +387,7 @@ async fn crash_loop(env: &BrokerEnv, admin: &Admin, args: &ProcessArgs, plan: &T
     let duplicates: usize =
         handled.values().map(|n| n - 1).sum::<usize>() + parked.len() - parked_ids.len();
     for q in plan.queues() {
-        assert_eq!(admin.ready(&q.name).await, 0, "messages left in {}", q.name);
+        assert_eq!(side.ready(&q.name).await, 0, "messages left in {}", q.name);
     }
     print_uncaptured(&format!(
         "\n== crash loop with real processes at prefetch {PREFETCH}: {} published = {} handled + {} parked (all poison, crash-loop, {} crashes each, limit {limit}); {aborts} aborts attributed to {poison_count} poison messages, 0 innocents parked, 0 lost; {} healthy messages ran {innocent_runs} times ({:.3} per message), {suspects} isolations, {duplicates} duplicates; {starts} processes, {took:.1?}\n",

@@ -2,7 +2,8 @@
 //!
 //! `crashing_consumer QUEUE POISON_IDS RECORD_FILE CRASH_LIMIT DELAY_MS PREFETCH` runs the
 //! real `Consumer` on transport-amqp091 (broker at `AMQP_URL`, the local RabbitMQ by
-//! default). Its handler appends a `run` line to the record and, when the message id is one
+//! default), or, with `CRASHING_TRANSPORT=nats`, on transport-nats (server at `NATS_URL`,
+//! with the NATS tests' short ack wait). Its handler appends a `run` line to the record and, when the message id is one
 //! of the comma-separated `POISON_IDS`, calls `std::process::abort()`: the delivery was
 //! received and is still unsettled, so the broker hands it out again, flagged redelivered,
 //! with everything else the process held. Other messages take 10 ms, so with a prefetch
@@ -16,8 +17,9 @@ use std::time::Duration;
 
 use conformance::process::{Event, ProcessArgs, append, encode_terminal};
 use conformance::rabbitmq::{BrokerEnv, runtime, unique_name};
-use retry_core::{Consumer, HandlerError, Message};
+use retry_core::{Consumer, HandlerError, Message, Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
+use transport_nats::NatsTransport;
 
 fn message_id(msg: &Message) -> String {
     msg.properties().message_id.clone().unwrap_or_default()
@@ -41,13 +43,29 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var("CRASHING_TRANSPORT").as_deref() == Ok("nats") {
+        let config = conformance::nats::test_config(&conformance::nats::nats_url());
+        let transport = Arc::new(NatsTransport::connect(config).await?);
+        consume(Arc::clone(&transport), args).await?;
+        transport.close().await;
+        return Ok(());
+    }
     let env = BrokerEnv::from_env();
     let transport = AmqpTransport::connect(
         AmqpConfig::new(&env.amqp091_url).with_connection_name(unique_name("crashing")),
     )
     .await?;
     let transport = Arc::new(transport);
+    consume(Arc::clone(&transport), args).await?;
+    transport.close().await?;
+    Ok(())
+}
 
+/// Runs the consumer on `transport` until standard input closes.
+async fn consume<T: Transport>(
+    transport: Arc<T>,
+    args: ProcessArgs,
+) -> Result<(), Box<dyn std::error::Error>> {
     let (record, poison) = (args.record.clone(), args.poison.clone());
     let isolation = format!("{}.suspect", args.queue);
     let handler = move |msg: Message| {
@@ -72,26 +90,21 @@ async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let record = args.record.clone();
-    let consumer = Consumer::builder(
-        Arc::clone(&transport),
-        args.queue.clone(),
-        args.policy(),
-        handler,
-    )
-    .with_prefetch(args.prefetch)
-    .with_handler_timeout(Duration::from_secs(10))
-    .with_shutdown_grace(Duration::from_secs(5))
-    .with_suspect_poll(Duration::from_millis(100))
-    .with_on_terminal(move |msg, terminal| {
-        let event = Event::Terminal {
-            id: message_id(msg),
-            outcome: encode_terminal(terminal),
-        };
-        if let Err(e) = append(&record, &event) {
-            eprintln!("crashing_consumer: cannot write the record: {e}");
-        }
-    })
-    .build()?;
+    let consumer = Consumer::builder(transport, args.queue.clone(), args.policy(), handler)
+        .with_prefetch(args.prefetch)
+        .with_handler_timeout(Duration::from_secs(10))
+        .with_shutdown_grace(Duration::from_secs(5))
+        .with_suspect_poll(Duration::from_millis(100))
+        .with_on_terminal(move |msg, terminal| {
+            let event = Event::Terminal {
+                id: message_id(msg),
+                outcome: encode_terminal(terminal),
+            };
+            if let Err(e) = append(&record, &event) {
+                eprintln!("crashing_consumer: cannot write the record: {e}");
+            }
+        })
+        .build()?;
 
     // Standard input closing is the signal to stop; reading it blocks, so on a thread.
     let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<()>();
@@ -104,6 +117,5 @@ async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
             let _ = closed_rx.await;
         })
         .await?;
-    transport.close().await?;
     Ok(())
 }
