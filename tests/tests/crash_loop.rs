@@ -39,7 +39,7 @@ fn id(i: usize) -> String {
 /// The broker the processes run on, and the test's own connection to it: to publish, count
 /// and read what was parked.
 enum Side {
-    RabbitMq { env: BrokerEnv, admin: Admin },
+    RabbitMq { env: BrokerEnv, admin: Box<Admin> },
     Nats { url: String, admin: NatsTransport },
 }
 
@@ -123,12 +123,18 @@ fn consumer_processes_aborting_on_poison_messages_blame_only_the_poison() {
             return;
         };
         let admin = Admin::connect(&env.amqp091_url).await;
-        run_on(Side::RabbitMq { env, admin }, async |side, plan| {
-            let Side::RabbitMq { admin, .. } = side else {
-                unreachable!()
-            };
-            admin.provision(plan, &Default::default()).await;
-        })
+        run_on(
+            Side::RabbitMq {
+                env,
+                admin: Box::new(admin),
+            },
+            async |side, plan| {
+                let Side::RabbitMq { admin, .. } = side else {
+                    unreachable!()
+                };
+                admin.provision(plan, &Default::default()).await;
+            },
+        )
         .await;
     });
 }
