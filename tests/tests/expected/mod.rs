@@ -64,8 +64,8 @@ pub const NATS: Capabilities = Capabilities {
     declares_topology: true,
 };
 
-/// On NATS the delay cascade is refused: the server already holds every clone for exactly
+/// On NATS the delay cascade is refused (its levels dead-letter into each other): the server already holds every clone for exactly
 /// its own delay, so per-delay queues take any delay without one waiting behind another
-/// (`transport-nats/tests/delays.rs` checks that), and a cascade's exchanges have no NATS
+/// (`transport-nats/tests/nats.rs` checks that), and a cascade's exchanges have no NATS
 /// form.
 pub const NATS_SKIPS: &[&str] = &["no_head_of_line_blocking_any_delay"];

@@ -1,0 +1,251 @@
+//! transport-nats against the local NATS server (`NATS_URL`, loopback by default): bad input
+//! refused by name with nothing consumed, and delays that never wait behind each other.
+//! Without a server each test says so loudly and passes, unless `REQUIRE_NATS` is set.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy};
+use retry_core::{
+    Consumer, HandlerError, Message, RetryPolicy, Terminal, TopologyPlan, Transport, TransportError,
+};
+use transport_nats::{NatsConfig, NatsTransport, stream_name};
+
+fn url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn unique(what: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("tn-{what}-{}-{nanos:x}", std::process::id())
+}
+
+async fn connect() -> Option<NatsTransport> {
+    match NatsTransport::connect(NatsConfig::new(url()).with_ack_wait(Duration::from_secs(2))).await
+    {
+        Ok(t) => Some(t),
+        Err(e) if std::env::var_os("REQUIRE_NATS").is_some() => {
+            panic!("REQUIRE_NATS is set, but no NATS server with JetStream answers: {e}")
+        }
+        Err(e) => {
+            eprintln!(
+                "\n!!! SKIPPED: no NATS server with JetStream at {} ({e})\n",
+                url()
+            );
+            None
+        }
+    }
+}
+
+async fn delete(t: &NatsTransport, plan: &TopologyPlan) {
+    let js = async_nats::jetstream::new(t.client().clone());
+    for q in plan.queues() {
+        let _ = js.delete_stream(stream_name(&q.name)).await;
+    }
+}
+
+/// A free loopback port, for a server of the test's own.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    listener.local_addr().expect("its address").port()
+}
+
+#[tokio::test]
+async fn a_server_without_jetstream_is_refused_at_connect_by_name() {
+    if connect().await.is_none() {
+        return;
+    }
+    let port = free_port();
+    let mut server = tokio::process::Command::new("nats-server")
+        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        .kill_on_drop(true)
+        .spawn()
+        .expect("nats-server starts");
+    let config = NatsConfig::new(format!("nats://127.0.0.1:{port}"));
+    let started = Instant::now();
+    let err = loop {
+        match NatsTransport::connect(config.clone()).await {
+            Err(TransportError::Connection { .. })
+                if started.elapsed() < Duration::from_secs(10) =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => break e,
+            Ok(_) => panic!("a server without JetStream was accepted"),
+        }
+    };
+    let _ = server.kill().await;
+    let text = err.to_string();
+    assert!(matches!(err, TransportError::Unsupported { .. }), "{err:?}");
+    assert!(text.contains("JetStream") && text.contains("-js"), "{text}");
+}
+
+#[tokio::test]
+async fn credentials_never_appear_in_a_connect_error() {
+    let port = free_port();
+    let err = NatsTransport::connect(
+        NatsConfig::new(format!("nats://app:hunter2@127.0.0.1:{port}"))
+            .with_operation_timeout(Duration::from_secs(2)),
+    )
+    .await
+    .expect_err("nothing listens there");
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("app:****@"), "{text}");
+}
+
+#[tokio::test]
+async fn a_wildcard_queue_name_is_refused_and_nothing_is_created() {
+    let Some(t) = connect().await else { return };
+    let queue = format!("{}.*", unique("wild"));
+    let plan = TopologyPlan::new(&queue, &RetryPolicy::default()).expect("a plan");
+    let err = t.provision(&plan).await.expect_err("a wildcard name");
+    assert!(err.to_string().contains(&format!("{queue:?}")), "{err}");
+    assert!(err.to_string().contains("wildcard"), "{err}");
+    let js = async_nats::jetstream::new(t.client().clone());
+    assert!(
+        js.get_stream(stream_name(&queue)).await.is_err(),
+        "nothing created"
+    );
+    t.close().await;
+}
+
+#[tokio::test]
+async fn a_stream_with_other_settings_is_named_with_its_field_and_nothing_is_consumed() {
+    let Some(t) = connect().await else { return };
+    let queue = unique("conflict");
+    let plan = TopologyPlan::new(&queue, &RetryPolicy::default()).expect("a plan");
+    let js = async_nats::jetstream::new(t.client().clone());
+    // Someone made the work stream already, keeping every message (limits retention).
+    js.create_stream(StreamConfig {
+        name: stream_name(&queue),
+        subjects: vec![queue.clone()],
+        retention: RetentionPolicy::Limits,
+        ..Default::default()
+    })
+    .await
+    .expect("the other stream");
+    js.publish(queue.clone(), "keep me".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    let policy = RetryPolicy::default();
+    let handled = Arc::new(Mutex::new(0));
+    let counter = Arc::clone(&handled);
+    let consumer = Consumer::builder(t.clone(), queue.clone(), policy, move |_m: Message| {
+        *counter.lock().unwrap() += 1;
+        async { Ok::<(), HandlerError>(()) }
+    })
+    .build()
+    .expect("a consumer");
+    let err = consumer
+        .run(std::future::pending::<()>())
+        .await
+        .expect_err("the conflict stops it");
+    let text = format!(
+        "{err}: {:?}",
+        std::error::Error::source(&err).map(ToString::to_string)
+    );
+    assert!(
+        text.contains(&format!("stream {}", stream_name(&queue))) && text.contains("retention"),
+        "{text}"
+    );
+    assert_eq!(*handled.lock().unwrap(), 0, "nothing consumed");
+    assert_eq!(
+        t.count(&queue).await.expect("count"),
+        1,
+        "the message is still there"
+    );
+    delete(&t, &plan).await;
+    t.close().await;
+}
+
+/// A retry-after between the plan's levels is due at its own time: published behind a 3 s
+/// retry, a 1.5 s one comes back first, though both go through the 3 s delay stream (on
+/// RabbitMQ it would wait behind the 3 s one at the queue's head, its per-message TTL
+/// expiring only there).
+#[tokio::test]
+async fn a_short_delay_never_waits_behind_a_long_one_in_the_same_delay_queue() {
+    let Some(t) = connect().await else { return };
+    let queue = unique("hol");
+    let policy = RetryPolicy::delays([Duration::from_secs(1), Duration::from_secs(3)])
+        .build()
+        .expect("policy");
+    let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
+    t.provision(&plan).await.expect("provision");
+    let js = async_nats::jetstream::new(t.client().clone());
+    for body in ["slow", "fast"] {
+        js.publish(queue.clone(), body.into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+    let runs: Arc<Mutex<Vec<(String, u32, Instant)>>> = Arc::default();
+    let seen = Arc::clone(&runs);
+    let handler = move |m: Message| {
+        let body = String::from_utf8_lossy(m.body()).into_owned();
+        seen.lock()
+            .unwrap()
+            .push((body.clone(), m.attempt(), Instant::now()));
+        async move {
+            match (body.as_str(), m.attempt()) {
+                ("slow", 1) => Err(HandlerError::retry_after(Duration::from_secs(3), "later")),
+                ("fast", 1) => Err(HandlerError::retry_after(
+                    Duration::from_millis(1_500),
+                    "soon",
+                )),
+                _ => Ok(()),
+            }
+        }
+    };
+    let finished = Arc::new(Mutex::new(0));
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let done_tx = Mutex::new(Some(done_tx));
+    let count = Arc::clone(&finished);
+    let consumer = Consumer::builder(t.clone(), queue.clone(), policy, handler)
+        .with_prefetch(1)
+        .with_on_terminal(move |_, terminal| {
+            if matches!(terminal, Terminal::Handled { .. }) {
+                let mut n = count.lock().unwrap();
+                *n += 1;
+                if *n == 2 {
+                    done_tx.lock().unwrap().take().map(|tx| tx.send(()));
+                }
+            }
+        })
+        .build()
+        .expect("a consumer");
+    let run = consumer.run(async {
+        let _ = done_rx.await;
+    });
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("both handled within 30 s")
+        .expect("the consumer ran");
+    let runs = runs.lock().unwrap().clone();
+    let at = |body: &str, attempt: u32| {
+        runs.iter()
+            .find(|(b, a, _)| b == body && *a == attempt)
+            .map(|(_, _, at)| *at)
+            .unwrap_or_else(|| panic!("{body} run {attempt}: {runs:?}"))
+    };
+    assert!(
+        at("slow", 1) <= at("fast", 1),
+        "the 3 s retry was published first"
+    );
+    assert!(
+        at("fast", 2) < at("slow", 2),
+        "the 1.5 s retry came back first: {runs:?}"
+    );
+    let fast = at("fast", 2) - at("fast", 1);
+    let slow = at("slow", 2) - at("slow", 1);
+    assert!(fast >= Duration::from_millis(1_500), "{fast:?}");
+    assert!(slow >= Duration::from_secs(3), "{slow:?}");
+    println!("1.5 s retry back after {fast:?}, 3 s retry after {slow:?}");
+    delete(&t, &plan).await;
+    t.close().await;
+}
