@@ -18,7 +18,7 @@
 //! ```
 //!
 //! Every scenario is a test of its own on every transport, named `scenario::NAME` in the
-//! transport's test target (`memory`, `amqp091`, `amqp10`, and `fourth_transport`, the
+//! transport's test target (`memory`, `amqp091`, `amqp10`, `nats`, and `fourth_transport`, the
 //! example below). A filter matches any test whose name contains it: `success` also runs
 //! `transient_then_success`, `scenario::success` only the one. The RabbitMQ targets use the broker at `AMQP_URL` / `AMQP10_URL`
 //! (loopback by default); without one they skip with a loud message, and with
@@ -57,6 +57,8 @@
 //! * [`Amqp091Harness`]: transport-amqp091 on the local RabbitMQ.
 //! * [`Amqp10Harness`]: transport-amqp10 on the local RabbitMQ's AMQP 1.0 plugin, with
 //!   topology declared over AMQP 0-9-1 (the plugin cannot declare queues with arguments).
+//! * [`NatsHarness`]: transport-nats on the local NATS server with JetStream (`NATS_URL`,
+//!   `REQUIRE_NATS`), which declares its plans itself.
 //!
 //! The RabbitMQ harnesses run each scenario on a tokio runtime of their own
 //! ([`rabbitmq::run_scenario`]), within a time limit, and delete the scenario's queues and

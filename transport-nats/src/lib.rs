@@ -46,6 +46,7 @@
 
 mod codec;
 mod config;
+mod delivery;
 mod mover;
 mod names;
 mod provision;

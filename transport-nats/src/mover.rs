@@ -17,8 +17,8 @@ use futures::StreamExt;
 use tracing::{debug, warn};
 
 use crate::codec::{DUE, MSG_ID};
+use crate::delivery::now_millis;
 use crate::names::stream_name;
-use crate::transport::now_millis;
 
 /// How many due-or-not clones one pull takes.
 const BATCH: usize = 256;

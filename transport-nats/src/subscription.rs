@@ -10,8 +10,8 @@ use futures::StreamExt;
 use retry_core::{Delivery, Subscription, TransportError};
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 
+use crate::delivery::delivery_of;
 use crate::tag::NatsTag;
-use crate::transport::delivery_of;
 
 /// A running subscription to one queue's durable consumer, made by
 /// [`consume`](retry_core::Transport::consume).

@@ -16,12 +16,12 @@ use retry_core::{
     BrokerSignals, Capabilities, Delivery, Message, MessageParts, NativeParts, Publish,
     PublishResult, QueueWalk, Route, Settlement, TopologyPlan, Transport, TransportError,
 };
-use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::AbortHandle;
 use tracing::info;
 
 use crate::codec::{DUE, MSG_ID, read_headers, write_headers};
 use crate::config::NatsConfig;
+use crate::delivery::{Origin, delivery_of, now_millis};
 use crate::mover::Mover;
 use crate::names::{CONSUMER, stream_name};
 use crate::provision::{self, bounded};
@@ -76,14 +76,6 @@ impl Drop for Inner {
     }
 }
 
-/// Where a delivery came from, kept with its message so a clone's `Nats-Msg-Id` names it.
-#[derive(Clone, Debug)]
-struct Origin {
-    stream: String,
-    sequence: u64,
-    stored_ns: i128,
-}
-
 /// What the provisioned plans say about routes.
 #[derive(Default, Debug)]
 struct Routes {
@@ -126,12 +118,6 @@ fn unique_id() -> String {
     format!("{}-{started}-{n}", std::process::id())
 }
 
-pub(crate) fn now_millis() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 fn version(text: &str) -> Option<(u64, u64, u64)> {
     let core = text.trim_start_matches('v').split(['-', '+']).next()?;
     let mut parts = core.split('.').map(|p| p.parse::<u64>().ok());
@@ -139,57 +125,6 @@ fn version(text: &str) -> Option<(u64, u64, u64)> {
         parts.next()??,
         parts.next()??,
         parts.next().flatten().unwrap_or(0),
-    ))
-}
-
-/// The delivery a consumer's message makes.
-pub(crate) fn delivery_of(
-    client: &Client,
-    message: jetstream::Message,
-    queue: &str,
-    fetched: bool,
-    timeout: Duration,
-    permit: Option<OwnedSemaphorePermit>,
-) -> Result<Delivery<NatsTag>, TransportError> {
-    let info = message.info().map_err(TransportError::Other)?;
-    let origin = Origin {
-        stream: info.stream.to_owned(),
-        sequence: info.stream_sequence,
-        stored_ns: info.published.unix_timestamp_nanos(),
-    };
-    // The server counts every delivery, a nak's as much as a crash's: a redelivered flag.
-    let redelivered = info.delivered > 1;
-    let reply = message.message.reply.clone().ok_or_else(|| {
-        TransportError::Other("a JetStream delivery without a reply subject".into())
-    })?;
-    let (properties, headers) = read_headers(message.message.headers.as_ref());
-    let parts = MessageParts {
-        queue: queue.to_owned(),
-        exchange: String::new(),
-        routing_key: message.message.subject.to_string(),
-        body: message.message.payload.to_vec(),
-        properties,
-        headers,
-        native: NativeParts::new(origin.clone()),
-    };
-    let tag = NatsTag::delivered(
-        TagKind::Delivered {
-            client: client.clone(),
-            reply,
-            stream: origin.stream,
-            sequence: origin.sequence,
-            fetched,
-            timeout,
-        },
-        permit,
-    );
-    Ok(Delivery::new(
-        tag,
-        parts,
-        BrokerSignals {
-            redelivered,
-            delivery_count: None,
-        },
     ))
 }
 
