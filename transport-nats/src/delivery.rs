@@ -18,10 +18,12 @@ pub(crate) struct Origin {
     pub stored_ns: i128,
 }
 
+/// The wall clock in milliseconds since the epoch, rounded up: a due time made from it is
+/// never early.
 pub(crate) fn now_millis() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| {
+        u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+    })
 }
 
 /// The delivery a consumer's message makes.
