@@ -1,11 +1,12 @@
 //! On a real three-node NATS JetStream cluster (`tests/nats-cluster.sh up`): with every
 //! stream of the plan kept on three servers (R3), killing the server that leads the work
-//! stream mid-run loses no message, and the consumer keeps consuming through the failover.
+//! stream mid-run, and later the server the consumer is connected to, loses no message, and
+//! the consumer keeps consuming through both failovers.
 //!
 //! The cluster's URLs come from `NATS_CLUSTER_URLS` (`tests/nats-cluster.sh urls`). Without
 //! them the test is skipped loudly, unless `REQUIRE_NATS_CLUSTER` is set (as CI does), which
-//! makes a missing cluster a failure. It kills and restarts a node, and every node runs again
-//! when it ends.
+//! makes a missing cluster a failure. It kills and restarts nodes, one at a time, and every
+//! node runs again when it ends.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -182,6 +183,68 @@ fn queues(plan: &TopologyPlan) -> (Vec<String>, String) {
     (drained, plan.parking_queue().to_owned())
 }
 
+/// How many distinct messages have been handled.
+fn handled(tally: &Shared) -> usize {
+    lock(tally).handled.len()
+}
+
+/// Waits until `count` messages have been handled.
+async fn wait_handled(tally: &Shared, count: usize, started: Instant) {
+    while handled(tally) < count {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "only {} of {MESSAGES} handled after {DEADLINE:?}, waiting for {count}",
+            handled(tally)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until `count` messages have been handled, then names the work stream's leader.
+async fn leader_at(
+    js: &async_nats::jetstream::Context,
+    queue: &str,
+    tally: &Shared,
+    count: usize,
+    started: Instant,
+) -> String {
+    wait_handled(tally, count, started).await;
+    leader(js, queue).await
+}
+
+/// Kills `node`, lets the cluster run without it for a few seconds, and starts it again.
+async fn failover(
+    node: &str,
+    what: &str,
+    client: &async_nats::Client,
+    tally: &Shared,
+    killed: &Mutex<Option<String>>,
+    started: Instant,
+) {
+    eprintln!(
+        "{:.1?}: {} of {MESSAGES} handled; killing {node}, {what} (the consumer is connected \
+         to {})",
+        started.elapsed(),
+        handled(tally),
+        client.server_info().server_name
+    );
+    *killed.lock().unwrap_or_else(|e| e.into_inner()) = Some(node.to_owned());
+    cluster_sh(&["kill", node]).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    eprintln!(
+        "{:.1?}: {} handled while {node} was down; starting it again",
+        started.elapsed(),
+        handled(tally)
+    );
+    cluster_sh(&["start", node]).await;
+    *killed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    eprintln!(
+        "{:.1?}: {node} is back (the consumer is connected to {})",
+        started.elapsed(),
+        client.server_info().server_name
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_work_streams_leader_loses_nothing() {
     let Some(urls) = cluster_urls() else {
@@ -273,7 +336,7 @@ async fn run(
     killed: Arc<Mutex<Option<String>>>,
 ) {
     let started = Instant::now();
-    let connected = consumer.transport().client().server_info().server_name;
+    let client = consumer.transport().client().clone();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let consuming = tokio::spawn(consumer.run(async {
         let _ = stopped.await;
@@ -317,38 +380,34 @@ async fn run(
     });
 
     // Once about a third is handled: kill the work stream's leader, and start it again.
-    let handled = |tally: &Shared| lock(tally).handled.len();
-    while handled(&tally) < MESSAGES / 3 {
-        assert!(
-            started.elapsed() < DEADLINE,
-            "only {} of {MESSAGES} handled after {DEADLINE:?}, before any node was killed",
-            handled(&tally)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let node = leader(&js, &queue).await;
-    let before = handled(&tally);
+    let node = leader_at(&js, &queue, &tally, MESSAGES / 3, started).await;
+    failover(
+        &node,
+        "the leader of the work stream",
+        &client,
+        &tally,
+        &killed,
+        started,
+    )
+    .await;
     eprintln!(
-        "{:.1?}: {before} of {MESSAGES} handled; killing {node}, the leader of stream {} \
-         (the consumer's connection went to {connected})",
-        started.elapsed(),
-        stream_name(&queue)
-    );
-    *killed.lock().unwrap_or_else(|e| e.into_inner()) = Some(node.clone());
-    cluster_sh(&["kill", &node]).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    eprintln!(
-        "{:.1?}: {} handled while {node} was down; starting it again",
-        started.elapsed(),
-        handled(&tally)
-    );
-    cluster_sh(&["start", &node]).await;
-    *killed.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    eprintln!(
-        "{:.1?}: {node} is back; the work stream's leader is {}",
+        "{:.1?}: the work stream's leader is {}",
         started.elapsed(),
         leader(&js, &queue).await
     );
+    // Once two thirds are: kill the node the consumer is connected to now, so that its own
+    // connection fails over too (it may have been on the leader, or still be).
+    wait_handled(&tally, 2 * MESSAGES / 3, started).await;
+    let node = client.server_info().server_name;
+    failover(
+        &node,
+        "the consumer's server",
+        &client,
+        &tally,
+        &killed,
+        started,
+    )
+    .await;
 
     let publish_failures = publishing.await.expect("the publisher");
     eprintln!(
