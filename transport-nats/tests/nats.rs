@@ -252,3 +252,50 @@ async fn a_short_delay_never_waits_behind_a_long_one_in_the_same_delay_queue() {
     delete(&t, &plan).await;
     t.close().await;
 }
+
+/// A server that says it is 2.6.0: just enough of the NATS protocol for a client to
+/// connect (its INFO, then PONG to every PING).
+async fn old_server() -> (u16, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a port");
+    let port = listener.local_addr().expect("its address").port();
+    let task = tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (read, mut write) = socket.into_split();
+                let info = r#"INFO {"server_id":"OLD","server_name":"old","version":"2.6.0","proto":1,"go":"go1.17","host":"127.0.0.1","port":4222,"headers":true,"max_payload":1048576}"#;
+                if write
+                    .write_all(format!("{info}\r\n").as_bytes())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let mut lines = BufReader::new(read).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.starts_with("PING") && write.write_all(b"PONG\r\n").await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, task)
+}
+
+#[tokio::test]
+async fn a_server_older_than_2_7_1_is_refused_at_connect_naming_its_version() {
+    let (port, server) = old_server().await;
+    let err = NatsTransport::connect(
+        NatsConfig::new(format!("nats://127.0.0.1:{port}"))
+            .with_operation_timeout(Duration::from_secs(5)),
+    )
+    .await
+    .expect_err("2.6.0 is too old");
+    server.abort();
+    let text = err.to_string();
+    assert!(matches!(err, TransportError::Unsupported { .. }), "{err:?}");
+    assert!(text.contains("2.6.0") && text.contains("2.7.1"), "{text}");
+}
