@@ -482,10 +482,14 @@ impl Transport for NatsTransport {
             .map_err(|e| {
                 TransportError::connection_failed(format!("reading the consumer of {queue}"), e)
             })?;
+            if info.num_pending > 0 {
+                return Ok(());
+            }
             // A message handed out and not acked (its consumer may have died with it) is not
             // pending: the server hands it out again after the ack wait, and only a fetch
-            // can tell. So either counts.
-            if info.num_pending > 0 || info.num_ack_pending > 0 {
+            // can tell. Such a queue is looked at again with a fetch once every `poll`.
+            if info.num_ack_pending > 0 {
+                tokio::time::sleep(poll).await;
                 return Ok(());
             }
             tokio::time::sleep(poll).await;
