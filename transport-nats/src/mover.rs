@@ -34,11 +34,14 @@ pub(crate) struct Mover {
     /// stored.
     pub level: Duration,
     pub pull_wait: Duration,
+    /// Bumped at each reconnection.
+    pub reconnects: tokio::sync::watch::Receiver<u64>,
 }
 
 impl Mover {
-    pub(crate) async fn run(self) {
+    pub(crate) async fn run(mut self) {
         loop {
+            self.reconnects.borrow_and_update();
             let batch = self
                 .consumer
                 .batch()
@@ -54,7 +57,20 @@ impl Mover {
                     continue;
                 }
             };
-            while let Some(message) = batch.next().await {
+            loop {
+                let message = tokio::select! {
+                    message = batch.next() => match message {
+                        Some(message) => message,
+                        None => break,
+                    },
+                    // The pull was made on a connection that is gone.
+                    changed = self.reconnects.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    break;
+                }
+                };
                 match message {
                     Ok(m) => self.handle(m).await,
                     Err(e) => {

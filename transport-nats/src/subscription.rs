@@ -44,6 +44,8 @@ pub(crate) struct Pulling {
     pub pull_wait: Duration,
     pub ack_wait: Duration,
     pub operation_timeout: Duration,
+    /// Bumped at each reconnection.
+    pub reconnects: watch::Receiver<u64>,
 }
 
 impl NatsSubscription {
@@ -62,7 +64,7 @@ impl NatsSubscription {
 }
 
 async fn pull(
-    p: Pulling,
+    mut p: Pulling,
     tx: mpsc::Sender<Result<Delivery<NatsTag>, TransportError>>,
     mut cancelled: watch::Receiver<bool>,
 ) {
@@ -80,6 +82,7 @@ async fn pull(
             },
             _ = cancelled.changed() => return,
         };
+        p.reconnects.borrow_and_update();
         let mut permits = vec![first];
         while let Ok(permit) = Arc::clone(&slots).try_acquire_owned() {
             permits.push(permit);
@@ -112,7 +115,20 @@ async fn pull(
             }
         };
         failures = 0;
-        while let Some(item) = batch.next().await {
+        loop {
+            let item = tokio::select! {
+                item = batch.next() => match item {
+                    Some(item) => item,
+                    None => break,
+                },
+                // The pull was made on a connection that is gone: pull again on the new one.
+                changed = p.reconnects.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    break;
+                }
+            };
             let message = match item {
                 Ok(m) => m,
                 Err(e) => {

@@ -17,7 +17,7 @@ use retry_core::{
     PublishResult, QueueWalk, Route, Settlement, TopologyPlan, Transport, TransportError,
 };
 use tokio::task::AbortHandle;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::codec::{DUE, MSG_ID, read_headers, write_headers};
 use crate::config::NatsConfig;
@@ -64,6 +64,8 @@ struct Inner {
     /// Movers by delay queue, and every subscription's pulling task.
     movers: Mutex<HashSet<String>>,
     tasks: Mutex<Vec<AbortHandle>>,
+    /// How many times the connection was (re)established.
+    reconnects: tokio::sync::watch::Sender<u64>,
 }
 
 impl Drop for Inner {
@@ -136,9 +138,29 @@ impl NatsTransport {
         let nodes = config
             .check()
             .map_err(|e| TransportError::Other(Box::new(e)))?;
+        // Each reconnection bumps a counter that pulls in flight watch: a pull made on the
+        // lost connection can never be answered, and waiting out its expiry would stall.
+        let (reconnects, _) = tokio::sync::watch::channel(0u64);
+        let bump = reconnects.clone();
+        let shown = config.url();
         let mut options = async_nats::ConnectOptions::new()
             .connection_timeout(config.operation_timeout())
-            .request_timeout(Some(config.operation_timeout()));
+            .request_timeout(Some(config.operation_timeout()))
+            .event_callback(move |event| {
+                let (bump, shown) = (bump.clone(), shown.clone());
+                async move {
+                    match event {
+                        async_nats::Event::Connected => {
+                            bump.send_modify(|n| *n += 1);
+                            info!(url = %shown, "NATS connection (re)established");
+                        }
+                        async_nats::Event::Disconnected => {
+                            warn!(url = %shown, "NATS connection lost; reconnecting");
+                        }
+                        _ => {}
+                    }
+                }
+            });
         if let Some(name) = config.name() {
             options = options.name(name);
         }
@@ -195,6 +217,7 @@ impl NatsTransport {
                 consumers: tokio::sync::Mutex::new(HashMap::new()),
                 movers: Mutex::new(HashSet::new()),
                 tasks: Mutex::new(Vec::new()),
+                reconnects,
             }),
         })
     }
@@ -328,6 +351,7 @@ impl NatsTransport {
                 destination,
                 level,
                 pull_wait: self.inner.config.pull_wait(),
+                reconnects: self.inner.reconnects.subscribe(),
             };
             let task = tokio::spawn(mover.run());
             self.spawned(task.abort_handle());
@@ -426,6 +450,7 @@ impl Transport for NatsTransport {
             pull_wait: config.pull_wait(),
             ack_wait: config.ack_wait(),
             operation_timeout: config.operation_timeout(),
+            reconnects: self.inner.reconnects.subscribe(),
         });
         self.spawned(task);
         Ok(subscription)

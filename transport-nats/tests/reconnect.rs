@@ -153,12 +153,68 @@ async fn run(binary: PathBuf, port: u16, store: PathBuf, first_pid: Option<u32>)
 
     let started = Instant::now();
     while count() < MESSAGES {
-        assert!(
-            started.elapsed() < Duration::from_secs(90),
-            "after the restart only {} of {MESSAGES} handled ({at_kill} at the kill)",
-            count()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        if started.elapsed() > Duration::from_secs(90) {
+            let mut stream = js.get_stream(queue).await.expect("the work stream");
+            let state = stream.info().await.expect("its info").state.clone();
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
+                .get_consumer(transport_nats::CONSUMER)
+                .await
+                .expect("its consumer");
+            let info = consumer.info().await.expect("consumer info").clone();
+            panic!(
+                "after the restart {} of {MESSAGES} handled ({at_kill} at the kill); work stream {state:?}; consumer delivered {:?}, ack floor {:?}, pending {}, ack pending {}",
+                count(),
+                info.delivered,
+                info.ack_floor,
+                info.num_pending,
+                info.num_ack_pending
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Messages the restarted server brought back (its deletes were not all on disk) come
+    // again: suspects, run alone once the isolation lane is next looked at (every 5 s by
+    // default), and handled again. Or, when the consumer's saved state is ahead of them
+    // (2.9.10 after a SIGKILL), they stay in the work stream and are never delivered: each
+    // of those must be a copy of a message handled already.
+    let started = Instant::now();
+    let mut ghosts = 0;
+    loop {
+        let mut left = Vec::new();
+        for q in plan.queues() {
+            let n = transport.count(&q.name).await.expect("count");
+            if n > 0 {
+                left.push((q.name.clone(), n));
+            }
+        }
+        if left.is_empty() {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            assert!(
+                left.iter().all(|(q, _)| q == queue),
+                "every message handled, but the streams hold {left:?} after 20 s"
+            );
+            let done = handled.lock().unwrap().clone();
+            let mut walk = transport.walk(queue).await.expect("walk the work stream");
+            while let Some(d) = walk.next().await.expect("read a stored message") {
+                let id = d
+                    .message
+                    .properties()
+                    .message_id
+                    .clone()
+                    .unwrap_or_default();
+                assert!(
+                    done.contains_key(&id),
+                    "{id} is in the work stream, never handled"
+                );
+                ghosts += 1;
+                walk.leave(d.tag);
+            }
+            walk.end().await.expect("end the walk");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let _ = stop_tx.send(());
     let report = tokio::time::timeout(Duration::from_secs(30), running)
@@ -168,12 +224,8 @@ async fn run(binary: PathBuf, port: u16, store: PathBuf, first_pid: Option<u32>)
         .expect("the consumer ran");
     let handled = handled.lock().unwrap().clone();
     let duplicates: usize = handled.values().map(|n| n - 1).sum();
-    for q in plan.queues() {
-        let left = transport.count(&q.name).await.expect("count");
-        assert_eq!(left, 0, "{} still holds {left}", q.name);
-    }
     println!(
-        "server killed with {at_kill} of {MESSAGES} handled; after the restart all {MESSAGES} handled, 0 lost, {duplicates} duplicates, {} requeued, {} suspects",
+        "server killed with {at_kill} of {MESSAGES} handled; after the restart all {MESSAGES} handled, 0 lost, {duplicates} duplicates, {} requeued, {} suspects; {ghosts} copies of handled messages left undeliverable in the work stream",
         report.requeued, report.suspects
     );
     transport.close().await;
