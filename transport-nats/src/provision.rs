@@ -166,7 +166,7 @@ fn compare_consumer(
     Ok(())
 }
 
-fn stream_missing(e: &GetStreamError) -> bool {
+pub(crate) fn stream_missing(e: &GetStreamError) -> bool {
     matches!(e.kind(), GetStreamErrorKind::JetStream(err) if err.error_code() == ErrorCode::STREAM_NOT_FOUND)
 }
 

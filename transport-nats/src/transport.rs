@@ -6,10 +6,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::Client;
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{GetStreamError, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
-use async_nats::jetstream::{self, Context};
+use async_nats::jetstream::{self, Context, ErrorCode};
 use async_trait::async_trait;
 use futures::StreamExt;
 use retry_core::{
@@ -371,12 +371,8 @@ impl NatsTransport {
     }
 }
 
-fn missing_or_failed(
-    queue: &str,
-    e: impl std::error::Error + Send + Sync + 'static,
-) -> TransportError {
-    let text = e.to_string();
-    if text.contains("stream not found") || text.contains("10059") {
+fn missing_or_failed(queue: &str, e: GetStreamError) -> TransportError {
+    if provision::stream_missing(&e) {
         TransportError::MissingAddress {
             address: format!("stream {} (queue {queue})", stream_name(queue)),
             hint: "provision the plan first (`provision`, a Consumer with provisioning on, or `retryctl topology apply`)".into(),
@@ -623,20 +619,21 @@ impl Transport for NatsTransport {
     }
 }
 
-/// A publish the stream refused for its limits (a full stream that discards new ones).
-fn refused(e: &async_nats::jetstream::context::PublishError) -> bool {
-    let text = format!(
-        "{e} {:?}",
-        std::error::Error::source(e).map(ToString::to_string)
-    );
-    [
-        "maximum messages",
-        "maximum bytes",
-        "resource limits exceeded",
-        "exceeded",
-    ]
-    .iter()
-    .any(|needle| text.contains(needle))
+/// A publish the stream refused for its limits: a message larger than it takes, or a full
+/// stream that discards new messages, or storage the account or server has no more of.
+fn refused(e: &PublishError) -> bool {
+    let Some(server) =
+        std::error::Error::source(e).and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+    else {
+        return false;
+    };
+    let code = server.error_code();
+    code == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+        || code == ErrorCode::STORAGE_RESOURCES_EXCEEDED
+        || code == ErrorCode::ACCOUNT_RESOURCES_EXCEEDED
+        // "maximum messages exceeded", "maximum bytes exceeded": a store failure that
+        // names a limit.
+        || (code == ErrorCode(10077) && server.to_string().contains("maximum"))
 }
 
 /// [`NatsTransport::walk`]: stored messages by sequence.
