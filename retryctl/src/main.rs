@@ -49,6 +49,7 @@
 
 mod broker;
 mod error;
+mod nats;
 mod parked;
 mod policy;
 mod protocol;
