@@ -1,5 +1,5 @@
-//! `retryctl`: the retry engine's parking lot and topology on a RabbitMQ broker, for
-//! operators.
+//! `retryctl`: the retry engine's parking lot and topology on a RabbitMQ broker or NATS
+//! JetStream, for operators.
 //!
 //! ```text
 //! retryctl parked list     QUEUE [--json] [--limit N] [--reason R] [--id ID]... [--parked-before WHEN] [--parked-after WHEN]
@@ -31,24 +31,33 @@
 //!
 //! The protocol follows the URL's scheme: `amqp://` and `amqps://` speak AMQP 0-9-1
 //! (transport-amqp091), or AMQP 1.0 (transport-amqp10, RabbitMQ's AMQP 1.0 plugin) with
-//! `--protocol amqp10` (or `RETRYCTL_PROTOCOL=amqp10`); any other scheme is refused. Over
+//! `--protocol amqp10` (or `RETRYCTL_PROTOCOL=amqp10`); `nats://` and `tls://` speak NATS
+//! JetStream (transport-nats); any other scheme is refused. Over
 //! AMQP 1.0 the `parked` commands work as over 0-9-1; `topology apply` is refused (RabbitMQ
 //! cannot declare queues over AMQP 1.0: apply over 0-9-1), and `topology verify` checks
 //! that every address of the plan exists, without the probes, which need AMQP 0-9-1.
 //! RabbitMQ 3.x shows AMQP 1.0 clients none of the headers of a message parked over AMQP
 //! 0-9-1: it lists as `unknown`, and a replay over AMQP 1.0 that selects it is refused.
 //!
+//! On NATS JetStream each queue of the plan is a stream of its own subject. The `parked`
+//! commands read the parking stream by sequence (a replayed copy is acknowledged by the
+//! stream before the original is deleted), `topology plan` prints the streams and
+//! consumers, `apply` creates them (one replica each, or `--replication-factor N`), and
+//! `verify` checks each of them, without probes. `--quorum`, `--classic` and
+//! `--max-probe-ttl` do not apply there and are refused.
+//!
 //! Exit codes: 0 success; 1 failure, a mismatch found by `verify` or an unknown queue
 //! included; 2 bad usage or bad input (an unknown option, a `purge` without `--yes`, a
 //! policy file that does not parse or has an unknown key, a URL scheme no protocol speaks,
 //! `topology apply` over AMQP 1.0, a replay over AMQP 1.0 of a message whose headers it
-//! cannot see).
+//! cannot see, on NATS an option that does not apply there).
 //!
 //! A crate of its own: `cargo run -p retryctl -- --help`, or `cargo install --path
 //! retryctl` to put it on the `PATH`.
 
 mod broker;
 mod error;
+mod nats;
 mod parked;
 mod policy;
 mod protocol;
@@ -66,12 +75,13 @@ use crate::protocol::Protocol;
 /// The broker when neither `--url` nor `AMQP_URL` says otherwise.
 const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// Operate the retry engine's parking lot and topology on RabbitMQ.
+/// Operate the retry engine's parking lot and topology on RabbitMQ or NATS JetStream.
 #[derive(Debug, Parser)]
 #[command(name = "retryctl", version)]
 struct Cli {
-    /// The broker's AMQP URL. Its password is never printed: `--help` shows the default
-    /// redacted, and hides the value of `AMQP_URL`.
+    /// The broker's URL: amqp:// or amqps:// (RabbitMQ), nats:// or tls:// (NATS
+    /// JetStream). Its password is never printed: `--help` shows the default redacted, and
+    /// hides the value of `AMQP_URL`.
     #[arg(
         long,
         global = true,
@@ -80,13 +90,15 @@ struct Cli {
         hide_default_value = true,
         default_value = DEFAULT_URL,
         value_name = "URL",
-        help = "The broker's AMQP URL [default: amqp://guest:****@127.0.0.1:5672/%2f]; its \
-                password is never printed"
+        help = "The broker's URL, amqp:// or amqps:// (RabbitMQ), nats:// or tls:// (NATS \
+                JetStream) [default: amqp://guest:****@127.0.0.1:5672/%2f]; its password is \
+                never printed"
     )]
     url: String,
 
     /// The protocol of an amqp:// or amqps:// URL: amqp091 (AMQP 0-9-1, the default) or
-    /// amqp10 (AMQP 1.0: no `topology apply`, and `topology verify` without probes).
+    /// amqp10 (AMQP 1.0: no `topology apply`, and `topology verify` without probes); nats for
+    /// a nats:// or tls:// URL (NATS JetStream, the scheme's only protocol).
     #[arg(
         long,
         global = true,

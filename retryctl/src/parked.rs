@@ -5,7 +5,8 @@
 //! length of the queue.
 //!
 //! The commands are generic over the transport ([`retry_core::Transport`]): AMQP 0-9-1
-//! (`AmqpTransport`) or AMQP 1.0 (`Amqp10Transport`), as [`Protocol`] says.
+//! (`AmqpTransport`), AMQP 1.0 (`Amqp10Transport`) or NATS JetStream (`NatsTransport`), as
+//! [`Protocol`] says.
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use retry_core::{
 use serde_json::{Value, json};
 use transport_amqp10::{Amqp10Transport, NATIVE_HEADER};
 use transport_amqp091::AmqpTransport;
+use transport_nats::NatsTransport;
 
 use crate::error::CliError;
 use crate::protocol::{self, Protocol};
@@ -202,6 +204,12 @@ pub fn run(command: ParkedCommand, broker: &Broker<'_>) -> Result<(), CliError> 
                 transport.close().await;
                 result
             }
+            Protocol::Nats => {
+                let transport = Arc::new(protocol::connect_nats(broker.url, 1).await?);
+                let result = run_on(command, &transport).await;
+                transport.close().await;
+                result
+            }
         }
     })
 }
@@ -262,6 +270,24 @@ impl Inspect for Amqp10Transport {
 
     async fn depth(&self, _: &str) -> Result<Depth, CliError> {
         Ok(Depth::Unknown)
+    }
+}
+
+/// The messages stored in the queue's stream (`NatsTransport::count`): a parking stream
+/// (limits retention) holds exactly what is parked, a work stream also what is being
+/// handled. Every header of a message stored on NATS is read, so nothing is hidden; a
+/// replayed copy is published to the work queue's subject with its PubAck awaited (the
+/// stream's confirm), and only then is the parked original deleted from its stream.
+impl Inspect for NatsTransport {
+    async fn depth(&self, name: &str) -> Result<Depth, CliError> {
+        match self.count(name).await {
+            Ok(n) => Ok(Depth::Ready(n)),
+            Err(TransportError::MissingAddress { .. }) => Ok(Depth::Missing),
+            Err(e) => Err(CliError::failure_from(
+                format!("cannot inspect queue {name:?}"),
+                e,
+            )),
+        }
     }
 }
 

@@ -62,6 +62,42 @@ impl PlanArgs {
     }
 }
 
+impl PlanArgs {
+    /// The plan on NATS JetStream, and on how many servers each stream is kept: NATS has no
+    /// queue types, so `--quorum` and `--classic` are usage errors; `--replication-factor N`
+    /// is the streams' replica count (1 to 5, JetStream's range), 1 without it. A queue
+    /// name that cannot be a NATS subject (a wildcard, an empty token) is a usage error too.
+    pub fn nats_plan(&self) -> Result<(TopologyPlan, usize), CliError> {
+        if self.quorum || self.classic {
+            let flag = if self.quorum { "--quorum" } else { "--classic" };
+            return Err(CliError::usage(format!(
+                "{flag} does not apply on NATS JetStream: queue types are RabbitMQ's, and \
+                 every queue is a stream; --replication-factor N keeps each stream on N \
+                 servers"
+            )));
+        }
+        let replicas = match self.replication_factor {
+            None => 1,
+            Some(n @ 1..=5) => n as usize,
+            Some(n) => {
+                return Err(CliError::usage(format!(
+                    "--replication-factor {n}: a NATS JetStream stream has 1 to 5 replicas"
+                )));
+            }
+        };
+        let policy = load_policy(&self.policy)?;
+        let plan = TopologyPlan::builder(&self.queue, &policy)
+            .build()
+            .map_err(|e| CliError::usage_from(format!("no plan for queue {:?}", self.queue), e))?;
+        for queue in plan.queues() {
+            transport_nats::check_queue_name(&queue.name).map_err(|e| {
+                CliError::usage_from(format!("no plan for queue {:?} on NATS", self.queue), e)
+            })?;
+        }
+        Ok((plan, replicas))
+    }
+}
+
 /// The policy in the TOML file at `path`.
 pub fn load_policy(path: &std::path::Path) -> Result<RetryPolicy, CliError> {
     let shown = path.display();

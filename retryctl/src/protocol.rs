@@ -1,11 +1,16 @@
 //! Which protocol, and so which transport, a command speaks to the broker: chosen from
 //! `--protocol` and the URL's scheme. A new transport adds a variant, its schemes in
 //! [`SCHEMES`], and an arm where the commands dispatch on [`Protocol`].
+//!
+//! `nats://` and `tls://` speak NATS JetStream (transport-nats); `amqp://` and `amqps://`
+//! AMQP 0-9-1, or AMQP 1.0 when asked.
 
 use std::fmt;
 
 use clap::ValueEnum;
+use retry_core::TransportError;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
+use transport_nats::{NatsConfig, NatsTransport};
 
 use crate::error::CliError;
 
@@ -20,6 +25,10 @@ pub enum Protocol {
     // verify` without probes.
     #[value(name = "amqp10")]
     Amqp10,
+    // NATS JetStream, through transport-nats: `parked`, `topology apply` and `topology
+    // verify` without probes.
+    #[value(name = "nats")]
+    Nats,
 }
 
 impl fmt::Display for Protocol {
@@ -27,6 +36,7 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Protocol::Amqp091 => "AMQP 0-9-1",
             Protocol::Amqp10 => "AMQP 1.0",
+            Protocol::Nats => "NATS JetStream",
         })
     }
 }
@@ -36,6 +46,8 @@ impl fmt::Display for Protocol {
 const SCHEMES: &[(&str, &[Protocol])] = &[
     ("amqp", &[Protocol::Amqp091, Protocol::Amqp10]),
     ("amqps", &[Protocol::Amqp091, Protocol::Amqp10]),
+    ("nats", &[Protocol::Nats]),
+    ("tls", &[Protocol::Nats]),
 ];
 
 impl Protocol {
@@ -44,6 +56,7 @@ impl Protocol {
         match self {
             Protocol::Amqp091 => "amqp091",
             Protocol::Amqp10 => "amqp10",
+            Protocol::Nats => "nats",
         }
     }
 
@@ -110,6 +123,25 @@ pub async fn connect_amqp10(url: &str) -> Result<Amqp10Transport, CliError> {
         .map_err(CliError::from)
 }
 
+/// Connects to `url` (one NATS server, or several separated by commas) over NATS, each
+/// stream of a plan it provisions kept on `replicas` servers. The transport's own timeouts
+/// apply (10 s), and its errors show the URL with its password masked
+/// ([`NatsConfig::url`]).
+pub async fn connect_nats(url: &str, replicas: usize) -> Result<NatsTransport, CliError> {
+    let config = NatsConfig::new(url)
+        .with_name("retryctl")
+        .with_replicas(replicas);
+    match NatsTransport::connect(config).await {
+        Ok(transport) => Ok(transport),
+        // Not "connection lost": there was none yet. The context names the masked URL.
+        Err(TransportError::Connection {
+            context,
+            source: Some(source),
+        }) => Err(CliError::failure_from(context, source)),
+        Err(e) => Err(e.into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,9 +157,45 @@ mod tests {
     }
 
     #[test]
+    fn nats_and_tls_urls_speak_nats_and_nothing_else() {
+        for url in ["nats://127.0.0.1:4222", "tls://u:p@n1:4222,NATS://n2:4222"] {
+            assert_eq!(
+                Protocol::for_url(None, url).unwrap(),
+                Protocol::Nats,
+                "{url}"
+            );
+            let asked = Some(Protocol::Nats);
+            assert_eq!(
+                Protocol::for_url(asked, url).unwrap(),
+                Protocol::Nats,
+                "{url}"
+            );
+        }
+        assert_eq!(Protocol::Nats.to_string(), "NATS JetStream");
+        let err = Protocol::for_url(Some(Protocol::Amqp10), "nats://u:secret@h:4222").unwrap_err();
+        assert_eq!(err.exit_code(), 2);
+        assert!(
+            err.chain()
+                .starts_with("--protocol amqp10 does not speak nats:// URLs")
+        );
+        assert!(!err.chain().contains("secret"));
+        let err = Protocol::for_url(Some(Protocol::Nats), "amqp://g:g@h:5672/%2f").unwrap_err();
+        assert!(
+            err.chain()
+                .starts_with("--protocol nats does not speak amqp:// URLs")
+        );
+        let mixed = Protocol::for_url(None, "nats://n1:4222,amqp://n2:5672").unwrap_err();
+        assert!(
+            mixed.chain().contains("different protocols"),
+            "{}",
+            mixed.chain()
+        );
+    }
+
+    #[test]
     fn an_unknown_scheme_is_a_usage_error_naming_it_and_the_accepted_ones() {
         for (url, named) in [
-            ("nats://127.0.0.1:4222", "\"nats://\""),
+            ("http://127.0.0.1:4222", "\"http://\""),
             ("amqp://n1:5672,http://n2", "\"http://\""),
             ("127.0.0.1:5672", "a URL without a scheme"),
         ] {
@@ -136,7 +204,10 @@ mod tests {
             let text = err.chain();
             assert!(text.contains(named), "{url}: {text}");
             assert!(
-                text.contains("amqp:// (amqp091 or amqp10), amqps:// (amqp091 or amqp10)"),
+                text.contains(
+                    "amqp:// (amqp091 or amqp10), amqps:// (amqp091 or amqp10), nats:// \
+                     (nats), tls:// (nats)"
+                ),
                 "{text}"
             );
         }

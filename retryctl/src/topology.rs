@@ -7,13 +7,14 @@ use retry_core::{
     HeaderValue, QueueRole, QueueSpec, QueueType, TopologyPlan, format_delay, redact_url,
 };
 use serde_json::{Value, json};
+use transport_nats::{CONSUMER, stream_name};
 
 use crate::error::CliError;
 use crate::policy::{PlanArgs, role_ttl};
 use crate::protocol::Protocol;
 use crate::render::header_json;
-use crate::verify::{self, VerifyArgs};
-use crate::{Broker, DEFAULT_URL, block_on, broker, outln};
+use crate::verify::{self, VerifyArgs, refuse_cascade};
+use crate::{Broker, DEFAULT_URL, block_on, broker, nats, outln};
 
 /// The `topology` subcommands.
 #[derive(Debug, Subcommand)]
@@ -29,8 +30,8 @@ pub enum TopologyCommand {
     },
     /// Declare the plan on the broker, idempotently, and say which objects were created and
     /// which already existed as planned. An object that exists with other settings is an
-    /// error naming it and the setting. AMQP 0-9-1 only: RabbitMQ cannot declare queues over
-    /// AMQP 1.0.
+    /// error naming it and the setting. AMQP 0-9-1 or NATS (streams and consumers): RabbitMQ
+    /// cannot declare queues over AMQP 1.0.
     Apply {
         #[command(flatten)]
         plan: PlanArgs,
@@ -38,7 +39,7 @@ pub enum TopologyCommand {
     /// Check from outside that the broker matches the plan: every object exists, and a probe
     /// sent through each delay queue comes back where the plan says. Deletes nothing; stop
     /// the work queue's consumers for a conclusive check. Exits 1 on any mismatch. Over AMQP
-    /// 1.0 only the objects are checked: the probes need AMQP 0-9-1.
+    /// 1.0 and NATS only the objects are checked: the probes need AMQP 0-9-1.
     Verify(VerifyArgs),
 }
 
@@ -46,6 +47,20 @@ pub enum TopologyCommand {
 pub fn run(command: TopologyCommand, broker: &Broker<'_>) -> Result<(), CliError> {
     let url = broker.url;
     match command {
+        // The plan needs no broker: the URL only says which form it takes. A URL no protocol
+        // speaks gets the AMQP form, as before NATS.
+        TopologyCommand::Plan { plan, json } if broker.protocol().ok() == Some(Protocol::Nats) => {
+            let (plan, replicas) = plan.nats_plan()?;
+            refuse_cascade(&plan)?;
+            if json {
+                let text = serde_json::to_string_pretty(&nats_plan_json(&plan, replicas))
+                    .map_err(|e| CliError::failure_from("cannot write the plan as JSON", e))?;
+                outln!("{text}");
+            } else {
+                outln!("{}", nats_plan_text(&plan, replicas).trim_end());
+            }
+            Ok(())
+        }
         TopologyCommand::Plan { plan, json } => {
             let plan = plan.plan(url)?;
             if json {
@@ -69,13 +84,29 @@ pub fn run(command: TopologyCommand, broker: &Broker<'_>) -> Result<(), CliError
                  --protocol amqp10` then checks the result over AMQP 1.0",
                 redact_url(DEFAULT_URL)
             ))),
+            Protocol::Nats => {
+                let (plan, replicas) = plan.nats_plan()?;
+                block_on(nats::apply(&plan, url, replicas))
+            }
         },
         TopologyCommand::Verify(args) => {
             let protocol = broker.protocol()?;
+            if protocol == Protocol::Nats {
+                if args.max_probe_ttl.is_some() {
+                    return Err(CliError::usage(
+                        "--max-probe-ttl does not apply on NATS JetStream: nothing is probed, \
+                         as the server holds every delayed copy itself (no queue TTL or \
+                         dead-lettering routes it); verify checks the streams and consumers",
+                    ));
+                }
+                let (plan, replicas) = args.plan.nats_plan()?;
+                return block_on(nats::verify(&plan, url, replicas));
+            }
             let plan = args.plan.plan(url)?;
             match protocol {
                 Protocol::Amqp091 => block_on(verify::verify(&plan, &args, url)),
                 Protocol::Amqp10 => block_on(verify::verify_amqp10(&plan, url)),
+                Protocol::Nats => unreachable!("answered above"),
             }
         }
     }
@@ -234,6 +265,90 @@ fn plan_text(plan: &TopologyPlan) -> String {
         );
     }
     out
+}
+
+/// What a queue's stream keeps on NATS: a parking stream what nobody deleted (limits, so
+/// `retryctl parked` can read it by sequence), every other one a message until it is acked.
+fn nats_retention(role: QueueRole) -> &'static str {
+    match role {
+        QueueRole::Parking => "limits",
+        _ => "work-queue",
+    }
+}
+
+/// The consumer a queue's stream has on NATS: none on a parking stream.
+fn nats_consumer(role: QueueRole) -> Option<&'static str> {
+    (!matches!(role, QueueRole::Parking)).then_some(CONSUMER)
+}
+
+/// The plan as NATS JetStream has it: a stream per queue, capturing the queue's name as its
+/// subject, with its consumer.
+fn nats_plan_text(plan: &TopologyPlan, replicas: usize) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "plan for work queue `{}` on NATS JetStream ({} streams, {replicas} replica{} each)",
+        plan.work_queue(),
+        plan.queues().len(),
+        if replicas == 1 { "" } else { "s" }
+    );
+    let _ = writeln!(
+        out,
+        "
+streams"
+    );
+    for q in plan.queues() {
+        let _ = write!(
+            out,
+            "  {}  (subject {}; {}",
+            stream_name(&q.name),
+            q.name,
+            role_text(q.role)
+        );
+        let destinations = dead_letter_destinations(plan, q);
+        if role_ttl(q.role).is_some() && !destinations.is_empty() {
+            let _ = write!(out, "; due copies go to {}", destinations.join(", "));
+        }
+        let _ = writeln!(out, ")");
+        let _ = writeln!(out, "      retention  {}", nats_retention(q.role));
+        let consumer = nats_consumer(q.role).map_or_else(
+            || "none (retryctl parked reads it by sequence)".to_owned(),
+            |c| format!("{c} (durable pull, explicit acks)"),
+        );
+        let _ = writeln!(out, "      consumer   {consumer}");
+    }
+    out
+}
+
+/// The plan on NATS as JSON.
+fn nats_plan_json(plan: &TopologyPlan, replicas: usize) -> Value {
+    let streams: Vec<Value> = plan
+        .queues()
+        .iter()
+        .map(|q| {
+            let due_to = if role_ttl(q.role).is_some() {
+                dead_letter_destinations(plan, q)
+            } else {
+                Vec::new()
+            };
+            json!({
+                "name": stream_name(&q.name),
+                "subject": q.name,
+                "role": role_name(q.role),
+                "ttl_ms": role_ttl(q.role).map(|d| d.as_millis() as u64),
+                "retention": nats_retention(q.role),
+                "replicas": replicas,
+                "consumer": nats_consumer(q.role),
+                "due_copies_go_to": due_to,
+            })
+        })
+        .collect();
+    json!({
+        "work_queue": plan.work_queue(),
+        "protocol": "nats",
+        "replicas": replicas,
+        "streams": streams,
+    })
 }
 
 /// The plan as JSON.

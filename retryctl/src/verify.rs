@@ -50,12 +50,15 @@ pub struct VerifyArgs {
     #[command(flatten)]
     pub plan: PlanArgs,
 
-    /// The longest a probe waits in a delay queue: each probe expires after its queue's TTL or
-    /// this, whichever is shorter, and is waited for this long plus 5 s at most. AMQP 0-9-1
-    /// only: over AMQP 1.0 nothing is probed.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_probe_ttl)]
-    pub max_probe_ttl: Duration,
+    /// The longest a probe waits in a delay queue (default 10s): each probe expires after its
+    /// queue's TTL or this, whichever is shorter, and is waited for this long plus 5 s at
+    /// most. AMQP 0-9-1 only: over AMQP 1.0 nothing is probed, and NATS refuses it.
+    #[arg(long, value_name = "DURATION", value_parser = parse_probe_ttl)]
+    pub max_probe_ttl: Option<Duration>,
 }
+
+/// `--max-probe-ttl` when not given.
+const DEFAULT_PROBE_TTL: Duration = Duration::from_secs(10);
 
 fn parse_probe_ttl(text: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
@@ -140,7 +143,7 @@ pub async fn verify(plan: &TopologyPlan, args: &VerifyArgs, url: &str) -> Result
     result
 }
 
-fn refuse_cascade(plan: &TopologyPlan) -> Result<(), CliError> {
+pub(crate) fn refuse_cascade(plan: &TopologyPlan) -> Result<(), CliError> {
     if plan.cascade().is_some() {
         return Err(CliError::usage(
             "plans with a delay cascade are not verified (a policy file gives per-delay plans)",
@@ -192,7 +195,7 @@ pub async fn verify_amqp10(plan: &TopologyPlan, url: &str) -> Result<(), CliErro
     Ok(())
 }
 
-fn no_work_queue(work: &str, at: &str) -> CliError {
+pub(crate) fn no_work_queue(work: &str, at: &str) -> CliError {
     CliError::failure(format!(
         "there is no queue `{work}` on {at}: check the name, or create its topology with \
          `retryctl topology apply {work} --policy FILE`"
@@ -223,7 +226,12 @@ async fn verify_on(
         queues.insert(q.name.as_str(), broker::queue_state(conn, &q.name).await?);
     }
 
-    let mut probes = plan_probes(plan, args.max_probe_ttl, &exchanges, &queues);
+    let mut probes = plan_probes(
+        plan,
+        args.max_probe_ttl.unwrap_or(DEFAULT_PROBE_TTL),
+        &exchanges,
+        &queues,
+    );
     send_probes(conn, &mut probes).await?;
     let stale = read_back(conn, plan, &queues, &mut probes).await?;
 

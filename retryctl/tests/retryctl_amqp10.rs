@@ -404,9 +404,9 @@ async fn a_url_scheme_no_protocol_speaks_exits_2_naming_it() {
     let policy = PolicyFile::new(POLICY);
     for (url, args, scheme) in [
         (
-            "nats://127.0.0.1:4222",
+            "redis://127.0.0.1:6379",
             vec!["parked", "list", "comments"],
-            "nats://",
+            "redis://",
         ),
         (
             "http://guest:s3cret@127.0.0.1:15672",
@@ -429,7 +429,8 @@ async fn a_url_scheme_no_protocol_speaks_exits_2_naming_it() {
                 run.stderr.trim(),
                 format!(
                     "retryctl: URL scheme \"{scheme}\" in --url (or AMQP_URL): retryctl accepts \
-                     amqp:// (amqp091 or amqp10), amqps:// (amqp091 or amqp10)"
+                     amqp:// (amqp091 or amqp10), amqps:// (amqp091 or amqp10), nats:// \
+                     (nats), tls:// (nats)"
                 ),
                 "{run:?}"
             );
@@ -437,9 +438,9 @@ async fn a_url_scheme_no_protocol_speaks_exits_2_naming_it() {
         }
     }
     // An unknown --protocol is clap's usage error.
-    let run = retryctl(&["--protocol", "nats", "parked", "list", "comments"]).await;
+    let run = retryctl(&["--protocol", "stomp", "parked", "list", "comments"]).await;
     assert_eq!(run.code, 2, "{run:?}");
-    assert!(run.stderr.contains("amqp091, amqp10"), "{run:?}");
+    assert!(run.stderr.contains("amqp091, amqp10, nats"), "{run:?}");
 }
 
 #[tokio::test]

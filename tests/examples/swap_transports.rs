@@ -12,7 +12,9 @@
 //! `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`) and `AMQP10_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672`) point at the broker; AMQP 1.0 needs the
 //! `rabbitmq_amqp1_0` plugin. `NATS_URL` (default `nats://127.0.0.1:4222`) points at a
-//! NATS server with JetStream.
+//! NATS server with JetStream. On NATS, `KEEP_TOPOLOGY=1` leaves the streams of
+//! `comments-swap` and the two parked comments, for `retryctl --url nats://127.0.0.1:4222
+//! parked list comments-swap` (its policy as a file: `tests/examples/swap_transports.toml`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -136,20 +138,30 @@ async fn on_rabbitmq(broker: &BrokerEnv, amqp10: bool, queue: &str) -> Result<St
 }
 
 /// On NATS JetStream: the transport declares the plan's streams itself, and the comments
-/// are published as any NATS application would, with the stream's acknowledgement.
+/// are published as any NATS application would, with the stream's acknowledgement and an
+/// id in a `message-id` header.
 async fn on_nats(url: &str, queue: &str) -> Result<String, BoxError> {
     let transport = NatsTransport::connect(NatsConfig::new(url)).await?;
     let plan = TopologyPlan::new(queue, &policy())?;
     transport.provision(&plan).await?;
     let js = async_nats::jetstream::new(transport.client().clone());
-    for comment in COMMENTS {
-        js.publish(queue.to_owned(), comment.into()).await?.await?;
+    for (i, comment) in COMMENTS.into_iter().enumerate() {
+        // transport-nats reads the `message-id` header as the message id (`comment-3`), as
+        // `retryctl parked` shows it.
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("message-id", format!("comment-{}", i + 1).as_str());
+        js.publish_with_headers(queue.to_owned(), headers, comment.into())
+            .await?
+            .await?;
     }
     let outcome =
         tokio::time::timeout(Duration::from_secs(60), consume(transport.clone(), queue)).await;
-    for spec in plan.queues() {
-        js.delete_stream(transport_nats::stream_name(&spec.name))
-            .await?;
+    // `KEEP_TOPOLOGY=1` leaves the streams, and what was parked, for `retryctl`.
+    if std::env::var_os("KEEP_TOPOLOGY").is_none() {
+        for spec in plan.queues() {
+            js.delete_stream(transport_nats::stream_name(&spec.name))
+                .await?;
+        }
     }
     transport.close().await;
     outcome.map_err(|_| "not every comment was handled or parked within a minute")?
