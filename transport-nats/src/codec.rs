@@ -16,6 +16,15 @@ use serde_json::{Value, json};
 
 /// The header the server deduplicates on.
 pub const MSG_ID: &str = "Nats-Msg-Id";
+/// How every `Nats-Msg-Id` the transport writes (on a clone, on a moved clone) begins: such
+/// an id names a copy, not the message, and is never read as its message id.
+pub const COPY_ID_PREFIX: &str = "retry-engine:";
+
+/// The `Nats-Msg-Id` of a copy of the message stored at `stream`#`sequence` (at `stored_ns`)
+/// going to `to`: the same for every attempt to publish that copy.
+pub fn copy_id(stream: &str, sequence: u64, stored_ns: i128, to: &str) -> String {
+    format!("{COPY_ID_PREFIX}{stream}:{sequence}:{stored_ns}:{to}")
+}
 /// When a clone in a delay stream is due, in ms since the epoch.
 pub const DUE: &str = "x-retry-nats-due";
 
@@ -179,7 +188,10 @@ pub fn read_headers(map: Option<&HeaderMap>) -> (Properties, Headers) {
     };
     properties.content_type = text(CONTENT_TYPE);
     properties.content_encoding = text(CONTENT_ENCODING);
-    properties.message_id = text(MESSAGE_ID).or_else(|| text(MSG_ID));
+    // A NATS application's own `Nats-Msg-Id` is the message's id; one of this transport's
+    // copies is not.
+    properties.message_id =
+        text(MESSAGE_ID).or_else(|| text(MSG_ID).filter(|id| !id.starts_with(COPY_ID_PREFIX)));
     properties.correlation_id = text(CORRELATION_ID);
     properties.reply_to = text(REPLY_TO);
     properties.timestamp = text(TIMESTAMP)
@@ -334,6 +346,17 @@ mod tests {
         let (p, h) = read_headers(Some(&map));
         assert_eq!(p.message_id.as_deref(), Some("from-a-nats-app"));
         assert!(h.is_empty());
+    }
+
+    #[test]
+    fn a_copy_id_is_never_the_message_id() {
+        let mut map = HeaderMap::new();
+        map.insert(MSG_ID, copy_id("orders", 7, 1, "orders.retry.30s").as_str());
+        let (p, _) = read_headers(Some(&map));
+        assert_eq!(
+            p.message_id, None,
+            "identity then comes from the body, as elsewhere"
+        );
     }
 
     #[test]

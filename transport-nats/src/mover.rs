@@ -16,7 +16,7 @@ use async_nats::jetstream::{AckKind, Context};
 use futures::StreamExt;
 use tracing::{debug, warn};
 
-use crate::codec::{DUE, MSG_ID};
+use crate::codec::{DUE, MSG_ID, copy_id};
 use crate::delivery::now_millis;
 use crate::names::stream_name;
 
@@ -120,7 +120,7 @@ impl Mover {
         }
         clean.insert(
             MSG_ID,
-            format!("{stream}:{sequence}:{published_ns}").as_str(),
+            copy_id(&stream, sequence, published_ns, &self.destination).as_str(),
         );
         let publish = async_nats::jetstream::message::PublishMessage::build()
             .payload(message.payload.clone())

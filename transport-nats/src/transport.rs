@@ -19,7 +19,7 @@ use retry_core::{
 use tokio::task::AbortHandle;
 use tracing::{info, warn};
 
-use crate::codec::{DUE, MSG_ID, read_headers, write_headers};
+use crate::codec::{COPY_ID_PREFIX, DUE, MSG_ID, copy_id, read_headers, write_headers};
 use crate::config::NatsConfig;
 use crate::delivery::{Origin, delivery_of, now_millis};
 use crate::mover::Mover;
@@ -554,8 +554,9 @@ impl Transport for NatsTransport {
             map.insert(DUE, due.to_string().as_str());
         }
         let id = match original.parts().native.get::<Origin>() {
-            Some(o) => format!("{}:{}:{}:{queue}", o.stream, o.sequence, o.stored_ns),
-            None => format!("{}:{queue}", unique_id()),
+            Some(o) => copy_id(&o.stream, o.sequence, o.stored_ns, &queue),
+            // Not read from NATS: nothing names it, so no publish of it can be repeated.
+            None => format!("{COPY_ID_PREFIX}{}:{queue}", unique_id()),
         };
         map.insert(MSG_ID, id.as_str());
         let message = PublishMessage::build()
