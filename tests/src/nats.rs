@@ -3,89 +3,31 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::HeaderMap;
-use async_nats::jetstream::message::PublishMessage;
 use async_trait::async_trait;
 use retry_core::{Capabilities, TopologyPlan, Transport};
-use transport_nats::{NatsConfig, NatsTransport, stream_name};
+use transport_nats::{NatsTransport, stream_name};
 
 use crate::harness::{
     Harness, HarnessCapabilities, Need, ParkedMessage, Stopwatch, TestMessage, Timing,
     TopologyFaults, assert_declares,
 };
 use crate::rabbitmq::{SLACK, runtime, unique_name};
-use crate::suite::{Scenario, print_uncaptured, run_and_clean_up};
+use crate::suite::{Scenario, run_and_clean_up};
 use crate::verdict::Verdict;
 
-/// The environment variable that makes the NATS tests fail, instead of skip, without a
-/// server: CI sets it.
-pub const REQUIRE_NATS: &str = "REQUIRE_NATS";
+pub use transport_nats::testing::{ACK_WAIT, REQUIRE_NATS, delete_plan, nats_url, test_config};
 
-/// The server's URL: `NATS_URL`, loopback by default.
-pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-/// The ack wait of every connection the NATS tests open: a crashed consumer's deliveries
-/// come back this long after the crash.
-pub const ACK_WAIT: Duration = Duration::from_secs(2);
-
-/// The configuration the NATS tests use for `url`: a short ack wait, so crashes are found
-/// quickly, and a short pull wait, so a cancelled subscription ends quickly.
-pub fn test_config(url: &str) -> NatsConfig {
-    NatsConfig::new(url)
-        .with_ack_wait(ACK_WAIT)
-        .with_pull_wait(Duration::from_millis(500))
-        .with_publish_timeout(Duration::from_secs(5))
-}
-
-/// Connects to `url`, or, when no server with JetStream answers, skips `what` loudly (and
-/// panics instead under [`REQUIRE_NATS`]).
+/// Connects to `url` with [`test_config`], or, when no server with JetStream answers, skips
+/// `what` loudly (and panics instead under [`REQUIRE_NATS`]).
 pub async fn detect(what: &str, url: &str) -> Option<NatsTransport> {
-    let why = match tokio::time::timeout(
-        Duration::from_secs(15),
-        NatsTransport::connect(test_config(url)),
-    )
-    .await
-    {
-        Ok(Ok(t)) => return Some(t),
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => "no answer within 15 s".to_owned(),
-    };
-    if std::env::var_os(REQUIRE_NATS).is_some() {
-        panic!(
-            "{REQUIRE_NATS} is set, but no NATS server with JetStream answers for {what}: {why}"
-        );
-    }
-    print_uncaptured(&format!(
-        "\n!!! SKIPPED {what}: no NATS server with JetStream at {url} ({why}).\n\
-         !!! Start `nats-server -js`, or set {REQUIRE_NATS}=1 to make this a failure.\n"
-    ));
-    None
+    transport_nats::testing::connect_or_skip(what, test_config(url)).await
 }
 
 /// Publishes `message` to `queue`'s subject the way a NATS application would: its id as
 /// `Nats-Msg-Id`, with the stream's acknowledgement awaited.
 pub async fn publish_test_message(client: &async_nats::Client, queue: &str, message: &TestMessage) {
-    let js = async_nats::jetstream::new(client.clone());
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", message.id.as_str());
-    let publish = PublishMessage::build()
-        .payload(message.body.clone().into())
-        .headers(headers);
-    js.send_publish(queue.to_owned(), publish)
-        .await
-        .expect("publish a test message")
-        .await
-        .unwrap_or_else(|e| panic!("the stream of {queue} acknowledges {}: {e}", message.id));
-}
-
-/// Deletes every stream of `plan`.
-pub async fn delete_plan(client: &async_nats::Client, plan: &TopologyPlan) {
-    let js = async_nats::jetstream::new(client.clone());
-    for queue in plan.queues() {
-        let _ = js.delete_stream(stream_name(&queue.name)).await;
-    }
+    let body = String::from_utf8_lossy(&message.body);
+    transport_nats::testing::publish(client, queue, &message.id, &body, &[]).await;
 }
 
 /// Takes every message stored in `queue` (read in order, each deleted once read).

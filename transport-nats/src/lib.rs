@@ -52,6 +52,8 @@ mod names;
 mod provision;
 mod subscription;
 mod tag;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod transport;
 
 pub use codec::{decode_value, encode_value};

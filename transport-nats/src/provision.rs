@@ -91,37 +91,40 @@ fn conflict(object: String, argument: &str, existing: String, wanted: String) ->
     }
 }
 
+/// A conflict on `object` at the first of `fields` (name, the server's value, the plan's)
+/// whose values differ.
+fn first_difference<const N: usize>(
+    object: String,
+    fields: [(&str, String, String); N],
+) -> Result<(), TransportError> {
+    match fields
+        .into_iter()
+        .find(|(_, existing, wanted)| existing != wanted)
+    {
+        Some((field, existing, wanted)) => Err(conflict(object, field, existing, wanted)),
+        None => Ok(()),
+    }
+}
+
+fn shown(value: &impl std::fmt::Debug) -> String {
+    format!("{value:?}")
+}
+
 /// The first field of an existing stream that differs from the plan's.
 fn compare_stream(have: &stream::Config, want: &stream::Config) -> Result<(), TransportError> {
-    let object = || format!("stream {}", want.name);
-    let check = |field: &str, existing: String, wanted: String| {
-        if existing == wanted {
-            Ok(())
-        } else {
-            Err(conflict(object(), field, existing, wanted))
-        }
-    };
-    check(
-        "subjects",
-        format!("{:?}", have.subjects),
-        format!("{:?}", want.subjects),
-    )?;
-    check(
-        "retention",
-        format!("{:?}", have.retention),
-        format!("{:?}", want.retention),
-    )?;
-    check(
-        "storage",
-        format!("{:?}", have.storage),
-        format!("{:?}", want.storage),
-    )?;
-    check(
-        "num_replicas",
-        have.num_replicas.to_string(),
-        want.num_replicas.to_string(),
-    )?;
-    Ok(())
+    first_difference(
+        format!("stream {}", want.name),
+        [
+            ("subjects", shown(&have.subjects), shown(&want.subjects)),
+            ("retention", shown(&have.retention), shown(&want.retention)),
+            ("storage", shown(&have.storage), shown(&want.storage)),
+            (
+                "num_replicas",
+                shown(&have.num_replicas),
+                shown(&want.num_replicas),
+            ),
+        ],
+    )
 }
 
 /// The first field of an existing consumer that differs from the plan's.
@@ -130,40 +133,32 @@ fn compare_consumer(
     have: &async_nats::jetstream::consumer::Config,
     want: &pull::Config,
 ) -> Result<(), TransportError> {
-    let object = || format!("consumer {CONSUMER} on stream {stream}");
-    let check = |field: &str, existing: String, wanted: String| {
-        if existing == wanted {
-            Ok(())
-        } else {
-            Err(conflict(object(), field, existing, wanted))
-        }
-    };
-    check(
-        "deliver_subject (a push consumer)",
-        format!("{:?}", have.deliver_subject),
-        "None".into(),
-    )?;
-    check(
-        "ack_policy",
-        format!("{:?}", have.ack_policy),
-        format!("{:?}", want.ack_policy),
-    )?;
-    check(
-        "ack_wait",
-        format!("{:?}", have.ack_wait),
-        format!("{:?}", want.ack_wait),
-    )?;
-    check(
-        "max_deliver",
-        have.max_deliver.to_string(),
-        want.max_deliver.to_string(),
-    )?;
-    check(
-        "filter_subject",
-        format!("{:?}", have.filter_subject),
-        format!("{:?}", want.filter_subject),
-    )?;
-    Ok(())
+    first_difference(
+        format!("consumer {CONSUMER} on stream {stream}"),
+        [
+            (
+                "deliver_subject (a push consumer)",
+                shown(&have.deliver_subject),
+                shown(&None::<String>),
+            ),
+            (
+                "ack_policy",
+                shown(&have.ack_policy),
+                shown(&want.ack_policy),
+            ),
+            ("ack_wait", shown(&have.ack_wait), shown(&want.ack_wait)),
+            (
+                "max_deliver",
+                shown(&have.max_deliver),
+                shown(&want.max_deliver),
+            ),
+            (
+                "filter_subject",
+                shown(&have.filter_subject),
+                shown(&want.filter_subject),
+            ),
+        ],
+    )
 }
 
 pub(crate) fn stream_missing(e: &GetStreamError) -> bool {

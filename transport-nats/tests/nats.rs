@@ -9,11 +9,8 @@ use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy};
 use retry_core::{
     Consumer, HandlerError, Message, RetryPolicy, Terminal, TopologyPlan, Transport, TransportError,
 };
+use transport_nats::testing::{self, nats_url};
 use transport_nats::{NatsConfig, NatsTransport, stream_name};
-
-fn url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
 
 fn unique(what: &str) -> String {
     let nanos = SystemTime::now()
@@ -23,27 +20,12 @@ fn unique(what: &str) -> String {
 }
 
 async fn connect() -> Option<NatsTransport> {
-    match NatsTransport::connect(NatsConfig::new(url()).with_ack_wait(Duration::from_secs(2))).await
-    {
-        Ok(t) => Some(t),
-        Err(e) if std::env::var_os("REQUIRE_NATS").is_some() => {
-            panic!("REQUIRE_NATS is set, but no NATS server with JetStream answers: {e}")
-        }
-        Err(e) => {
-            eprintln!(
-                "\n!!! SKIPPED: no NATS server with JetStream at {} ({e})\n",
-                url()
-            );
-            None
-        }
-    }
+    let config = NatsConfig::new(nats_url()).with_ack_wait(Duration::from_secs(2));
+    testing::connect_or_skip("transport-nats' tests", config).await
 }
 
 async fn delete(t: &NatsTransport, plan: &TopologyPlan) {
-    let js = async_nats::jetstream::new(t.client().clone());
-    for q in plan.queues() {
-        let _ = js.delete_stream(stream_name(&q.name)).await;
-    }
+    testing::delete_plan(t.client(), plan).await;
 }
 
 /// A free loopback port, for a server of the test's own.
