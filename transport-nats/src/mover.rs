@@ -1,19 +1,30 @@
 //! Movers: what brings a delayed clone back once it is due.
 //!
 //! A delay queue of the plan is a stream with a durable consumer, like any other. Its mover
-//! pulls what is there; a clone not yet due is nak'ed with the time it has left (the server
-//! holds it and hands it out again then, the clone's own timer, so no clone waits behind
-//! another), and a clone that is due is published to the queue its delay queue leads to,
-//! with a `Nats-Msg-Id` made of its stream and sequence, and acked once the server has
-//! acknowledged that publish. A mover that dies between the two leaves the clone
-//! unacked: it comes back after the ack wait and is published again with the same id,
-//! which the destination stream recognises as a duplicate within its duplicate window.
+//! pulls what is there, and each clone waits for its own due time, none behind another:
+//!
+//! * one due within the mover's horizon (half the ack wait, at most 5 s) is held by the
+//!   mover, unacked, and moved when due, to the millisecond;
+//! * one due later is nak'ed with the time it has left less half the horizon: the server
+//!   holds it and hands it out again a little before it is due, and the mover holds it
+//!   from there. The server's redelivery timer is only so precise: a nak resets the
+//!   consumer's pending timer to 10 ms (nats-server 2.9's `processNak`), so while naks
+//!   come faster than one every 10 ms its redeliveries wait. Naking only the clones that
+//!   are far from due, and early, keeps that delay off the due time.
+//!
+//! A clone that is due is published to the queue its delay queue leads to, with a
+//! `Nats-Msg-Id` naming its stream and sequence, and acked once the server has acknowledged
+//! that publish. A mover that dies between the two leaves the clone unacked: it comes back
+//! after the ack wait and is published again with the same id, which the destination
+//! stream recognises as a duplicate within its duplicate window.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context};
 use futures::StreamExt;
+use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
 use crate::codec::{DUE, MSG_ID, copy_id};
@@ -22,6 +33,9 @@ use crate::names::stream_name;
 
 /// How many due-or-not clones one pull takes.
 const BATCH: usize = 256;
+
+/// The longest a mover holds a clone itself before it is due.
+const MAX_HORIZON: Duration = Duration::from_secs(5);
 
 pub(crate) struct Mover {
     pub js: Context,
@@ -34,25 +48,33 @@ pub(crate) struct Mover {
     /// stored.
     pub level: Duration,
     pub pull_wait: Duration,
+    /// The consumers' ack wait: a clone held longer would be handed out again.
+    pub ack_wait: Duration,
     /// Bumped at each reconnection.
     pub reconnects: tokio::sync::watch::Receiver<u64>,
 }
 
 impl Mover {
-    pub(crate) async fn run(mut self) {
+    pub(crate) async fn run(self) {
+        let mut reconnects = self.reconnects.clone();
+        let mover = Arc::new(self);
+        // The clones held or being moved; dropping the set (the mover stopped) aborts them,
+        // and the server hands their clones out again after the ack wait.
+        let mut moving = JoinSet::new();
         loop {
-            self.reconnects.borrow_and_update();
-            let batch = self
+            while moving.try_join_next().is_some() {}
+            reconnects.borrow_and_update();
+            let batch = mover
                 .consumer
                 .batch()
                 .max_messages(BATCH)
-                .expires(self.pull_wait)
+                .expires(mover.pull_wait)
                 .messages()
                 .await;
             let mut batch = match batch {
                 Ok(b) => b,
                 Err(e) => {
-                    debug!(queue = %self.queue, error = %e, "delay mover: pull failed; trying again");
+                    debug!(queue = %mover.queue, error = %e, "delay mover: pull failed; trying again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     continue;
                 }
@@ -64,7 +86,7 @@ impl Mover {
                         None => break,
                     },
                     // The pull was made on a connection that is gone.
-                    changed = self.reconnects.changed() => {
+                    changed = reconnects.changed() => {
                     if changed.is_err() {
                         return;
                     }
@@ -72,9 +94,13 @@ impl Mover {
                 }
                 };
                 match message {
-                    Ok(m) => self.handle(m).await,
+                    Ok(m) => {
+                        if let Some(wait) = mover.hold_for(&m).await {
+                            moving.spawn(Arc::clone(&mover).move_when_due(m, wait));
+                        }
+                    }
                     Err(e) => {
-                        debug!(queue = %self.queue, error = %e, "delay mover: pull ended");
+                        debug!(queue = %mover.queue, error = %e, "delay mover: pull ended");
                         break;
                     }
                 }
@@ -82,14 +108,12 @@ impl Mover {
         }
     }
 
-    async fn handle(&self, message: async_nats::jetstream::Message) {
-        let Ok(info) = message.info() else {
-            return;
-        };
-        let (stream, sequence) = (info.stream.to_owned(), info.stream_sequence);
+    /// How long to hold `message` before moving it; `None` when it was nak'ed instead, or
+    /// cannot be read.
+    async fn hold_for(&self, message: &async_nats::jetstream::Message) -> Option<Duration> {
+        let info = message.info().ok()?;
         let stored_ms =
             u64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
-        let published_ns = info.published.unix_timestamp_nanos();
         let due = message
             .headers
             .as_ref()
@@ -98,14 +122,32 @@ impl Mover {
             .unwrap_or_else(|| {
                 stored_ms.saturating_add(u64::try_from(self.level.as_millis()).unwrap_or(u64::MAX))
             });
-        let now = now_millis();
-        if now < due {
-            let left = Duration::from_millis(due - now);
-            if let Err(e) = message.ack_with(AckKind::Nak(Some(left))).await {
-                debug!(queue = %self.queue, error = %e, "delay mover: nak failed");
-            }
-            return;
+        let left = Duration::from_millis(due.saturating_sub(now_millis()));
+        let horizon = (self.ack_wait / 2).min(MAX_HORIZON);
+        if left <= horizon {
+            return Some(left);
         }
+        if let Err(e) = message
+            .ack_with(AckKind::Nak(Some(left - horizon / 2)))
+            .await
+        {
+            debug!(queue = %self.queue, error = %e, "delay mover: nak failed");
+        }
+        None
+    }
+
+    /// Waits `wait`, then moves `message` where its delay queue leads.
+    async fn move_when_due(
+        self: Arc<Self>,
+        message: async_nats::jetstream::Message,
+        wait: Duration,
+    ) {
+        tokio::time::sleep(wait).await;
+        let Ok(info) = message.info() else {
+            return;
+        };
+        let (stream, sequence) = (info.stream.to_owned(), info.stream_sequence);
+        let published_ns = info.published.unix_timestamp_nanos();
         let headers = message.headers.clone().unwrap_or_default();
         let mut clean = async_nats::HeaderMap::new();
         for (name, values) in headers.iter() {

@@ -351,6 +351,7 @@ impl NatsTransport {
                 destination,
                 level,
                 pull_wait: self.inner.config.pull_wait(),
+                ack_wait: self.inner.config.ack_wait(),
                 reconnects: self.inner.reconnects.subscribe(),
             };
             let task = tokio::spawn(mover.run());
