@@ -14,7 +14,8 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use retry_core::{
     BrokerSignals, Capabilities, Delivery, Message, MessageParts, NativeParts, Publish,
-    PublishResult, QueueWalk, Route, Settlement, TopologyPlan, Transport, TransportError,
+    PublishResult, QueueRole, QueueSpec, QueueWalk, Route, Settlement, TopologyPlan, Transport,
+    TransportError,
 };
 use tokio::task::AbortHandle;
 use tracing::{info, warn};
@@ -78,35 +79,41 @@ impl Drop for Inner {
     }
 }
 
-/// What the provisioned plans say about routes.
+/// The plans this transport provisioned or verified: where a route leads, on NATS, is the
+/// queue the plan binds it to.
 #[derive(Default, Debug)]
 struct Routes {
-    /// (exchange, routing key) → the queue it is bound to.
-    bound: HashMap<(String, String), String>,
-    /// Delay queues (delay levels and crash delays): their level.
-    delays: HashMap<String, Duration>,
+    plans: Vec<TopologyPlan>,
 }
 
 impl Routes {
     fn learn(&mut self, plan: &TopologyPlan) {
-        for b in plan.bindings() {
-            self.bound
-                .insert((b.exchange.clone(), b.routing_key.clone()), b.queue.clone());
-        }
-        for (level, route, _) in plan.delayed_destinations() {
-            if let Some(queue) = self.queue_of(route) {
-                self.delays.insert(queue, level);
-            }
+        if !self.plans.contains(plan) {
+            self.plans.push(plan.clone());
         }
     }
 
-    fn queue_of(&self, route: &Route) -> Option<String> {
+    /// The queue `route` leads to, and its level if it is a delay queue.
+    fn target(&self, route: &Route) -> Option<(String, Option<Duration>)> {
         if route.exchange.is_empty() {
-            return Some(route.routing_key.to_string());
+            // The default exchange: the queue it names, delayed if a plan says so.
+            let level = self
+                .plans
+                .iter()
+                .find_map(|p| p.queue_behind(route))
+                .and_then(level);
+            return Some((route.routing_key.to_string(), level));
         }
-        self.bound
-            .get(&(route.exchange.to_string(), route.routing_key.to_string()))
-            .cloned()
+        let queue = self.plans.iter().find_map(|p| p.queue_behind(route))?;
+        Some((queue.name.clone(), level(queue)))
+    }
+}
+
+/// A delay queue's level.
+fn level(queue: &QueueSpec) -> Option<Duration> {
+    match queue.role {
+        QueueRole::Delay { ttl } | QueueRole::CrashDelay { ttl } => Some(ttl),
+        _ => None,
     }
 }
 
@@ -321,7 +328,11 @@ impl NatsTransport {
             routes.learn(plan);
             plan.delayed_destinations()
                 .filter_map(|(level, route, destination)| {
-                    Some((routes.queue_of(route)?, destination.to_owned(), level))
+                    Some((
+                        plan.queue_behind(route)?.name.clone(),
+                        destination.to_owned(),
+                        level,
+                    ))
                 })
                 .collect()
         };
@@ -527,11 +538,8 @@ impl Transport for NatsTransport {
             let Ok(routes) = self.inner.routes.read() else {
                 return PublishResult::Failed(TransportError::Other("route table poisoned".into()));
             };
-            match routes.queue_of(&publish.route) {
-                Some(q) => {
-                    let level = routes.delays.get(&q).copied();
-                    (q, level)
-                }
+            match routes.target(&publish.route) {
+                Some(target) => target,
                 None => {
                     return PublishResult::Failed(TransportError::MissingAddress {
                         address: format!(

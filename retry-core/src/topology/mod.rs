@@ -526,6 +526,39 @@ impl TopologyPlan {
             )
     }
 
+    /// The queue of this plan a publish on `route` lands in, as the plan's exchanges and
+    /// bindings route it: for a transport whose broker has no exchanges, which publishes
+    /// to that queue itself. A route on the default exchange (`""`) names its queue. `None`
+    /// for a route the plan does not bind to a queue of its own (a cascade's, or another
+    /// plan's).
+    ///
+    /// ```
+    /// use retry_core::{QueueRole, RetryPolicy, Route, TopologyPlan};
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let plan = TopologyPlan::new("orders", &policy)?;
+    /// let (_, retry) = &plan.delay_routes()[0];
+    /// let queue = plan.queue_behind(retry).unwrap();
+    /// assert_eq!(queue.name, "orders.retry.30s");
+    /// assert_eq!(queue.role, QueueRole::Delay { ttl: Duration::from_secs(30) });
+    /// assert_eq!(plan.queue_behind(plan.parking_route()).unwrap().name, "orders.parking");
+    /// let direct = Route { exchange: "".into(), routing_key: "orders".into() };
+    /// assert_eq!(plan.queue_behind(&direct).unwrap().name, "orders");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn queue_behind(&self, route: &Route) -> Option<&QueueSpec> {
+        let name = if route.exchange.is_empty() {
+            &*route.routing_key
+        } else {
+            self.bindings
+                .iter()
+                .find(|b| *b.exchange == *route.exchange && *b.routing_key == *route.routing_key)
+                .map(|b| b.queue.as_str())?
+        };
+        self.queues.iter().find(|q| q.name == name)
+    }
+
     /// The route for a delay, and the per-message expiration to set when the delay is shorter
     /// than the level it goes to. The level is the smallest one that holds `delay`, or the
     /// largest if none does; `None` when the plan has no delay levels. With a cascade, the
