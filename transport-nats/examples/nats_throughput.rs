@@ -47,6 +47,23 @@
 //! microseconds per message of this process and of the server (`nats-server`, read from
 //! `/proc` when it runs on this machine) while consuming. `NATS_URL` picks the server
 //! (default `nats://127.0.0.1:4222`).
+//!
+//! Where ours spends what the plain loops do not, as measured on a 2-core machine with the
+//! server on it (10,000 messages, variants of the transport built for the measurement only):
+//!
+//! * **The delay mover** (retry path). Each clone is delivered once more, to the mover,
+//!   and nak'ed with the time it has left: about 30% of the retry path's steady rate
+//!   (12,900 msg/s with the mover, 18,600 without it, same run). A plain loop that only
+//!   stores its clones pays nothing for their delays.
+//! * **Hand-offs and allocation.** This process spends 15 to 20 µs of CPU per message on the
+//!   success path (plain: 5 to 10) and 45 to 80 on the retry path (plain: 11 to 30). A
+//!   profile (`perf record`) of the retry path shows no single hot function: a quarter of
+//!   the samples in the kernel's thread switching (a delivery goes from the pulling task to
+//!   the consumer's, its clone to the connection's, its ack back to it) and a fifth in
+//!   `malloc` and `free`.
+//! * **Not the pull size.** Pulling only once half the prefetch is free (pulls of 50 or
+//!   more rather than of what one settlement freed) changed neither path; nor did leaving
+//!   the clone's `Nats-Msg-Id` out (the server's duplicate check).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
