@@ -11,7 +11,7 @@ use retry_core::{Delivery, Subscription, TransportError};
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 
 use crate::delivery::delivery_of;
-use crate::tag::NatsTag;
+use crate::tag::{Keeper, NatsTag};
 
 /// A running subscription to one queue's durable consumer, made by
 /// [`consume`](retry_core::Transport::consume).
@@ -69,6 +69,7 @@ async fn pull(
     mut cancelled: watch::Receiver<bool>,
 ) {
     let slots = Arc::new(Semaphore::new(usize::from(p.prefetch.max(1))));
+    let keeper = Keeper::start(p.client.clone(), p.ack_wait / 3);
     let mut failures = 0u32;
     loop {
         if *cancelled.borrow() {
@@ -152,7 +153,7 @@ async fn pull(
                 permit,
             ) {
                 Ok(delivery) => {
-                    delivery.tag.keep_alive(p.ack_wait / 3);
+                    delivery.tag.kept_by(&keeper);
                     if tx.send(Ok(delivery)).await.is_err() {
                         return;
                     }

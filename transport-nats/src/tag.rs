@@ -1,6 +1,8 @@
 //! [`NatsTag`]: how one delivery is settled, and what it holds while unsettled.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use async_nats::{Client, Subject};
@@ -18,7 +20,7 @@ pub struct NatsTag(pub(crate) Arc<TagState>);
 pub(crate) struct TagState {
     pub kind: TagKind,
     /// Tells the server the handler still works on it (`+WPI`) until it is settled.
-    pub keeper: Mutex<Option<AbortHandle>>,
+    pub keeper: Mutex<KeepAlive>,
     /// The subscription's prefetch slot it holds.
     pub permit: Mutex<Option<OwnedSemaphorePermit>>,
 }
@@ -40,10 +42,85 @@ pub(crate) enum TagKind {
     Stored { queue: String, sequence: u64 },
 }
 
+/// What keeps an unsettled delivery alive on the server.
+#[derive(Default)]
+pub(crate) enum KeepAlive {
+    #[default]
+    None,
+    /// A task of its own (a fetched delivery).
+    Task(AbortHandle),
+    /// Its subscription's [`Keeper`], under this key.
+    Shared(Arc<Keeper>, u64),
+}
+
+impl KeepAlive {
+    fn stop(self) {
+        match self {
+            KeepAlive::None => {}
+            KeepAlive::Task(task) => task.abort(),
+            KeepAlive::Shared(keeper, key) => {
+                if let Ok(mut unsettled) = keeper.unsettled.lock() {
+                    unsettled.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+/// Tells the server, every period, that each unsettled delivery of one subscription is
+/// still being worked on (`+WPI`): one task for all of them rather than one per delivery,
+/// which cost a task and a timer per message. A delivery's first `+WPI` comes at most one
+/// period after it arrived, and then every period, as with a task of its own. The task
+/// ends once the subscription and every delivery it handed out are gone.
+pub(crate) struct Keeper {
+    client: Client,
+    next: AtomicU64,
+    unsettled: Mutex<HashMap<u64, Subject>>,
+}
+
+impl Keeper {
+    pub(crate) fn start(client: Client, every: Duration) -> Arc<Keeper> {
+        let keeper = Arc::new(Keeper {
+            client,
+            next: AtomicU64::new(0),
+            unsettled: Mutex::new(HashMap::new()),
+        });
+        let weak: Weak<Keeper> = Arc::downgrade(&keeper);
+        tokio::spawn(async move {
+            let start = tokio::time::Instant::now() + every;
+            let mut tick = tokio::time::interval_at(start, every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(keeper) = weak.upgrade() else {
+                    return;
+                };
+                let replies: Vec<Subject> = keeper
+                    .unsettled
+                    .lock()
+                    .map(|u| u.values().cloned().collect())
+                    .unwrap_or_default();
+                let client = keeper.client.clone();
+                drop(keeper);
+                for reply in replies {
+                    if client
+                        .publish(reply, Bytes::from_static(b"+WPI"))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        });
+        keeper
+    }
+}
+
 impl Drop for TagState {
     fn drop(&mut self) {
-        if let Some(keeper) = self.keeper.get_mut().ok().and_then(Option::take) {
-            keeper.abort();
+        if let Ok(keeper) = self.keeper.get_mut() {
+            std::mem::take(keeper).stop();
         }
     }
 }
@@ -72,7 +149,7 @@ impl NatsTag {
     pub(crate) fn delivered(kind: TagKind, permit: Option<OwnedSemaphorePermit>) -> Self {
         NatsTag(Arc::new(TagState {
             kind,
-            keeper: Mutex::new(None),
+            keeper: Mutex::new(KeepAlive::None),
             permit: Mutex::new(permit),
         }))
     }
@@ -96,14 +173,35 @@ impl NatsTag {
             }
         });
         if let Ok(mut keeper) = self.0.keeper.lock() {
-            *keeper = Some(task.abort_handle());
+            std::mem::replace(&mut *keeper, KeepAlive::Task(task.abort_handle())).stop();
+        }
+    }
+
+    /// Has its subscription's `keeper` tell the server, until it is settled, that the
+    /// delivery is still being worked on.
+    pub(crate) fn kept_by(&self, keeper: &Arc<Keeper>) {
+        let TagKind::Delivered { reply, .. } = &self.0.kind else {
+            return;
+        };
+        let key = keeper.next.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut unsettled) = keeper.unsettled.lock() {
+            unsettled.insert(key, reply.clone());
+        }
+        if let Ok(mut kept) = self.0.keeper.lock() {
+            std::mem::replace(&mut *kept, KeepAlive::Shared(Arc::clone(keeper), key)).stop();
         }
     }
 
     /// Stops the keep-alive and gives back the prefetch slot.
     fn release(&self) {
-        if let Some(keeper) = self.0.keeper.lock().ok().and_then(|mut k| k.take()) {
-            keeper.abort();
+        if let Some(keeper) = self
+            .0
+            .keeper
+            .lock()
+            .ok()
+            .map(|mut k| std::mem::take(&mut *k))
+        {
+            keeper.stop();
         }
         if let Ok(mut permit) = self.0.permit.lock() {
             permit.take();

@@ -281,3 +281,83 @@ async fn a_server_older_than_2_7_1_is_refused_at_connect_naming_its_version() {
     assert!(matches!(err, TransportError::Unsupported { .. }), "{err:?}");
     assert!(text.contains("2.6.0") && text.contains("2.7.1"), "{text}");
 }
+
+/// A handler that runs for three ack waits is never handed its message again: every
+/// unsettled delivery of a subscription is kept alive (`+WPI`) by the subscription's
+/// keeper, the deliveries that arrive together and those that arrive later alike.
+#[tokio::test]
+async fn a_handler_longer_than_the_ack_wait_runs_once() {
+    let Some(t) = connect().await else { return };
+    let queue = unique("long");
+    let policy = RetryPolicy::delays([Duration::from_secs(1)])
+        .build()
+        .expect("policy");
+    let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
+    t.provision(&plan).await.expect("provision");
+    let js = async_nats::jetstream::new(t.client().clone());
+    let publish = |body: &'static str| {
+        let (js, queue) = (js.clone(), queue.clone());
+        async move {
+            js.publish(queue, body.into())
+                .await
+                .expect("publish")
+                .await
+                .expect("stored");
+        }
+    };
+    for body in ["a", "b"] {
+        publish(body).await;
+    }
+    let runs: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();
+    let seen = Arc::clone(&runs);
+    let handler = move |m: Message| {
+        let body = String::from_utf8_lossy(m.body()).into_owned();
+        seen.lock().unwrap().push((body, m.attempt()));
+        async move {
+            // Three ack waits of the test connection (2 s).
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            Ok::<(), HandlerError>(())
+        }
+    };
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let done_tx = Mutex::new(Some(done_tx));
+    let handled = Arc::new(Mutex::new(0));
+    let count = Arc::clone(&handled);
+    let consumer = Consumer::builder(t.clone(), queue.clone(), policy, handler)
+        .with_prefetch(10)
+        .with_on_terminal(move |_, terminal| {
+            if matches!(terminal, Terminal::Handled { .. }) {
+                let mut n = count.lock().unwrap();
+                *n += 1;
+                if *n == 3 {
+                    done_tx.lock().unwrap().take().map(|tx| tx.send(()));
+                }
+            }
+        })
+        .build()
+        .expect("a consumer");
+    let late = async {
+        // One more, a second after the others, so it is kept alive from another point of
+        // the keeper's period.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        publish("c").await;
+    };
+    let run = consumer.run(async {
+        let _ = done_rx.await;
+    });
+    let (report, ()) =
+        tokio::time::timeout(Duration::from_secs(30), async { tokio::join!(run, late) })
+            .await
+            .expect("all handled within 30 s");
+    let report = report.expect("the consumer ran");
+    let mut runs = runs.lock().unwrap().clone();
+    runs.sort();
+    assert_eq!(
+        runs,
+        [("a".into(), 1), ("b".into(), 1), ("c".into(), 1)],
+        "{report:?}"
+    );
+    assert_eq!((report.handled, report.isolated), (3, 0), "{report:?}");
+    delete(&t, &plan).await;
+    t.close().await;
+}
