@@ -52,3 +52,65 @@ pub fn percentiles(mut values: Vec<f64>) -> (f64, f64, f64) {
         |q: f64| values[((values.len() as f64 * q).ceil() as usize).clamp(1, values.len()) - 1];
     (at(0.50), at(0.99), values[values.len() - 1])
 }
+
+/// The summary the throughput examples end with: per path the min, middle and max of its
+/// total and steady rates over the rounds (`rates[path][round] = (total, steady)`, msg/s),
+/// then, for each comparison `(name, ours, plain)`, ours over the stronger of the `plain`
+/// paths *of the same round*, min / middle / max.
+///
+/// ```
+/// use bench_support::stats::rates_summary;
+///
+/// let rates = vec![vec![(100.0, 120.0)], vec![(50.0, 90.0)]];
+/// let text = rates_summary(&["plain", "ours"], &rates, &[("success", 1, &[0])]);
+/// assert!(text.contains("success               total 0.50 0.50 0.50   steady 0.75 0.75 0.75"));
+/// ```
+pub fn rates_summary(
+    paths: &[&str],
+    rates: &[Vec<(f64, f64)>],
+    comparisons: &[(&str, usize, &[usize])],
+) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n{:<21} {:>24} {:>24}",
+        "msg/s min/median/max", "total", "steady"
+    );
+    for (path, rates) in paths.iter().zip(rates) {
+        let (t0, t1, t2) = min_middle_max(rates.iter().map(|r| r.0).collect());
+        let (s0, s1, s2) = min_middle_max(rates.iter().map(|r| r.1).collect());
+        let _ = writeln!(
+            out,
+            "{path:<21} {t0:>7.0} {t1:>7.0} {t2:>7.0}  {s0:>7.0} {s1:>7.0} {s2:>7.0}"
+        );
+    }
+    let rounds = rates.iter().map(Vec::len).min().unwrap_or(0);
+    let ratios = |ours: usize, plain: &[usize], pick: fn(&(f64, f64)) -> f64| {
+        (0..rounds)
+            .map(|r| {
+                let best = plain
+                    .iter()
+                    .map(|&p| pick(&rates[p][r]))
+                    .fold(f64::MIN, f64::max);
+                pick(&rates[ours][r]) / best
+            })
+            .collect::<Vec<_>>()
+    };
+    let _ = writeln!(
+        out,
+        "\nratio ours / strongest plain, same round: min/median/max"
+    );
+    for (name, ours, plain) in comparisons {
+        if rounds == 0 {
+            break;
+        }
+        let (t0, t1, t2) = min_middle_max(ratios(*ours, plain, |r| r.0));
+        let (s0, s1, s2) = min_middle_max(ratios(*ours, plain, |r| r.1));
+        let _ = writeln!(
+            out,
+            "{name:<21} total {t0:.2} {t1:.2} {t2:.2}   steady {s0:.2} {s1:.2} {s2:.2}"
+        );
+    }
+    out
+}

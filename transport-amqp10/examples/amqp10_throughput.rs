@@ -70,7 +70,7 @@ use bench_support::args::Args;
 use bench_support::proc::{CpuClock, load_average_shown};
 use bench_support::publish::{confirm_channel, persistent, prefill};
 use bench_support::queue::wait_for_count;
-use bench_support::stats::min_middle_max;
+use bench_support::stats::rates_summary;
 use bench_support::url::{amqp_url, amqp10_url};
 use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::link::receiver::CreditMode;
@@ -501,35 +501,15 @@ async fn main() -> Result<(), BoxError> {
     if only.is_some() {
         return Ok(());
     }
-    println!();
-    println!(
-        "{:<21} {:>24} {:>24}",
-        "msg/s min/median/max", "total", "steady"
-    );
-    for (i, path) in PATHS.iter().enumerate() {
-        let (t0, t1, t2) = min_middle_max(rates[i].iter().map(|r| r.0).collect());
-        let (s0, s1, s2) = min_middle_max(rates[i].iter().map(|r| r.1).collect());
-        println!("{path:<21} {t0:>7.0} {t1:>7.0} {t2:>7.0}  {s0:>7.0} {s1:>7.0} {s2:>7.0}");
-    }
     // Ours against the stronger plain loop of the same round.
-    let ratios = |ours: usize, plain: &[usize], pick: fn(&(f64, f64)) -> f64| {
-        (0..rounds)
-            .map(|r| {
-                let best = plain
-                    .iter()
-                    .map(|&p| pick(&rates[p][r]))
-                    .fold(f64::MIN, f64::max);
-                pick(&rates[ours][r]) / best
-            })
-            .collect::<Vec<_>>()
-    };
-    println!();
-    println!("ratio ours / strongest plain, same round: min/median/max");
-    for (name, ours, plain) in [("success", 2, &[0, 1][..]), ("retry", 5, &[3, 4][..])] {
-        let (t0, t1, t2) = min_middle_max(ratios(ours, plain, |r| r.0));
-        let (s0, s1, s2) = min_middle_max(ratios(ours, plain, |r| r.1));
-        println!("{name:<21} total {t0:.2} {t1:.2} {t2:.2}   steady {s0:.2} {s1:.2} {s2:.2}");
-    }
+    print!(
+        "{}",
+        rates_summary(
+            &PATHS,
+            &rates,
+            &[("success", 2, &[0, 1][..]), ("retry", 5, &[3, 4][..])]
+        )
+    );
     println!();
     println!("load average at the end {}", load_average_shown());
     let _ = channel.close(200, "done".into()).await;
