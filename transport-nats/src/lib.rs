@@ -23,16 +23,19 @@
 //!   messages is [`Refused`](retry_core::PublishResult::Refused). Each clone carries a
 //!   `Nats-Msg-Id` made of the stream and sequence it is a clone of and where it goes, so
 //!   a publish repeated after a lost acknowledgement is stored once.
-//! * **Delays** are held by the server: a clone in a delay stream carries when it is due,
-//!   and the mover naks it with the time left until then; once due it is published to the
-//!   work queue (or, from a crash delay, the isolation queue) and acked. Every clone waits
-//!   for its own delay, jitter and `retry_after` included, and none waits behind another.
+//! * **Delays.** A clone in a delay stream carries when it is due. The transport's mover
+//!   holds a clone due within its horizon (half the ack wait, at most 5 s) and naks one due
+//!   later with its time left, so the server holds it until then; once due it is published
+//!   to the work queue (or, from a crash delay, the isolation queue) and acked. Every clone
+//!   waits for its own delay, jitter and `retry_after` included, and none waits behind
+//!   another.
 //! * **Suspects.** JetStream counts each delivery of a message (`num_delivered`), a nak's
 //!   as much as a crash's, so it is read as the redelivered flag: a redelivered work
 //!   delivery is a suspect, and only one that comes back from the isolation queue counts a
 //!   crash, as on RabbitMQ.
 //! * **Long handlers.** Every unsettled delivery is kept alive with `+WPI` each third of the
-//!   ack wait, so the server hands a message out again only when its consumer is gone.
+//!   ack wait (one task per subscription), so the server hands a message out again only
+//!   when its consumer is gone.
 //! * **Settlement:** ack `+ACK`, requeue `-NAK`, reject `+TERM`. Deliveries of a
 //!   subscription are acked without waiting for an answer (the subscription's
 //!   [`flush`](retry_core::Subscription::flush) flushes the connection); a fetched suspect
