@@ -190,12 +190,9 @@ pub(crate) async fn apply(
         let name = &w.stream.name;
         let found = bounded(timeout, "looking up a stream", js.get_stream(name)).await?;
         let stream = match found {
-            Ok(mut s) => {
-                let info = s
-                    .info()
-                    .await
-                    .map_err(|e| failed(format!("reading stream {name}"), e))?;
-                compare_stream(&info.config, &w.stream)?;
+            Ok(s) => {
+                // The lookup brought the stream's configuration along.
+                compare_stream(&s.cached_info().config, &w.stream)?;
                 s
             }
             Err(e) if stream_missing(&e) => {

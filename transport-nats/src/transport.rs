@@ -267,19 +267,15 @@ impl NatsTransport {
     /// Messages stored in `queue`'s stream: waiting, being handled, or (on a delay queue)
     /// waiting for their time.
     pub async fn count(&self, queue: &str) -> Result<u64, TransportError> {
-        let name = stream_name(queue);
-        let mut stream = bounded(
+        // The lookup is the stream's info request: its state comes with it.
+        let stream = bounded(
             self.inner.config.operation_timeout(),
             "looking up a stream",
-            self.inner.js.get_stream(&name),
+            self.inner.js.get_stream(stream_name(queue)),
         )
         .await?
         .map_err(|e| missing_or_failed(queue, e))?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| TransportError::connection_failed(format!("reading stream {name}"), e))?;
-        Ok(info.state.messages)
+        Ok(stream.cached_info().state.messages)
     }
 
     fn spawned(&self, task: AbortHandle) {

@@ -8,11 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::HeaderMap;
-use async_nats::jetstream::message::PublishMessage;
 use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan};
 use tokio::process::{Child, Command};
-use transport_nats::{NatsConfig, NatsTransport};
+use transport_nats::{NatsConfig, NatsTransport, testing};
 
 const MESSAGES: usize = 300;
 
@@ -94,16 +92,8 @@ async fn run(binary: PathBuf, port: u16, store: PathBuf, first_pid: Option<u32>)
     transport.provision(&plan).await.expect("provision");
     let js = async_nats::jetstream::new(transport.client().clone());
     for i in 0..MESSAGES {
-        let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", format!("m-{i:04}").as_str());
-        let publish = PublishMessage::build()
-            .payload(format!("m-{i:04}").into())
-            .headers(headers);
-        js.send_publish(queue.to_owned(), publish)
-            .await
-            .expect("publish")
-            .await
-            .expect("stored");
+        let id = format!("m-{i:04}");
+        testing::publish(transport.client(), queue, &id, &id, &[]).await;
     }
 
     let handled: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
