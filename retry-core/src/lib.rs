@@ -153,6 +153,7 @@ mod parking;
 mod policy;
 pub mod returns;
 mod time;
+mod tls;
 mod topology;
 mod transport;
 
@@ -183,6 +184,7 @@ pub use policy::{
 };
 pub use returns::{Answer, ReturnMatcher};
 pub use time::{Timestamp, format_delay};
+pub use tls::{TlsConfig, TlsFailure};
 pub use topology::{
     BindingSpec, Cascade, CascadePlan, DEFAULT_CASCADE_PREFIX, DEFAULT_CASCADE_UNIT, DelayStrategy,
     ExchangeBindingSpec, ExchangeKind, ExchangeSpec, MAX_CASCADE_LEVELS, MAX_NAME_LEN, Overflow,

@@ -107,6 +107,15 @@ pub enum TransportError {
         /// Why it cannot be done, and what to do instead.
         why: String,
     },
+    /// A TLS connection was refused, by the client's checks or by the server: never
+    /// retried on plain TCP.
+    #[error("TLS with {endpoint} failed: {failure}")]
+    Tls {
+        /// The host and port (never a user or password).
+        endpoint: String,
+        /// Which check failed.
+        failure: crate::TlsFailure,
+    },
     /// The transport was closed.
     #[error("transport closed")]
     Closed,
