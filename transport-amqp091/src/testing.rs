@@ -209,6 +209,73 @@ pub fn cluster(what: &str) -> Option<Vec<String>> {
     }
 }
 
+/// The environment variable that makes TLS tests mandatory (CI sets it after
+/// `tests/tls-node.sh up`).
+pub const REQUIRE_TLS: &str = "REQUIRE_TLS";
+
+/// The private TLS node of `tests/tls-node.sh` and its throwaway certificates.
+#[derive(Clone, Debug)]
+pub struct TlsNode {
+    /// The directory of `ca.pem`, `server.pem`, `client.pem`/`client.key`, `expired.pem`/
+    /// `expired.key` and `other-ca.pem` (`RTLS_CERTS`, default `/tmp/retry-tls/certs`).
+    pub certs: std::path::PathBuf,
+    /// The node's plain-TCP port (AMQP 0-9-1 and 1.0).
+    pub plain_port: u16,
+    /// The node's TLS port (AMQP 0-9-1 and 1.0).
+    pub tls_port: u16,
+    /// The common name of `client.pem`, the user it logs in as with `EXTERNAL`.
+    pub client_cn: String,
+}
+
+impl TlsNode {
+    /// A file of the certificate directory.
+    pub fn cert(&self, name: &str) -> std::path::PathBuf {
+        self.certs.join(name)
+    }
+}
+
+/// The TLS node of `tests/tls-node.sh`, or `None` after a loud notice that `what` is
+/// skipped when its TLS port does not answer. With `REQUIRE_TLS` set (as CI sets it) a
+/// missing node panics.
+///
+/// ```no_run
+/// let Some(node) = transport_amqp091::testing::tls_node("my TLS test") else {
+///     return;
+/// };
+/// let url = format!("amqps://guest:guest@localhost:{}/%2f", node.tls_port);
+/// # drop(url);
+/// ```
+pub fn tls_node(what: &str) -> Option<TlsNode> {
+    let var = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.into());
+    let port = |name: &str, default: &str| -> u16 {
+        var(name, default)
+            .parse()
+            .unwrap_or_else(|e| panic!("{name}: not a port: {e}"))
+    };
+    let node = TlsNode {
+        certs: var("RTLS_CERTS", "/tmp/retry-tls/certs").into(),
+        plain_port: port("RTLS_PLAIN_PORT", "5675"),
+        tls_port: port("RTLS_TLS_PORT", "5676"),
+        client_cn: var("RTLS_CLIENT_CN", "retry-tls-client"),
+    };
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], node.tls_port));
+    let answers =
+        std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(2)).is_ok();
+    if answers && node.cert("ca.pem").is_file() {
+        return Some(node);
+    }
+    let required = std::env::var(REQUIRE_TLS).is_ok_and(|v| !v.is_empty() && v != "0");
+    assert!(
+        !required,
+        "{REQUIRE_TLS} is set but no TLS node answers on {addr} with certificates in {}, for {what}: start it with tests/tls-node.sh up",
+        node.certs.display()
+    );
+    print_uncaptured(&format!(
+        "\n!!! SKIPPED {what}: no TLS node on {addr} (`tests/tls-node.sh up` starts one)\n"
+    ));
+    None
+}
+
 /// Runs the workspace's `tests/cluster.sh` with `args` (`stop rtest1`, `kill rtest2`,
 /// `start-all`, ...) and panics with its output if it fails. Blocking: call it from
 /// `spawn_blocking` in async code.
