@@ -62,6 +62,7 @@ mod subscription;
 mod tag;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tls;
 mod transport;
 mod walk;
 
