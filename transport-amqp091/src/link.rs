@@ -368,7 +368,9 @@ fn tls_settings(config: &AmqpConfig) -> Result<Option<Tls>, TransportError> {
             reason: reason.to_owned(),
         },
     };
-    if config.external_auth() && config.tls().and_then(|t| t.client_identity()).is_none() {
+    let external = config.external_auth()
+        || first.query.auth_mechanism == Some(lapin::uri::SASLMechanism::External);
+    if external && config.tls().and_then(|t| t.client_identity()).is_none() {
         return Err(refuse(
             "the client certificate",
             "an EXTERNAL login needs one (TlsConfig::with_client_identity)",
