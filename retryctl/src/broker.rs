@@ -1,11 +1,12 @@
 //! The connection, and questions to the broker that leave it as it is.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use retry_core::{ExchangeKind, TransportError};
+use retry_core::{ExchangeKind, TlsConfig, TransportError};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 use crate::error::CliError;
@@ -15,12 +16,23 @@ const NOT_FOUND: u16 = 404;
 /// How long connecting may take before the command gives up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// Connects to `url`. The connection does not recover by itself: a command that loses it
-/// fails and says so.
+/// The TLS settings of the `--tls-*` options: one command, one broker, set once.
+static TLS: OnceLock<TlsConfig> = OnceLock::new();
+
+/// Connects with `tls` (`--tls-*`) from now on.
+pub fn use_tls(tls: TlsConfig) {
+    let _ = TLS.set(tls);
+}
+
+/// Connects to `url`, with the `--tls-*` settings. The connection does not recover by
+/// itself: a command that loses it fails and says so.
 pub async fn connect(url: &str) -> Result<AmqpTransport, CliError> {
-    let config = AmqpConfig::new(url)
+    let mut config = AmqpConfig::new(url)
         .with_connection_name("retryctl")
         .with_auto_recover(false);
+    if let Some(tls) = TLS.get() {
+        config = config.with_tls(tls.clone());
+    }
     let at = config.redacted_url();
     match tokio::time::timeout(CONNECT_TIMEOUT, AmqpTransport::connect(config)).await {
         Ok(Ok(transport)) => Ok(transport),

@@ -29,6 +29,16 @@
 //! separated by commas name the nodes of a cluster: `retryctl` connects to the first that
 //! answers, and the topology commands plan quorum queues unless `--classic` is given.
 //!
+//! An `amqps://` URL trusts the platform's CA certificates and checks the URL's host;
+//! `--tls-ca FILE` trusts a CA of your own instead, `--tls-cert FILE --tls-key FILE`
+//! presents a client certificate, and `--tls-server-name NAME` checks the certificate (and
+//! sends SNI) for a name other than the URL's host. Adding `?auth_mechanism=external` to
+//! the URL logs in with the client certificate (SASL `EXTERNAL`). These options apply to
+//! AMQP 0-9-1 and are refused with another protocol; TLS settings with an `amqp://` URL are
+//! refused too. A refused handshake names the check that failed (unknown CA, wrong host
+//! name, expired certificate, a port that does not speak TLS, ...): see the guide's
+//! `docs/tls.md`.
+//!
 //! The protocol follows the URL's scheme: `amqp://` and `amqps://` speak AMQP 0-9-1
 //! (transport-amqp091), or AMQP 1.0 (transport-amqp10, RabbitMQ's AMQP 1.0 plugin) with
 //! `--protocol amqp10` (or `RETRYCTL_PROTOCOL=amqp10`); `nats://` and `tls://` speak NATS
@@ -65,6 +75,7 @@ mod render;
 mod topology;
 mod verify;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -108,8 +119,67 @@ struct Cli {
     )]
     protocol: Option<Protocol>,
 
+    /// A PEM file of CA certificates to trust for an amqps:// URL, in place of the
+    /// platform's.
+    #[arg(long, global = true, env = "RETRYCTL_TLS_CA", value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+
+    /// A PEM file with the client certificate to present over amqps:// (with --tls-key).
+    #[arg(
+        long,
+        global = true,
+        env = "RETRYCTL_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
+    tls_cert: Option<PathBuf>,
+
+    /// The PEM file of the client certificate's private key (with --tls-cert).
+    #[arg(
+        long,
+        global = true,
+        env = "RETRYCTL_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    tls_key: Option<PathBuf>,
+
+    /// The name the broker's certificate is checked against, and sent as SNI, in place of
+    /// the URL's host.
+    #[arg(
+        long,
+        global = true,
+        env = "RETRYCTL_TLS_SERVER_NAME",
+        value_name = "NAME"
+    )]
+    tls_server_name: Option<String>,
+
     #[command(subcommand)]
     command: Command,
+}
+
+impl Cli {
+    /// The TLS settings of the `--tls-*` options, if any is given.
+    fn tls(&self) -> Option<retry_core::TlsConfig> {
+        let given = self.tls_ca.is_some()
+            || self.tls_cert.is_some()
+            || self.tls_key.is_some()
+            || self.tls_server_name.is_some();
+        if !given {
+            return None;
+        }
+        let mut tls = retry_core::TlsConfig::new();
+        if let Some(ca) = &self.tls_ca {
+            tls = tls.with_ca_file(ca);
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            tls = tls.with_client_identity(cert, key);
+        }
+        if let Some(name) = &self.tls_server_name {
+            tls = tls.with_server_name(name);
+        }
+        Some(tls)
+    }
 }
 
 /// The command groups.
@@ -148,6 +218,14 @@ fn run(cli: Cli) -> Result<(), CliError> {
         url: &cli.url,
         protocol: cli.protocol,
     };
+    if let Some(tls) = cli.tls() {
+        if broker.protocol()? != Protocol::Amqp091 {
+            return Err(CliError::usage(
+                "--tls-ca, --tls-cert, --tls-key and --tls-server-name apply to AMQP 0-9-1 only",
+            ));
+        }
+        broker::use_tls(tls);
+    }
     match cli.command {
         Command::Parked(command) => parked::run(command, &broker),
         Command::Topology(command) => topology::run(command, &broker),

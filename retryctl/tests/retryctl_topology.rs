@@ -548,3 +548,49 @@ async fn the_password_of_the_url_is_never_printed() {
     assert!(shown(&applied).contains(&redacted), "{applied:?}");
     assert!(shown(&verified).contains(&redacted), "{verified:?}");
 }
+
+#[tokio::test]
+async fn apply_over_tls_with_the_tls_options_and_refusals_that_name_the_check() {
+    let Some(node) = transport_amqp091::testing::tls_node("retryctl over TLS") else {
+        return;
+    };
+    let queue = common::unique("retryctl-tls");
+    let policy = PolicyFile::new(POLICY);
+    let ca = node.cert("ca.pem");
+    let ca = ca.to_str().unwrap();
+    // The node's certificate names `localhost`, not 127.0.0.1.
+    let url = format!("amqps://guest:guest@127.0.0.1:{}/%2f", node.tls_port);
+    let apply = |extra: &[&str]| {
+        let mut args = vec!["topology", "apply", &queue, "--policy", policy.path()];
+        args.extend_from_slice(extra);
+        args.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>| {
+        let url = url.clone();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            retryctl_with_env(&args, &url).await
+        }
+    };
+
+    let wrong_name = run(apply(&["--tls-ca", ca])).await;
+    let applied = run(apply(&["--tls-ca", ca, "--tls-server-name", "localhost"])).await;
+    let half_identity = run(apply(&["--tls-ca", ca, "--tls-cert", ca])).await;
+    let amqp10 = run(apply(&["--tls-ca", ca, "--protocol", "amqp10"])).await;
+    let plain = AmqpConfig::new(format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f",
+        node.plain_port
+    ));
+    teardown(&plain, &plan(&queue)).await;
+
+    assert_eq!(wrong_name.code, 1, "{wrong_name:?}");
+    assert!(
+        wrong_name.stderr.contains("not valid for 127.0.0.1"),
+        "{wrong_name:?}"
+    );
+    assert_eq!(applied.code, 0, "{applied:?}");
+    assert!(applied.stdout.contains("8 created"), "{applied:?}");
+    assert_eq!(half_identity.code, 2, "{half_identity:?}");
+    assert_eq!(amqp10.code, 2, "{amqp10:?}");
+    assert!(amqp10.stderr.contains("AMQP 0-9-1 only"), "{amqp10:?}");
+}

@@ -31,6 +31,10 @@ struct ParkingLot;
 #[doc = include_str!("../../docs/clusters.md")]
 struct Clusters;
 
+/// `docs/tls.md`.
+#[doc = include_str!("../../docs/tls.md")]
+struct Tls;
+
 /// `docs/transports.md`.
 #[doc = include_str!("../../docs/transports.md")]
 struct Transports;

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use retry_core::{NodeListError, QueueType, redact_url};
+use retry_core::{NodeListError, QueueType, TlsConfig, redact_url};
 
 use crate::nodes::{self, Node, NodeOrder};
 
@@ -47,6 +47,8 @@ pub struct AmqpConfig {
     connection_name: Option<String>,
     ack_flush_interval: Duration,
     auto_recover: bool,
+    tls: Option<TlsConfig>,
+    external_auth: bool,
 }
 
 impl AmqpConfig {
@@ -71,6 +73,8 @@ impl AmqpConfig {
             connection_name: None,
             ack_flush_interval: Duration::from_millis(20),
             auto_recover: true,
+            tls: None,
+            external_auth: false,
         }
     }
 
@@ -283,6 +287,79 @@ impl AmqpConfig {
         self
     }
 
+    /// The TLS settings of `amqps://` URLs: which CAs to trust (the platform's roots by
+    /// default), a client certificate and key to present, and the name the server's
+    /// certificate is checked against (and sent as SNI) in place of the URL's host. Every
+    /// node of a cluster is reached with the same settings.
+    ///
+    /// The files are read when the transport connects. A refused handshake, or a file that
+    /// cannot be used, fails [`AmqpTransport::connect`](crate::AmqpTransport::connect) with
+    /// [`TransportError::Tls`](retry_core::TransportError::Tls) naming the node's
+    /// `host:port` and the [`TlsFailure`](retry_core::TlsFailure); an `amqps://` node is
+    /// never reached in plain TCP. Without this call, an `amqps://` URL trusts the
+    /// platform's roots and checks the URL's host. Given with an `amqp://` URL, the settings
+    /// are refused when connecting (with [`TlsFailure::Configuration`](retry_core::TlsFailure::Configuration)) rather than
+    /// ignored: the password would travel in clear.
+    ///
+    /// The guide's chapter on TLS (`docs/tls.md`) shows the broker's side.
+    ///
+    /// ```
+    /// use retry_core::TlsConfig;
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// // A broker reached by its address, whose certificate names `rabbit.internal`.
+    /// let config = AmqpConfig::new("amqps://app:s3cret@10.0.0.7:5671/%2f").with_tls(
+    ///     TlsConfig::new()
+    ///         .with_ca_file("/etc/app/tls/ca.pem")
+    ///         .with_server_name("rabbit.internal"),
+    /// );
+    /// assert_eq!(config.tls().unwrap().server_name(), Some("rabbit.internal"));
+    /// assert!(!format!("{config:?}").contains("s3cret"));
+    /// ```
+    pub fn with_tls(mut self, tls: TlsConfig) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// The TLS settings, if given.
+    pub fn tls(&self) -> Option<&TlsConfig> {
+        self.tls.as_ref()
+    }
+
+    /// Logs in with SASL `EXTERNAL`: the broker takes the user from the client certificate
+    /// of [`with_tls`](Self::with_tls) (on RabbitMQ, with the `rabbitmq_auth_mechanism_ssl`
+    /// plugin, by default from the certificate's distinguished name, or its common name with
+    /// `ssl_cert_login_from = common_name`), and any user and password in the URL are not
+    /// sent. Off by default: it is never chosen by itself, so that a client certificate
+    /// can be presented for the TLS handshake alone while logging in with a password.
+    ///
+    /// Connecting without a client certificate is refused with
+    /// [`TlsFailure::Configuration`](retry_core::TlsFailure::Configuration). The URL option
+    /// `?auth_mechanism=external` does the same as this call.
+    ///
+    /// ```
+    /// use retry_core::TlsConfig;
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// let config = AmqpConfig::new("amqps://rabbit.internal:5671/%2f")
+    ///     .with_tls(
+    ///         TlsConfig::new()
+    ///             .with_ca_file("/etc/app/tls/ca.pem")
+    ///             .with_client_identity("/etc/app/tls/client.pem", "/etc/app/tls/client.key"),
+    ///     )
+    ///     .with_external_auth();
+    /// assert!(config.external_auth());
+    /// ```
+    pub fn with_external_auth(mut self) -> Self {
+        self.external_auth = true;
+        self
+    }
+
+    /// Whether the login is SASL `EXTERNAL`.
+    pub fn external_auth(&self) -> bool {
+        self.external_auth
+    }
+
     /// The confirm timeout.
     pub fn confirm_timeout(&self) -> Duration {
         self.confirm_timeout
@@ -337,6 +414,8 @@ impl fmt::Debug for AmqpConfig {
             .field("connection_name", &self.connection_name)
             .field("ack_flush_interval", &self.ack_flush_interval)
             .field("auto_recover", &self.auto_recover)
+            .field("tls", &self.tls)
+            .field("external_auth", &self.external_auth)
             .finish()
     }
 }

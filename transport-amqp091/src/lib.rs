@@ -4,7 +4,15 @@
 //!
 //! * [`AmqpTransport::connect`] opens one connection with a publishing channel in confirm
 //!   mode; each subscription ([`AmqpSubscription`]) gets a channel of its own, and suspects
-//!   are fetched with `basic.get` on another. `amqps://` URLs use rustls.
+//!   are fetched with `basic.get` on another.
+//! * TLS: `amqps://` URLs use rustls (ring). [`AmqpConfig::with_tls`] takes a
+//!   [`TlsConfig`](retry_core::TlsConfig): a CA file in place of the platform's roots, a
+//!   client certificate and key, and a server-name override (checked, and sent as SNI);
+//!   [`AmqpConfig::with_external_auth`] logs in with the certificate (SASL `EXTERNAL`). A
+//!   refused handshake fails with
+//!   [`TransportError::Tls`](retry_core::TransportError::Tls), naming the node's
+//!   `host:port` and the [`TlsFailure`](retry_core::TlsFailure); an `amqps://` node is
+//!   never reached in plain TCP.
 //! * `provision` declares a [`TopologyPlan`](retry_core::TopologyPlan) idempotently and
 //!   reports an existing, differently declared object by name and argument
 //!   ([`TransportError::TopologyConflict`](retry_core::TransportError::TopologyConflict)).
@@ -37,7 +45,8 @@
 //!
 //! The guide, in the repository's `docs/` folder, covers what this transport does on
 //! RabbitMQ (`docs/transports.md`), embedding the engine with the [`embed`] glue
-//! (`docs/embedding.md`), node lists, failover and quorum queues (`docs/clusters.md`), the
+//! (`docs/embedding.md`), node lists, failover and quorum queues (`docs/clusters.md`), TLS
+//! (`docs/tls.md`), the
 //! parking lot and `retryctl` (`docs/parking-lot.md`), the benchmarks against plain lapin
 //! (`docs/benchmarks.md`) and the known limitations (`docs/limitations.md`).
 //!
@@ -62,6 +71,7 @@ mod subscription;
 mod tag;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tls;
 mod transport;
 mod walk;
 

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use lapin::tcp::AsyncTcpStream;
 use lapin::{Connection, ConnectionProperties, Event};
-use retry_core::TransportError;
+use retry_core::{TlsFailure, TransportError};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
@@ -40,6 +40,7 @@ use crate::config::AmqpConfig;
 use crate::error::{closes_only_a_channel, connection_error};
 use crate::handed::{Handed, refusal};
 use crate::nodes::{self, NodeOrder, Nodes};
+use crate::tls::{self, Tls};
 
 /// How many rounds over the nodes a recovery makes before it gives up, each after a pause
 /// that doubles up to the maximum reconnect delay: with the default 5 s, about a day.
@@ -78,14 +79,25 @@ impl Link {
             NodeOrder::Shuffled => nodes::shuffled(list.len()),
         };
         let (min_delay, max_delay) = config.reconnect_delay();
+        let tls = tls_settings(&config)?;
         let nodes = Arc::new(Nodes::new(
             order.iter().map(|&i| list[i].clone()).collect(),
             min_delay,
             max_delay,
+            tls,
         ));
         let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
         let answers = nodes.survey(&runtime).await.map_err(invalid)?;
         if answers.iter().all(Result::is_err) {
+            // A TLS refusal is a fault of the settings or of the broker's certificate, not
+            // of the network: it is the error, even beside nodes that did not answer.
+            if let Some(refused) = answers
+                .iter()
+                .filter_map(|a| a.as_ref().err())
+                .find_map(|e| tls::refusal_in(e))
+            {
+                return Err(refused.into());
+            }
             let addresses: Vec<&str> = (0..nodes.len()).map(|i| nodes.address(i)).collect();
             let mut errors: Vec<(String, std::io::Error)> = answers
                 .into_iter()
@@ -341,6 +353,46 @@ fn close_if_it_recovers(old: Arc<Connection>) {
     });
 }
 
+/// The TLS side of `config`: read from its files when a node is `amqps`. TLS settings for
+/// `amqp` nodes, or an `EXTERNAL` login without a client certificate, are refused rather
+/// than ignored.
+fn tls_settings(config: &AmqpConfig) -> Result<Option<Tls>, TransportError> {
+    let list = config
+        .node_list()
+        .map_err(|e| TransportError::Other(Box::new(e)))?;
+    let first = &list[0].uri;
+    let refuse = |file: &str, reason: &str| TransportError::Tls {
+        endpoint: tls::endpoint(first),
+        failure: TlsFailure::Configuration {
+            file: file.to_owned(),
+            reason: reason.to_owned(),
+        },
+    };
+    let external = config.external_auth()
+        || first.query.auth_mechanism == Some(lapin::uri::SASLMechanism::External);
+    if external && config.tls().and_then(|t| t.client_identity()).is_none() {
+        return Err(refuse(
+            "the client certificate",
+            "an EXTERNAL login needs one (TlsConfig::with_client_identity)",
+        ));
+    }
+    if first.scheme != lapin::uri::AMQPScheme::AMQPS {
+        return match config.tls() {
+            Some(_) => Err(refuse(
+                "the URL",
+                "TLS settings are given for an amqp:// URL: use amqps://",
+            )),
+            None => Ok(None),
+        };
+    }
+    let settings = config.tls().cloned().unwrap_or_default();
+    let tls = Tls::new(&settings).map_err(|failure| TransportError::Tls {
+        endpoint: tls::endpoint(first),
+        failure,
+    })?;
+    Ok(Some(tls))
+}
+
 /// A lapin connection to the first node of `nodes` that answers, recovered by lapin through
 /// the node list, with the socket it was handed. Opening it (TCP, TLS and the AMQP
 /// handshake) takes at most the connect timeout; a connection not open by then, or that
@@ -362,11 +414,15 @@ async fn connect(
         properties = properties.with_connection_name(name.into());
     }
     let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
+    let mut uri = nodes.handshake_uri();
+    if config.external_auth() {
+        uri.query.auth_mechanism = Some(lapin::uri::SASLMechanism::External);
+    }
     let streams = Arc::clone(nodes);
     let handed = Handed::new();
     let keeper = Arc::clone(&handed);
     let connecting = Connection::connector(
-        nodes.handshake_uri(),
+        uri,
         runtime,
         async move |_uri, runtime| {
             if keeper.given_up() {
@@ -388,6 +444,17 @@ async fn connect(
     let timeout = config.connect_timeout();
     let failed = |source: Box<dyn std::error::Error + Send + Sync>| {
         handed.give_up();
+        if let Some(refused) = tls::refusal_in(source.as_ref()) {
+            return refused.into();
+        }
+        // A server that refuses the client's certificate says so with an alert after the
+        // client's side of a TLS 1.3 handshake is done: it reaches lapin's first read.
+        if let (Some(alert), Some(i)) = (tls::alert_in(source.as_ref()), nodes.current()) {
+            return TransportError::Tls {
+                endpoint: nodes.endpoint(i),
+                failure: alert,
+            };
+        }
         let node = nodes
             .current()
             .map_or_else(|| config.redacted_url(), |i| nodes.address(i).to_owned());

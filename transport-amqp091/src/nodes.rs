@@ -24,11 +24,13 @@ use std::time::{Duration, Instant};
 use async_rs::Runtime;
 use async_rs::traits::{Reactor, RuntimeKit};
 use futures::io::{AsyncReadExt, AsyncWriteExt};
-use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, OwnedTLSConfig};
+use lapin::tcp::AsyncTcpStream;
 use lapin::types::AMQPValue;
-use lapin::uri::AMQPUri;
+use lapin::uri::{AMQPScheme, AMQPUri};
 use retry_core::{NodeListError, redact_url};
 use tracing::{error, info, warn};
+
+use crate::tls::{Tls, TlsRefused};
 
 /// The order the nodes of a list are tried in.
 ///
@@ -179,6 +181,8 @@ pub(crate) struct Nodes {
     state: Mutex<State>,
     /// How many times a stream was asked for: lapin's (re)connection attempts.
     attempts: AtomicU64,
+    /// The TLS settings of `amqps` nodes.
+    tls: Option<Tls>,
 }
 
 /// How long a probe of one node (TCP connect and `connection.start`), or the TCP (and TLS)
@@ -186,8 +190,13 @@ pub(crate) struct Nodes {
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Nodes {
-    /// `nodes` in the order they are tried in.
-    pub(crate) fn new(nodes: Vec<Node>, min_delay: Duration, max_delay: Duration) -> Self {
+    /// `nodes` in the order they are tried in, `amqps` ones with `tls`.
+    pub(crate) fn new(
+        nodes: Vec<Node>,
+        min_delay: Duration,
+        max_delay: Duration,
+        tls: Option<Tls>,
+    ) -> Self {
         let state = State {
             health: vec![Health::default(); nodes.len()],
             ..State::default()
@@ -198,6 +207,7 @@ impl Nodes {
             max_delay: max_delay.max(min_delay),
             state: Mutex::new(state),
             attempts: AtomicU64::new(0),
+            tls,
         }
     }
 
@@ -213,6 +223,11 @@ impl Nodes {
     /// The address of node `i`, password redacted.
     pub(crate) fn address(&self, i: usize) -> &str {
         &self.nodes[i].address
+    }
+
+    /// The `host:port` of node `i`, as a TLS refusal names it.
+    pub(crate) fn endpoint(&self, i: usize) -> String {
+        crate::tls::endpoint(&self.nodes[i].uri)
     }
 
     /// The URI lapin's handshake uses: the first node's (they agree on all it reads).
@@ -277,9 +292,11 @@ impl Nodes {
         let several = self.nodes.len() > 1;
         let answers = futures::future::join_all(self.nodes.iter().map(|n| async move {
             if several {
-                probe(&n.uri, runtime).await
+                probe(&n.uri, self.tls.as_ref(), runtime).await
             } else {
-                reach(&n.uri, runtime).await.map(|()| None)
+                reach(&n.uri, self.tls.as_ref(), runtime)
+                    .await
+                    .map(|()| None)
             }
         }))
         .await;
@@ -342,7 +359,7 @@ impl Nodes {
         for i in candidates {
             let node = &self.nodes[i];
             if several {
-                match probe(&node.uri, runtime).await {
+                match probe(&node.uri, self.tls.as_ref(), runtime).await {
                     Ok(name) => {
                         let mut s = self.lock();
                         if let Err(e) = self.check_cluster(&mut s, i, name) {
@@ -360,8 +377,7 @@ impl Nodes {
                     }
                 }
             }
-            let tls = OwnedTLSConfig::default();
-            let connecting = node.uri.connect_with_config_async(tls.as_ref(), runtime);
+            let connecting = open(&node.uri, self.tls.as_ref(), runtime);
             let connected = tokio::time::timeout(PROBE_TIMEOUT, connecting)
                 .await
                 .unwrap_or_else(|_| Err(timed_out("no connection")));
@@ -384,17 +400,43 @@ impl Nodes {
     }
 }
 
+/// A TCP stream to `uri`'s node, and for `amqps` the TLS handshake on it with `tls`. An
+/// `amqps` node without TLS settings is refused, never reached in plain TCP.
+async fn open<RK: RuntimeKit + Send + Sync>(
+    uri: &AMQPUri,
+    tls: Option<&Tls>,
+    runtime: &Runtime<RK>,
+) -> std::io::Result<AsyncTcpStream<<RK as Reactor>::TcpStream>> {
+    let addresses = runtime.to_socket_addrs((uri.authority.host.clone(), uri.authority.port));
+    let stream = AsyncTcpStream::connect(runtime, addresses).await?;
+    match (&uri.scheme, tls) {
+        (AMQPScheme::AMQP, _) => Ok(stream),
+        (AMQPScheme::AMQPS, Some(tls)) => tls.handshake(uri, stream).await,
+        (AMQPScheme::AMQPS, None) => Err(std::io::Error::other(TlsRefused {
+            endpoint: crate::tls::endpoint(uri),
+            failure: retry_core::TlsFailure::Configuration {
+                file: "the TLS settings".into(),
+                reason: "missing for an amqps:// node".into(),
+            },
+        })),
+    }
+}
+
 /// Opens a TCP (and for `amqps`, TLS) connection to `uri`'s node and closes it.
 async fn reach<RK: RuntimeKit + Send + Sync>(
     uri: &AMQPUri,
+    tls: Option<&Tls>,
     runtime: &Runtime<RK>,
 ) -> std::io::Result<()> {
-    let tls = OwnedTLSConfig::default();
-    let connect = uri.connect_with_config_async(tls.as_ref(), runtime);
+    let connect = open(uri, tls, runtime);
     match tokio::time::timeout(PROBE_TIMEOUT, connect).await {
         Ok(stream) => {
-            let _ = stream?.close().await;
-            Ok(())
+            let mut stream = stream?;
+            let _ = stream.close().await;
+            match tls {
+                Some(tls) if tls.presents_a_certificate() => tls.verdict(uri, stream).await,
+                _ => Ok(()),
+            }
         }
         Err(_) => Err(timed_out("no connection")),
     }
@@ -413,11 +455,11 @@ fn timed_out(what: &str) -> std::io::Error {
 /// without a cluster name.
 async fn probe<RK: RuntimeKit + Send + Sync>(
     uri: &AMQPUri,
+    tls: Option<&Tls>,
     runtime: &Runtime<RK>,
 ) -> std::io::Result<Option<String>> {
     let exchange = async {
-        let tls = OwnedTLSConfig::default();
-        let mut stream = uri.connect_with_config_async(tls.as_ref(), runtime).await?;
+        let mut stream = open(uri, tls, runtime).await?;
         stream.write_all(b"AMQP\x00\x00\x09\x01").await?;
         stream.flush().await?;
         let mut header = [0u8; 7];
@@ -521,6 +563,7 @@ mod tests {
             parse(&["amqp://h1", "amqp://h2", "amqp://h3"]).unwrap(),
             Duration::from_secs(60),
             Duration::from_secs(600),
+            None,
         );
         let mut s = nodes.lock();
         assert_eq!(nodes.candidates(&s), [0, 1, 2]);
@@ -579,6 +622,7 @@ mod tests {
             .unwrap(),
             Duration::from_millis(100),
             Duration::from_secs(5),
+            None,
         );
         let mut s = nodes.lock();
         // A node that tells no name is never refused, and sets nothing.

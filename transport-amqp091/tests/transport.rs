@@ -281,8 +281,26 @@ async fn passwords_stay_out_of_errors_and_debug_output() {
         .unwrap_err();
     let text = format!("{err} {err:?}");
     assert!(!text.contains("hunter2"), "{text}");
-    assert!(text.contains("amqps://guest:****@127.0.0.1"), "{text}");
-    // lapin's error is kept whole as the source, not flattened into the message.
+    // A typed refusal naming the endpoint (host and port, no user) and the failed check.
+    match &err {
+        TransportError::Tls { endpoint, failure } => {
+            assert_eq!(endpoint, "127.0.0.1:5672");
+            assert_eq!(failure, &retry_core::TlsFailure::NotTls);
+        }
+        other => panic!("not a TLS refusal: {other:?}"),
+    }
+
+    // Any other failure to connect keeps lapin's error whole as the source, not flattened
+    // into the message, and names the node with its password redacted.
+    let config =
+        AmqpConfig::new("amqp://guest:hunter2-secret@127.0.0.1:1/%2f").with_auto_recover(false);
+    let err = tokio::time::timeout(secs(20), AmqpTransport::connect(config))
+        .await
+        .expect("a refused connection fails quickly")
+        .unwrap_err();
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("amqp://guest:****@127.0.0.1:1"), "{text}");
     let source = std::error::Error::source(&err).expect("the client's error is the source");
     assert!(
         source.downcast_ref::<lapin::Error>().is_some(),
