@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use retry_core::{NodeListError, PASSWORD_MASK, redact_url};
+use retry_core::{NodeListError, PASSWORD_MASK, TlsConfig, redact_url};
 
 use crate::profile::BrokerProfile;
 
@@ -49,7 +49,17 @@ pub struct Amqp10Config {
     fetch_wait: Duration,
     reverify_after: Duration,
     idle_timeout: Option<Duration>,
-    tls: Option<Arc<rustls::ClientConfig>>,
+    tls: Option<TlsSetup>,
+    sasl_external: bool,
+}
+
+/// Where the TLS client configuration of `amqps://` connections comes from.
+#[derive(Clone)]
+pub(crate) enum TlsSetup {
+    /// Built from these settings, reading their files, for each connection.
+    Settings(TlsConfig),
+    /// Given whole by the application.
+    Client(Arc<rustls::ClientConfig>),
 }
 
 impl Amqp10Config {
@@ -66,6 +76,7 @@ impl Amqp10Config {
             reverify_after: Duration::from_secs(5),
             idle_timeout: Some(Duration::from_secs(60)),
             tls: None,
+            sasl_external: false,
         }
     }
 
@@ -180,11 +191,86 @@ impl Amqp10Config {
         self
     }
 
-    /// The TLS client configuration for `amqps://` URLs. Default: the `webpki-roots`
-    /// certificate authorities with rustls' `ring` provider.
-    pub fn with_tls_config(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
-        self.tls = Some(tls);
+    /// What `amqps://` connections trust and present: CA files in place of the public
+    /// roots, a client certificate and key, a server name in place of the URL's host.
+    /// Default: the `webpki-roots` certificate authorities, the URL's host, no client
+    /// certificate. Replaces a configuration given with
+    /// [`with_tls_config`](Self::with_tls_config).
+    ///
+    /// The files are read each time a connection opens (so a renewed certificate is picked
+    /// up by the next one); one that cannot be read or parsed fails that connection with
+    /// [`TransportError::Tls`](retry_core::TransportError::Tls) and
+    /// [`TlsFailure::Configuration`](retry_core::TlsFailure::Configuration) naming the file.
+    /// A refused handshake fails with the same variant naming the check (unknown CA, wrong
+    /// host name, expired certificate, a server that does not speak TLS, a server's alert);
+    /// an `amqps://` URL never falls back to plain TCP.
+    ///
+    /// A client certificate is presented during the handshake; the login is still the
+    /// URL's (SASL PLAIN, or ANONYMOUS without credentials) unless
+    /// [`with_sasl_external`](Self::with_sasl_external) logs in as the certificate.
+    ///
+    /// ```
+    /// use retry_core::TlsConfig;
+    /// use transport_amqp10::Amqp10Config;
+    ///
+    /// let config = Amqp10Config::new("amqps://app:s3cret@10.0.0.5:5671")
+    ///     .with_tls(
+    ///         TlsConfig::new()
+    ///             .with_ca_file("/etc/rabbitmq/ca.pem")
+    ///             .with_client_identity("/etc/app/client.pem", "/etc/app/client.key")
+    ///             // The broker's certificate names rabbit.internal, not the address.
+    ///             .with_server_name("rabbit.internal"),
+    ///     );
+    /// assert_eq!(config.tls().and_then(|t| t.server_name()), Some("rabbit.internal"));
+    /// assert!(!format!("{config:?}").contains("s3cret"));
+    /// ```
+    pub fn with_tls(mut self, tls: TlsConfig) -> Self {
+        self.tls = Some(TlsSetup::Settings(tls));
         self
+    }
+
+    /// A rustls client configuration for `amqps://` URLs, used as given: for what
+    /// [`with_tls`](Self::with_tls) does not cover (another crypto provider, a custom
+    /// verifier). The server name is the URL's host. Replaces settings given with
+    /// `with_tls`. Default: see `with_tls`.
+    pub fn with_tls_config(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
+        self.tls = Some(TlsSetup::Client(tls));
+        self
+    }
+
+    /// Logs in with SASL EXTERNAL: as the client certificate of the TLS connection
+    /// (given with [`with_tls`](Self::with_tls)), instead of with the URL's user and
+    /// password, which are then not used. Default: off (SASL PLAIN with the URL's
+    /// credentials, ANONYMOUS without).
+    ///
+    /// Only `amqps://` URLs can: on `amqp://` connecting fails with
+    /// [`TransportError::Unsupported`](retry_core::TransportError::Unsupported). The broker
+    /// must offer EXTERNAL; RabbitMQ does with the `rabbitmq_auth_mechanism_ssl` plugin,
+    /// `EXTERNAL` in `auth_mechanisms`, and a TLS listener that asks for client certificates
+    /// (`ssl_options.verify = verify_peer`); the user is the certificate's subject, or its
+    /// common name with `ssl_cert_login_from = common_name`, and needs no password.
+    ///
+    /// ```
+    /// use retry_core::TlsConfig;
+    /// use transport_amqp10::Amqp10Config;
+    ///
+    /// let config = Amqp10Config::new("amqps://rabbit.internal:5671")
+    ///     .with_tls(
+    ///         TlsConfig::new()
+    ///             .with_ca_file("/etc/rabbitmq/ca.pem")
+    ///             .with_client_identity("/etc/app/client.pem", "/etc/app/client.key"),
+    ///     )
+    ///     .with_sasl_external();
+    /// assert!(config.sasl_external());
+    /// ```
+    pub fn with_sasl_external(mut self) -> Self {
+        self.sasl_external = true;
+        self
+    }
+
+    /// Whether the login is SASL EXTERNAL.
+    pub fn sasl_external(&self) -> bool {
+        self.sasl_external
     }
 
     /// The broker profile.
@@ -227,8 +313,24 @@ impl Amqp10Config {
         self.idle_timeout
     }
 
-    /// The TLS configuration, if one was set.
+    /// The TLS settings given with [`with_tls`](Self::with_tls), if any.
+    pub fn tls(&self) -> Option<&TlsConfig> {
+        match &self.tls {
+            Some(TlsSetup::Settings(tls)) => Some(tls),
+            _ => None,
+        }
+    }
+
+    /// The rustls configuration given with [`with_tls_config`](Self::with_tls_config), if
+    /// any.
     pub fn tls_config(&self) -> Option<&Arc<rustls::ClientConfig>> {
+        match &self.tls {
+            Some(TlsSetup::Client(tls)) => Some(tls),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn tls_setup(&self) -> Option<&TlsSetup> {
         self.tls.as_ref()
     }
 
@@ -273,7 +375,15 @@ impl fmt::Debug for Amqp10Config {
             .field("fetch_wait", &self.fetch_wait)
             .field("reverify_after", &self.reverify_after)
             .field("idle_timeout", &self.idle_timeout)
-            .field("tls", &self.tls.is_some())
+            .field("sasl_external", &self.sasl_external)
+            .field(
+                "tls",
+                &match &self.tls {
+                    Some(TlsSetup::Settings(tls)) => Some(tls as &dyn fmt::Debug),
+                    Some(TlsSetup::Client(_)) => Some(&"a rustls ClientConfig" as &dyn fmt::Debug),
+                    None => None,
+                },
+            )
             .finish()
     }
 }

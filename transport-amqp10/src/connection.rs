@@ -1,6 +1,5 @@
-//! Opening connections (TCP or TLS, SASL PLAIN) and probing addresses.
+//! Opening connections (TCP or TLS; SASL PLAIN, ANONYMOUS or EXTERNAL) and probing addresses.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -17,7 +16,9 @@ use tokio::time::timeout;
 use tracing::warn;
 
 use crate::config::{Amqp10Config, Endpoint, Nodes};
+use crate::external;
 use crate::tap::Tap;
+use crate::tls;
 
 static LINK_NAMES: AtomicU64 = AtomicU64::new(0);
 
@@ -75,6 +76,13 @@ async fn open_inner(
     let failed = |what: &str, e: Box<dyn std::error::Error + Send + Sync>| {
         TransportError::connection_failed(format!("{what} {}", endpoint.redacted), e)
     };
+    let external = config.sasl_external();
+    if external && !endpoint.tls {
+        return Err(TransportError::Unsupported {
+            what: format!("SASL EXTERNAL on {}", endpoint.redacted),
+            why: "EXTERNAL logs in as the client certificate of a TLS connection: use an amqps:// URL and a client identity (Amqp10Config::with_tls)".into(),
+        });
+    }
     let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
         .await
         .map_err(|e| failed("connecting to", e.into()))?;
@@ -85,58 +93,73 @@ async fn open_inner(
         Some(id) => format!("{id}-{role}"),
         None => format!("retry-engine-{}-{role}", std::process::id()),
     };
-    let sasl = match &endpoint.credentials {
-        Some((user, password)) => SaslProfile::Plain {
-            username: user.clone(),
-            password: password.expose().to_owned(),
-        },
-        None => SaslProfile::Anonymous,
-    };
     // The scheme stays "amqp" for TLS too: the stream is already encrypted here, and
     // RabbitMQ's TLS port expects TLS first, not AMQP's TLS protocol header.
     let mut builder = Connection::builder()
         .container_id(container_id)
         .scheme("amqp")
         .hostname(endpoint.open_hostname.as_str())
-        .sasl_hostname(endpoint.host.as_str())
-        .sasl_profile(sasl);
+        .sasl_hostname(endpoint.host.as_str());
+    // With EXTERNAL the SASL layer is done before fe2o3 gets the stream (see `external`).
+    if !external {
+        builder = builder.sasl_profile(match &endpoint.credentials {
+            Some((user, password)) => SaslProfile::Plain {
+                username: user.clone(),
+                password: password.expose().to_owned(),
+            },
+            None => SaslProfile::Anonymous,
+        });
+    }
     if let Some(idle) = config.idle_timeout() {
         builder = builder.idle_time_out(u32::try_from(idle.as_millis()).unwrap_or(u32::MAX));
     }
-    let opened = if endpoint.tls {
-        let tls = match config.tls_config() {
-            Some(tls) => Arc::clone(tls),
-            None => default_tls().map_err(|e| failed("TLS setup for", e.into()))?,
-        };
-        let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
-            .map_err(|e| failed("TLS server name for", e.into()))?;
-        let stream = tokio_rustls::TlsConnector::from(tls)
-            .connect(name, tcp)
-            .await
-            .map_err(|e| failed("TLS handshake with", e.into()))?;
-        let (stream, tap) = Tap::wrap(stream);
-        (builder.open_with_stream(stream).await, tap)
-    } else {
+    if !endpoint.tls {
         let (stream, tap) = Tap::wrap(tcp);
-        (builder.open_with_stream(stream).await, tap)
-    };
-    let (opened, tap) = opened;
-    opened
-        .map(|connection| (connection, tap))
-        .map_err(|e| failed("opening AMQP 1.0 on", e.into()))
-}
+        let connection = builder
+            .open_with_stream(stream)
+            .await
+            .map_err(|e| failed("opening AMQP 1.0 on", e.into()))?;
+        return Ok((connection, tap));
+    }
 
-/// The `webpki-roots` authorities with rustls' `ring` provider, chosen explicitly so that no
-/// process-wide default provider is needed.
-fn default_tls() -> Result<Arc<rustls::ClientConfig>, rustls::Error> {
-    let mut roots = rustls::RootCertStore::empty();
-    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(Arc::new(config))
+    let setup = config.tls_setup();
+    let name = tls::checked_name(setup, endpoint);
+    let presented = tls::presents_certificate(setup);
+    let (client, server_name) =
+        tls::client_for(setup, endpoint).map_err(|f| tls::refused(endpoint, f))?;
+    let mut stream = tokio_rustls::TlsConnector::from(client)
+        .connect(server_name, tcp)
+        .await
+        .map_err(|e| tls::refused(endpoint, tls::handshake_failure(&e, name)))?;
+    // With TLS 1.3 the client's handshake ends before the server has checked the client's
+    // certificate: its refusal arrives as the first answer to AMQP, or as a connection
+    // closed before any answer.
+    let refusal = |e: &(dyn std::error::Error + 'static), answered: bool| {
+        tls::failure_in(e, name).or_else(|| {
+            (presented && !answered && tls::closed(e)).then(tls::closed_after_handshake)
+        })
+    };
+    if external && let Err(e) = external::login(&mut stream, &endpoint.host).await {
+        let answered = !matches!(
+            &e,
+            external::ExternalError::Io {
+                answered: false,
+                ..
+            }
+        );
+        return Err(match refusal(&e, answered) {
+            Some(failure) => tls::refused(endpoint, failure),
+            None => failed("logging in with SASL EXTERNAL on", e.into()),
+        });
+    }
+    let (stream, tap) = Tap::wrap(stream);
+    let connection = builder.open_with_stream(stream).await.map_err(|e| {
+        match refusal(&e, external || tap.received() > 0) {
+            Some(failure) => tls::refused(endpoint, failure),
+            None => failed("opening AMQP 1.0 on", e.into()),
+        }
+    })?;
+    Ok((connection, tap))
 }
 
 /// How an address is checked for existence.

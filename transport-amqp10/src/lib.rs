@@ -125,10 +125,34 @@
 //! ## TLS and credentials
 //!
 //! `amqps://` URLs connect over TLS with rustls and its `ring` provider (no C toolchain
-//! needed), checked against the `webpki-roots` authorities unless
-//! [`Amqp10Config::with_tls_config`] supplies a configuration. Authentication is SASL PLAIN
-//! with the URL's credentials (ANONYMOUS without). The password appears in no log line,
-//! error or `Debug` output.
+//! needed). [`Amqp10Config::with_tls`] takes a [`TlsConfig`](retry_core::TlsConfig): CA
+//! files trusted in place of the `webpki-roots` authorities, a client certificate and key,
+//! and a server name checked (and sent as SNI) in place of the URL's host;
+//! [`Amqp10Config::with_tls_config`] takes a whole rustls configuration instead. A refused
+//! handshake fails with [`TransportError::Tls`](retry_core::TransportError::Tls) naming
+//! `host:port` and a [`TlsFailure`](retry_core::TlsFailure): an unknown CA, a wrong host
+//! name, an expired certificate, a server that does not answer with TLS (a plain port given
+//! as `amqps://`), the server's alert, a file that cannot be read or parsed. An `amqps://`
+//! URL is never retried on plain TCP.
+//!
+//! Authentication is SASL PLAIN with the URL's credentials (ANONYMOUS without), or SASL
+//! EXTERNAL with [`Amqp10Config::with_sasl_external`]: the client certificate is the login
+//! (RabbitMQ: the `rabbitmq_auth_mechanism_ssl` plugin). The password and key material
+//! appear in no log line, error or `Debug` output.
+//!
+//! ```
+//! use retry_core::TlsConfig;
+//! use transport_amqp10::Amqp10Config;
+//!
+//! let tls = TlsConfig::new()
+//!     .with_ca_file("/etc/rabbitmq/ca.pem")
+//!     .with_client_identity("/etc/app/client.pem", "/etc/app/client.key");
+//! // Log in as the certificate's user; the URL needs no credentials.
+//! let config = Amqp10Config::new("amqps://rabbit.internal:5671")
+//!     .with_tls(tls)
+//!     .with_sasl_external();
+//! # drop(config);
+//! ```
 //!
 //! ## Example
 //!
@@ -173,6 +197,7 @@ mod codec;
 mod config;
 mod connection;
 pub mod convert;
+mod external;
 mod fetch;
 mod profile;
 mod publisher;
@@ -181,6 +206,7 @@ mod scan;
 mod shared;
 mod subscription;
 mod tap;
+mod tls;
 mod transport;
 mod verification;
 mod walk;

@@ -79,6 +79,8 @@ struct Shared {
     refused: Mutex<VecDeque<Refused>>,
     /// Complete, not aborted transfers that came in on the connection.
     transfers: AtomicU64,
+    /// Bytes that came in on the connection.
+    received: AtomicU64,
 }
 
 /// The transport's side of a tapped connection.
@@ -103,6 +105,7 @@ impl Tap {
             flows: watch::Sender::new(FlowSeen::default()),
             refused: Mutex::new(VecDeque::new()),
             transfers: AtomicU64::new(0),
+            received: AtomicU64::new(0),
         });
         let tapped = Tapped {
             inner: stream,
@@ -122,6 +125,12 @@ impl Tap {
     /// How many complete transfers have come in on the connection.
     pub(crate) fn transfers(&self) -> u64 {
         self.shared.transfers.load(Ordering::Acquire)
+    }
+
+    /// How many bytes have come in on the connection: none means the broker has not
+    /// answered anything yet.
+    pub(crate) fn received(&self) -> u64 {
+        self.shared.received.load(Ordering::Acquire)
     }
 
     /// Takes what the tap knows of the message with `delivery_id` it kept from fe2o3, and
@@ -176,6 +185,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Tapped<S> {
                         this.eof = true;
                         this.frames.finish();
                     } else {
+                        this.shared.received.fetch_add(n as u64, Ordering::AcqRel);
                         this.frames.feed(&this.scratch[..n], &this.shared);
                     }
                 }
@@ -750,6 +760,7 @@ mod tests {
             flows: watch::Sender::new(FlowSeen::default()),
             refused: Mutex::new(VecDeque::new()),
             transfers: AtomicU64::new(0),
+            received: AtomicU64::new(0),
         })
     }
 

@@ -1,6 +1,7 @@
-//! Passwords never reach the logs: everything this crate and fe2o3-amqp trace, at every
-//! level, through a TLS failure, an unreachable broker, a refused login and a publishing
-//! connection the broker closed and the transport replaced.
+//! Passwords and keys never reach the logs: everything this crate and fe2o3-amqp trace, at
+//! every level, through TLS refusals (with a client certificate and key configured), an
+//! unreachable broker, a refused login and a publishing connection the broker closed and
+//! the transport replaced.
 //!
 //! A test binary of its own, because it installs the process-wide tracing subscriber.
 
@@ -12,18 +13,23 @@ use common::*;
 use retry_core::headers::EngineHeaders;
 use retry_core::{
     DeadLetterReason, Message, MessageParts, Properties, Publish, PublishResult, RetryPolicy,
-    TopologyPlan, Transport,
+    TlsConfig, TlsFailure, TopologyPlan, Transport, TransportError,
 };
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::testing::{LogRecorder, rabbitmqctl};
+use transport_amqp091::testing::{LogRecorder, rabbitmqctl, tls_node};
 
 async fn connect_error(url: String) -> String {
-    let config = Amqp10Config::new(url).with_connect_timeout(Duration::from_secs(5));
+    connect_error_with(Amqp10Config::new(url)).await.to_string()
+}
+
+async fn connect_error_with(config: Amqp10Config) -> TransportError {
+    let config = config.with_connect_timeout(Duration::from_secs(5));
+    tracing::info!(config = ?config, "connecting");
     let err = Amqp10Transport::connect(config)
         .await
         .expect_err("the connection fails");
     tracing::error!(error = &err as &dyn std::error::Error, debug = ?err, "connect failed");
-    err.to_string()
+    err
 }
 
 #[tokio::test]
@@ -34,6 +40,75 @@ async fn passwords_never_reach_the_logs() {
     // TLS to the plain port, a port nobody listens on.
     connect_error("amqps://guest:tls-secret-4712@127.0.0.1:5672".into()).await;
     connect_error("amqp://guest:refused-secret-4712@127.0.0.1:1".into()).await;
+
+    // TLS refusals on the TLS node, with a client certificate and key configured: by the
+    // client (a CA that signed nothing there, a wrong host name) and by the server (a
+    // client certificate of a CA it does not know).
+    let mut keys = Vec::new();
+    if let Some(node) = tls_node("TLS refusals in the logs") {
+        let identity = |cert: &str, key: &str| {
+            TlsConfig::new()
+                .with_ca_file(node.cert("ca.pem"))
+                .with_client_identity(node.cert(cert), node.cert(key))
+        };
+        let url = |host: &str| {
+            format!(
+                "amqps://guest:tls-refused-secret-4712@{host}:{}",
+                node.tls_port
+            )
+        };
+        let refusals = [
+            (
+                url("localhost"),
+                identity("client.pem", "client.key").with_server_name("rabbit.example"),
+            ),
+            (url("127.0.0.1"), identity("client.pem", "client.key")),
+            (url("localhost"), identity("other-ca.pem", "other-ca.key")),
+        ];
+        for (url, tls) in refusals {
+            let err = connect_error_with(Amqp10Config::new(url).with_tls(tls)).await;
+            assert!(
+                matches!(
+                    err,
+                    TransportError::Tls {
+                        failure: TlsFailure::WrongHostName { .. }
+                            | TlsFailure::RefusedByServer { .. },
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+        }
+        for file in ["client.key", "other-ca.key"] {
+            let pem = std::fs::read_to_string(node.cert(file)).expect("key file");
+            keys.extend(
+                pem.lines()
+                    .filter(|l| !l.starts_with("-----") && l.len() > 20)
+                    .map(str::to_owned),
+            );
+        }
+        assert!(!keys.is_empty());
+    }
+    // Checked here too, as the rest needs the machine's broker.
+    if !keys.is_empty() {
+        let refusals = logs.containing("TLS with");
+        assert!(
+            refusals.len() >= 3,
+            "the TLS refusals were not logged: {refusals:?}"
+        );
+    }
+    for line in &keys {
+        assert_eq!(
+            logs.containing(line),
+            Vec::<String>::new(),
+            "key material was logged"
+        );
+    }
+    assert_eq!(
+        logs.containing("tls-refused-secret-4712"),
+        Vec::<String>::new(),
+        "a TLS refusal logged the password"
+    );
 
     let Some(b) = broker().await else {
         return;
@@ -112,8 +187,16 @@ async fn passwords_never_reach_the_logs() {
     );
 
     assert!(logs.len() > 10, "only {} lines recorded", logs.len());
+    for line in &keys {
+        assert_eq!(
+            logs.containing(line),
+            Vec::<String>::new(),
+            "key material was logged"
+        );
+    }
     for secret in [
         "tls-secret-4712",
+        "tls-refused-secret-4712",
         "refused-secret-4712",
         "wrong-secret-4712",
         &secret,

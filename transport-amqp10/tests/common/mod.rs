@@ -34,23 +34,12 @@ pub fn url091() -> String {
 /// one it is skipped loudly, unless `REQUIRE_BROKER` is set (CI), where it fails.
 pub async fn broker() -> Option<Broker> {
     let attempt = async {
-        let setup = AmqpTransport::connect(AmqpConfig::new(url091()))
-            .await
-            .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
-        let channel = setup
-            .connection()
-            .create_channel()
-            .await
-            .map_err(|e| format!("channel: {e}"))?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| format!("confirm_select: {e}"))?;
+        let broker = broker_at(&url091()).await?;
         let probe = Amqp10Transport::connect(Amqp10Config::new(url10()))
             .await
             .map_err(|e| format!("AMQP 1.0: {e} (is rabbitmq_amqp1_0 enabled?)"))?;
         probe.close().await;
-        Ok::<_, String>(Broker { setup, channel })
+        Ok::<_, String>(broker)
     };
     match tokio::time::timeout(Duration::from_secs(15), attempt).await {
         Ok(Ok(broker)) => Some(broker),
@@ -63,6 +52,27 @@ pub async fn broker() -> Option<Broker> {
             None
         }
     }
+}
+
+/// The broker at the AMQP 0-9-1 `url`, for setup and inspection (the TLS tests' node).
+pub async fn broker_at(url: &str) -> Result<Broker, String> {
+    let setup = AmqpTransport::connect(AmqpConfig::new(url))
+        .await
+        .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
+    let channel = setup
+        .connection()
+        .create_channel()
+        .await
+        .map_err(|e| format!("channel: {e}"))?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| format!("confirm_select: {e}"))?;
+    Ok(Broker {
+        setup,
+        channel,
+        url: url.to_owned(),
+    })
 }
 
 /// A name no other test run uses.
@@ -83,6 +93,7 @@ pub fn unique(prefix: &str) -> String {
 pub struct Broker {
     setup: AmqpTransport,
     pub channel: Channel,
+    url: String,
 }
 
 /// Extra queue arguments a test adds to one queue of a plan: (queue, argument, value).
@@ -93,7 +104,10 @@ impl Broker {
     /// and redeclares any queue named in `extra` with those arguments added. The returned
     /// guard deletes the plan's objects when dropped.
     pub async fn declare(&self, plan: &TopologyPlan, skip: &[&str], extra: Extra) -> Cleanup {
-        let cleanup = Cleanup { plan: plan.clone() };
+        let cleanup = Cleanup {
+            plan: plan.clone(),
+            url: self.url.clone(),
+        };
         self.setup.provision(plan).await.expect("0-9-1 provision");
         for queue in plan.queues() {
             let skipped = skip.contains(&queue.name.as_str());
@@ -181,12 +195,13 @@ impl Broker {
 /// test panics.
 pub struct Cleanup {
     plan: TopologyPlan,
+    url: String,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
         // A test's cascade has a prefix of its own: it goes with the plan.
-        let config = AmqpConfig::new(url091());
+        let config = AmqpConfig::new(self.url.as_str());
         transport_amqp091::testing::delete_blocking(&config, std::slice::from_ref(&self.plan), &[]);
     }
 }
