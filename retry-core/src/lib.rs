@@ -153,7 +153,7 @@ mod parking;
 mod policy;
 pub mod returns;
 mod time;
-mod tls;
+pub mod tls;
 mod topology;
 mod transport;
 

@@ -13,15 +13,10 @@
 //! Nothing here retries on plain TCP: an `amqps://` node is reached with TLS or not at all.
 //! Errors name files and checks, never a password or the bytes of a key.
 
-use std::path::Path;
-use std::sync::Arc;
-
 use lapin::tcp::{AsyncTcpStream, RustlsConnector};
 use lapin::uri::AMQPUri;
 use retry_core::{TlsConfig, TlsFailure, TransportError};
-use rustls::pki_types::pem::{self, PemObject};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::{CertificateError, ClientConfig, RootCertStore};
+use rustls::RootCertStore;
 
 /// The TLS side of a transport: one rustls configuration for every node, and the name
 /// their certificates are checked against when it is not each node's host.
@@ -63,50 +58,14 @@ impl From<TlsRefused> for TransportError {
 
 /// `host:port` of a node: how a TLS refusal names it (never a user or password).
 pub(crate) fn endpoint(uri: &AMQPUri) -> String {
-    let host = &uri.authority.host;
-    if host.contains(':') {
-        format!("[{host}]:{}", uri.authority.port)
-    } else {
-        format!("{host}:{}", uri.authority.port)
-    }
+    retry_core::tls::endpoint(&uri.authority.host, uri.authority.port)
 }
 
 impl Tls {
     /// Reads the files of `config` and builds the client configuration. A file that cannot
     /// be read or used is a [`TlsFailure::Configuration`] naming it.
     pub(crate) fn new(config: &TlsConfig) -> Result<Self, TlsFailure> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| configuration("the TLS protocol versions", e.to_string()))?;
-        let roots = if config.ca_files().is_empty() {
-            platform_roots()?
-        } else {
-            let mut roots = RootCertStore::empty();
-            for file in config.ca_files() {
-                for cert in certificates(file)? {
-                    roots.add(cert).map_err(|e| {
-                        configuration(
-                            &file.display().to_string(),
-                            format!("not a usable CA certificate ({e})"),
-                        )
-                    })?;
-                }
-            }
-            roots
-        };
-        let builder = builder.with_root_certificates(roots);
-        let client = match config.client_identity() {
-            None => builder.with_no_client_auth(),
-            Some((cert, key)) => builder
-                .with_client_auth_cert(certificates(cert)?, private_key(key)?)
-                .map_err(|e| {
-                    configuration(
-                        &key.display().to_string(),
-                        format!("the key does not go with {} ({e})", cert.display()),
-                    )
-                })?,
-        };
+        let client = retry_core::tls::client_config(config, platform_roots)?;
         Ok(Tls {
             connector: RustlsConnector::from(client),
             server_name: config.server_name().map(str::to_owned),
@@ -191,61 +150,12 @@ fn platform_roots() -> Result<RootCertStore, TlsFailure> {
             .errors
             .first()
             .map_or_else(|| "none found".to_owned(), ToString::to_string);
-        return Err(configuration(
-            "the platform's CA certificates",
-            format!("no usable CA certificate ({why}); give a CA file"),
-        ));
+        return Err(TlsFailure::Configuration {
+            file: "the platform's CA certificates".into(),
+            reason: format!("no usable CA certificate ({why}); give a CA file"),
+        });
     }
     Ok(roots)
-}
-
-fn configuration(file: &str, reason: String) -> TlsFailure {
-    TlsFailure::Configuration {
-        file: file.to_owned(),
-        reason,
-    }
-}
-
-fn read(file: &Path) -> Result<Vec<u8>, TlsFailure> {
-    std::fs::read(file)
-        .map_err(|e| configuration(&file.display().to_string(), format!("cannot be read: {e}")))
-}
-
-/// Why a PEM file could not be parsed, in words of our own: the parser's errors can quote
-/// a line of the file, and a key file's lines are the key.
-fn pem_reason(e: &pem::Error, wanted: &str) -> String {
-    match e {
-        pem::Error::NoItemsFound => format!("no {wanted} in it"),
-        pem::Error::MissingSectionEnd { .. } => format!("a PEM section is not closed ({wanted})"),
-        pem::Error::IllegalSectionStart { .. } => "a PEM section starts with a bad line".into(),
-        pem::Error::Base64Decode(_) => "a PEM section is not valid base64".into(),
-        pem::Error::SectionTooLarge => "a PEM section is too large".into(),
-        _ => format!("not a PEM file with a {wanted}"),
-    }
-}
-
-/// The certificates of a PEM file, leaf first; at least one.
-fn certificates(file: &Path) -> Result<Vec<CertificateDer<'static>>, TlsFailure> {
-    let bytes = read(file)?;
-    let name = || file.display().to_string();
-    let certs = CertificateDer::pem_slice_iter(&bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| configuration(&name(), pem_reason(&e, "PEM certificate")))?;
-    if certs.is_empty() {
-        return Err(configuration(&name(), "no PEM certificate in it".into()));
-    }
-    Ok(certs)
-}
-
-/// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
-fn private_key(file: &Path) -> Result<PrivateKeyDer<'static>, TlsFailure> {
-    let bytes = read(file)?;
-    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| {
-        configuration(
-            &file.display().to_string(),
-            pem_reason(&e, "PEM private key"),
-        )
-    })
 }
 
 /// A failed handshake with `uri`'s node, its certificate checked against `name`: a
@@ -255,7 +165,7 @@ fn refused(uri: &AMQPUri, name: &str, e: std::io::Error) -> std::io::Error {
     let Some(failure) = e
         .get_ref()
         .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        .map(|r| failure(r, name))
+        .map(|r| retry_core::tls::failure(r, name))
     else {
         return e;
     };
@@ -266,36 +176,6 @@ fn refused(uri: &AMQPUri, name: &str, e: std::io::Error) -> std::io::Error {
             failure,
         },
     )
-}
-
-/// The check a rustls error says failed.
-pub(crate) fn failure(e: &rustls::Error, name: &str) -> TlsFailure {
-    use rustls::Error as R;
-    match e {
-        R::InvalidCertificate(c) => match c {
-            CertificateError::UnknownIssuer => TlsFailure::UnknownIssuer,
-            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => {
-                TlsFailure::WrongHostName {
-                    name: name.to_owned(),
-                }
-            }
-            CertificateError::Expired
-            | CertificateError::ExpiredContext { .. }
-            | CertificateError::NotValidYet
-            | CertificateError::NotValidYetContext { .. } => TlsFailure::Expired,
-            other => TlsFailure::Other(format!("invalid server certificate: {other:?}")),
-        },
-        // The first bytes of a plain AMQP (or any non-TLS) server are no TLS record: an
-        // AMQP protocol header starts with 'A', no record content type.
-        R::InvalidMessage(
-            rustls::InvalidMessage::InvalidContentType
-            | rustls::InvalidMessage::UnknownProtocolVersion,
-        ) => TlsFailure::NotTls,
-        R::AlertReceived(alert) => TlsFailure::RefusedByServer {
-            alert: format!("{alert:?}"),
-        },
-        other => TlsFailure::Other(other.to_string()),
-    }
 }
 
 /// The TLS refusal in `err` or its chain of sources, if there is one.
@@ -321,57 +201,15 @@ pub(crate) fn refusal_in(err: &(dyn std::error::Error + 'static)) -> Option<TlsR
 /// The TLS failure of a rustls error in `err` or its chain of sources, when rustls refused
 /// the connection after the handshake (a server's alert on the first read).
 pub(crate) fn alert_in(err: &(dyn std::error::Error + 'static)) -> Option<TlsFailure> {
-    let mut next = Some(err);
-    while let Some(e) = next {
-        let rustls = e.downcast_ref::<rustls::Error>().or_else(|| {
-            e.downcast_ref::<std::io::Error>()
-                .and_then(|io| io.get_ref())
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        });
-        if let Some(r @ rustls::Error::AlertReceived(_)) = rustls {
-            return Some(failure(r, ""));
-        }
-        next = e.source();
+    match retry_core::tls::rustls_error_in(err)? {
+        r @ rustls::Error::AlertReceived(_) => Some(retry_core::tls::failure(r, "")),
+        _ => None,
     }
-    None
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rustls::AlertDescription;
-
-    #[test]
-    fn each_refusal_names_the_check_that_failed() {
-        let cert = |c| rustls::Error::InvalidCertificate(c);
-        let cases = [
-            (
-                cert(CertificateError::UnknownIssuer),
-                TlsFailure::UnknownIssuer,
-            ),
-            (
-                cert(CertificateError::NotValidForName),
-                TlsFailure::WrongHostName {
-                    name: "127.0.0.1".into(),
-                },
-            ),
-            (cert(CertificateError::Expired), TlsFailure::Expired),
-            (cert(CertificateError::NotValidYet), TlsFailure::Expired),
-            (
-                rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType),
-                TlsFailure::NotTls,
-            ),
-            (
-                rustls::Error::AlertReceived(AlertDescription::CertificateRequired),
-                TlsFailure::RefusedByServer {
-                    alert: "CertificateRequired".into(),
-                },
-            ),
-        ];
-        for (error, want) in cases {
-            assert_eq!(failure(&error, "127.0.0.1"), want, "{error:?}");
-        }
-    }
 
     #[test]
     fn a_refusal_is_found_through_io_errors_and_lapin_errors() {
@@ -386,37 +224,5 @@ mod tests {
         assert_eq!(found.endpoint, "localhost:5671");
         let other = lapin::Error::from(std::io::Error::other("reset"));
         assert!(refusal_in(&other).is_none());
-    }
-
-    #[test]
-    fn unusable_files_are_configuration_failures_naming_the_file() {
-        let dir = std::env::temp_dir().join(format!("amqp091-tls-unit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let garbage = dir.join("garbage.pem");
-        std::fs::write(
-            &garbage,
-            "-----BEGIN PRIVATE KEY-----\nc2VjcmV0LWtleS1ieXRlcw==\n",
-        )
-        .unwrap();
-        let empty = dir.join("empty.pem");
-        std::fs::write(&empty, "nothing here\n").unwrap();
-        let missing = dir.join("missing.pem");
-        for (config, file) in [
-            (TlsConfig::new().with_ca_file(&missing), &missing),
-            (TlsConfig::new().with_ca_file(&empty), &empty),
-            (TlsConfig::new().with_ca_file(&garbage), &garbage),
-        ] {
-            match Tls::new(&config).unwrap_err() {
-                TlsFailure::Configuration {
-                    file: named,
-                    reason,
-                } => {
-                    assert_eq!(named, file.display().to_string());
-                    assert!(!reason.contains("c2VjcmV0"), "{reason}");
-                }
-                other => panic!("{file:?}: {other:?}"),
-            }
-        }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

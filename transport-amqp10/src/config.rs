@@ -50,7 +50,7 @@ pub struct Amqp10Config {
     reverify_after: Duration,
     idle_timeout: Option<Duration>,
     tls: Option<TlsSetup>,
-    sasl_external: bool,
+    external_auth: bool,
 }
 
 /// Where the TLS client configuration of `amqps://` connections comes from.
@@ -76,7 +76,7 @@ impl Amqp10Config {
             reverify_after: Duration::from_secs(5),
             idle_timeout: Some(Duration::from_secs(60)),
             tls: None,
-            sasl_external: false,
+            external_auth: false,
         }
     }
 
@@ -207,7 +207,7 @@ impl Amqp10Config {
     ///
     /// A client certificate is presented during the handshake; the login is still the
     /// URL's (SASL PLAIN, or ANONYMOUS without credentials) unless
-    /// [`with_sasl_external`](Self::with_sasl_external) logs in as the certificate.
+    /// [`with_external_auth`](Self::with_external_auth) logs in as the certificate.
     ///
     /// ```
     /// use retry_core::TlsConfig;
@@ -260,17 +260,17 @@ impl Amqp10Config {
     ///             .with_ca_file("/etc/rabbitmq/ca.pem")
     ///             .with_client_identity("/etc/app/client.pem", "/etc/app/client.key"),
     ///     )
-    ///     .with_sasl_external();
-    /// assert!(config.sasl_external());
+    ///     .with_external_auth();
+    /// assert!(config.external_auth());
     /// ```
-    pub fn with_sasl_external(mut self) -> Self {
-        self.sasl_external = true;
+    pub fn with_external_auth(mut self) -> Self {
+        self.external_auth = true;
         self
     }
 
     /// Whether the login is SASL EXTERNAL.
-    pub fn sasl_external(&self) -> bool {
-        self.sasl_external
+    pub fn external_auth(&self) -> bool {
+        self.external_auth
     }
 
     /// The broker profile.
@@ -375,7 +375,7 @@ impl fmt::Debug for Amqp10Config {
             .field("fetch_wait", &self.fetch_wait)
             .field("reverify_after", &self.reverify_after)
             .field("idle_timeout", &self.idle_timeout)
-            .field("sasl_external", &self.sasl_external)
+            .field("external_auth", &self.external_auth)
             .field(
                 "tls",
                 &match &self.tls {

@@ -76,7 +76,7 @@ async fn open_inner(
     let failed = |what: &str, e: Box<dyn std::error::Error + Send + Sync>| {
         TransportError::connection_failed(format!("{what} {}", endpoint.redacted), e)
     };
-    let external = config.sasl_external();
+    let external = config.external_auth();
     if external && !endpoint.tls {
         return Err(TransportError::Unsupported {
             what: format!("SASL EXTERNAL on {}", endpoint.redacted),

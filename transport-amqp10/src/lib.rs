@@ -136,7 +136,7 @@
 //! URL is never retried on plain TCP.
 //!
 //! Authentication is SASL PLAIN with the URL's credentials (ANONYMOUS without), or SASL
-//! EXTERNAL with [`Amqp10Config::with_sasl_external`]: the client certificate is the login
+//! EXTERNAL with [`Amqp10Config::with_external_auth`]: the client certificate is the login
 //! (RabbitMQ: the `rabbitmq_auth_mechanism_ssl` plugin). The password and key material
 //! appear in no log line, error or `Debug` output.
 //!
@@ -150,7 +150,7 @@
 //! // Log in as the certificate's user; the URL needs no credentials.
 //! let config = Amqp10Config::new("amqps://rabbit.internal:5671")
 //!     .with_tls(tls)
-//!     .with_sasl_external();
+//!     .with_external_auth();
 //! # drop(config);
 //! ```
 //!

@@ -5,23 +5,17 @@
 //! must not reach an error, a `Debug` output or a log line.
 
 use std::error::Error as StdError;
-use std::path::Path;
 use std::sync::Arc;
 
 use retry_core::{TlsConfig, TlsFailure, TransportError};
-use rustls::pki_types::pem::{self, PemObject};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use rustls::{CertificateError, ClientConfig, RootCertStore};
+use rustls::pki_types::ServerName;
+use rustls::{ClientConfig, RootCertStore};
 
 use crate::config::{Endpoint, TlsSetup};
 
 /// The `host:port` a TLS refusal names: never the user or password of the URL.
 pub(crate) fn endpoint_name(endpoint: &Endpoint) -> String {
-    if endpoint.host.contains(':') {
-        format!("[{}]:{}", endpoint.host, endpoint.port)
-    } else {
-        format!("{}:{}", endpoint.host, endpoint.port)
-    }
+    retry_core::tls::endpoint(&endpoint.host, endpoint.port)
 }
 
 /// A TLS refusal for `endpoint`.
@@ -101,102 +95,20 @@ pub(crate) fn closed_after_handshake() -> TlsFailure {
     }
 }
 
-/// The rustls configuration of `settings`, with rustls' `ring` provider chosen explicitly
-/// so that no process-wide default provider is needed.
+/// The rustls configuration of `settings`; without CA files, the bundled public roots.
 fn build(settings: &TlsConfig) -> Result<ClientConfig, TlsFailure> {
-    let mut roots = RootCertStore::empty();
-    if settings.ca_files().is_empty() {
-        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    }
-    for file in settings.ca_files() {
-        for cert in certificates(file)? {
-            roots.add(cert).map_err(|e| TlsFailure::Configuration {
-                file: file.display().to_string(),
-                reason: format!("a certificate in it cannot be a trust anchor: {e}"),
-            })?;
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| TlsFailure::Other(e.to_string()))?
-        .with_root_certificates(roots);
-    match settings.client_identity() {
-        None => Ok(builder.with_no_client_auth()),
-        Some((cert_file, key_file)) => {
-            let chain = certificates(cert_file)?;
-            let key = private_key(key_file)?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| TlsFailure::Configuration {
-                    file: key_file.display().to_string(),
-                    // rustls words this from the key's type, never from its bytes.
-                    reason: format!(
-                        "cannot be used with the certificate of {}: {e}",
-                        cert_file.display()
-                    ),
-                })
-        }
-    }
-}
-
-/// Every certificate of a PEM file; none is an error.
-fn certificates(file: &Path) -> Result<Vec<CertificateDer<'static>>, TlsFailure> {
-    let unusable = |e: pem::Error| TlsFailure::Configuration {
-        file: file.display().to_string(),
-        reason: pem_reason(&e, "certificates"),
-    };
-    let certs = CertificateDer::pem_file_iter(file)
-        .map_err(unusable)?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(unusable)?;
-    if certs.is_empty() {
-        return Err(unusable(pem::Error::NoItemsFound));
-    }
-    Ok(certs)
-}
-
-/// The first private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
-fn private_key(file: &Path) -> Result<PrivateKeyDer<'static>, TlsFailure> {
-    PrivateKeyDer::from_pem_file(file).map_err(|e| TlsFailure::Configuration {
-        file: file.display().to_string(),
-        reason: pem_reason(&e, "private key (PKCS#8, PKCS#1 or SEC1)"),
+    retry_core::tls::client_config(settings, || {
+        Ok(RootCertStore::from_iter(
+            webpki_roots::TLS_SERVER_ROOTS.iter().cloned(),
+        ))
     })
-}
-
-/// Why a PEM file could not be used, in words of our own: the parser's own errors quote
-/// lines of the file, which for a key file would be key material.
-fn pem_reason(e: &pem::Error, wanted: &str) -> String {
-    match e {
-        pem::Error::Io(io) => format!("cannot be read: {io}"),
-        pem::Error::NoItemsFound => format!("holds no PEM {wanted}"),
-        pem::Error::MissingSectionEnd { .. } => "a PEM section has no END line".into(),
-        pem::Error::IllegalSectionStart { .. } => "a PEM BEGIN line is malformed".into(),
-        pem::Error::Base64Decode(_) => "a PEM section is not valid base64".into(),
-        pem::Error::SectionTooLarge => "a PEM section is too large".into(),
-        _ => format!("is not valid PEM {wanted}"),
-    }
 }
 
 /// The TLS failure somewhere in the causes of `e`, if there is one: rustls' own error, as
 /// tokio-rustls hands it over inside an `io::Error`. `name` is the name the server's
 /// certificate was checked against.
 pub(crate) fn failure_in(e: &(dyn StdError + 'static), name: &str) -> Option<TlsFailure> {
-    let mut next = Some(e);
-    while let Some(e) = next {
-        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
-            return Some(classify(tls, name));
-        }
-        if let Some(tls) = e
-            .downcast_ref::<std::io::Error>()
-            .and_then(|io| io.get_ref())
-            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        {
-            return Some(classify(tls, name));
-        }
-        next = e.source();
-    }
-    None
+    retry_core::tls::rustls_error_in(e).map(|tls| retry_core::tls::failure(tls, name))
 }
 
 /// The failure of a handshake that failed with `e`: every handshake error is a TLS refusal,
@@ -212,33 +124,11 @@ pub(crate) fn handshake_failure(e: &std::io::Error, name: &str) -> TlsFailure {
     }
 }
 
-fn classify(e: &rustls::Error, name: &str) -> TlsFailure {
-    match e {
-        rustls::Error::InvalidCertificate(cert) => match cert {
-            CertificateError::UnknownIssuer => TlsFailure::UnknownIssuer,
-            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => {
-                TlsFailure::WrongHostName { name: name.into() }
-            }
-            CertificateError::Expired
-            | CertificateError::ExpiredContext { .. }
-            | CertificateError::NotValidYet
-            | CertificateError::NotValidYetContext { .. } => TlsFailure::Expired,
-            other => TlsFailure::Other(format!("the server's certificate is invalid: {other:?}")),
-        },
-        // What came back is not a TLS record: RabbitMQ's plain port answers a ClientHello
-        // with AMQP's protocol header.
-        rustls::Error::InvalidMessage(_) => TlsFailure::NotTls,
-        rustls::Error::AlertReceived(alert) => TlsFailure::RefusedByServer {
-            alert: format!("{alert:?}"),
-        },
-        other => TlsFailure::Other(other.to_string()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use rustls::AlertDescription;
+    use rustls::CertificateError;
     use rustls::pki_types::UnixTime;
 
     fn io(e: rustls::Error) -> std::io::Error {
@@ -309,54 +199,5 @@ mod tests {
             None,
             "not every error is a TLS one"
         );
-    }
-
-    /// The first bytes of a certificate, as PEM: only the key file is under test, and a
-    /// certificate is not parsed before it is used.
-    const CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----
-MIIBYjCCAQigAwIBAgIUQ2z0I8vJ3CJ2Jt0Gkq4Rz0Q9hQwwCgYIKoZIzj0EAwIw
-ETEPMA0GA1UEAwwGdW51c2VkMB4XDTI0MDEwMTAwMDAwMFoXDTM0MDEwMTAwMDAw
-MFowETEPMA0GA1UEAwwGdW51c2VkMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE
------END CERTIFICATE-----
-";
-
-    #[test]
-    fn unreadable_files_are_named_without_their_contents() {
-        let dir = std::env::temp_dir().join(format!("retry-tls10-unit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        // Any certificate will do: the key is read after it.
-        let cert = dir.join("client.pem");
-        std::fs::write(&cert, CERTIFICATE).expect("write");
-        let missing = dir.join("missing-ca.pem");
-        let settings = TlsConfig::new()
-            .with_ca_file(&missing)
-            .with_client_identity(&cert, &cert);
-        match build(&settings) {
-            Err(TlsFailure::Configuration { file, reason }) => {
-                assert_eq!(file, missing.display().to_string());
-                assert!(reason.contains("cannot be read"), "{reason}");
-            }
-            other => panic!("{:?}", other.map(|_| ())),
-        }
-        // A body that is not base64, and a BEGIN line the parser would quote.
-        for (i, pem) in [
-            "-----BEGIN PRIVATE KEY-----\nS3CR3T-KEY-BYTES!!\n-----END PRIVATE KEY-----\n",
-            "-----BEGIN PRIVATE KEY-----S3CR3T-KEY-BYTES\nMIIE\n-----END PRIVATE KEY-----\n",
-            "-----BEGIN PRIVATE KEY-----\nS3CR3TS3CR3T\n",
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let key = dir.join(format!("broken-{i}.key"));
-            std::fs::write(&key, pem).expect("write");
-            let settings = TlsConfig::new().with_client_identity(&cert, &key);
-            let err = build(&settings).map(|_| ()).expect_err("a broken PEM file");
-            let shown = format!("{err} {err:?}");
-            assert!(shown.contains(&format!("broken-{i}.key")), "{shown}");
-            assert!(!shown.contains("S3CR3T"), "{shown}");
-            // Nor as the list of bytes the parser's errors print.
-            assert!(!shown.contains("83, 51, 67, 82, 51, 84"), "{shown}");
-        }
-        std::fs::remove_dir_all(&dir).expect("clean up");
     }
 }

@@ -219,7 +219,7 @@ async fn mutual_tls_logs_in_as_the_client_certificate_or_with_a_password() {
     // EXTERNAL: no user or password, the certificate's common name is the user. It logs in
     // only if the certificate was presented and accepted.
     let t = Amqp10Transport::connect(
-        config(format!("amqps://localhost:{}", node.tls_port), identity()).with_sasl_external(),
+        config(format!("amqps://localhost:{}", node.tls_port), identity()).with_external_auth(),
     )
     .await
     .expect("mutual TLS with EXTERNAL");
@@ -242,7 +242,7 @@ async fn mutual_tls_logs_in_as_the_client_certificate_or_with_a_password() {
             format!("amqps://localhost:{}", node.tls_port),
             trusting_the_node(&node),
         )
-        .with_sasl_external(),
+        .with_external_auth(),
     )
     .await
     .expect_err("EXTERNAL without a certificate");
@@ -254,7 +254,7 @@ async fn mutual_tls_logs_in_as_the_client_certificate_or_with_a_password() {
     );
     // EXTERNAL on plain TCP is refused before connecting.
     let err = Amqp10Transport::connect(
-        config(format!("amqp://localhost:{}", node.plain_port), identity()).with_sasl_external(),
+        config(format!("amqp://localhost:{}", node.plain_port), identity()).with_external_auth(),
     )
     .await
     .expect_err("EXTERNAL without TLS");
@@ -280,7 +280,7 @@ async fn a_client_certificate_the_server_does_not_trust_is_refused_by_the_server
     // The same over EXTERNAL, where the transport reads the broker's first answer itself.
     let tls = trusting_the_node(&node)
         .with_client_identity(node.cert("other-ca.pem"), node.cert("other-ca.key"));
-    let config = config(format!("amqps://localhost:{}", node.tls_port), tls).with_sasl_external();
+    let config = config(format!("amqps://localhost:{}", node.tls_port), tls).with_external_auth();
     let err = Amqp10Transport::connect(config).await.expect_err("refused");
     assert!(
         matches!(
@@ -313,7 +313,7 @@ async fn a_hang_up_right_after_presenting_a_certificate_is_a_refusal_by_the_serv
         "{failure:?}"
     );
     let err = Amqp10Transport::connect(
-        config(format!("amqps://localhost:{port}"), identity).with_sasl_external(),
+        config(format!("amqps://localhost:{port}"), identity).with_external_auth(),
     )
     .await
     .expect_err("hung up");
@@ -491,7 +491,7 @@ async fn a_missing_ca_file_is_a_configuration_refusal_naming_it() {
     match failure {
         TlsFailure::Configuration { file, reason } => {
             assert_eq!(file, node.cert("client.key").display().to_string());
-            assert!(reason.contains("no PEM certificates"), "{reason}");
+            assert!(reason.contains("no PEM certificate"), "{reason}");
         }
         other => panic!("{other:?}"),
     }

@@ -3,6 +3,10 @@
 //! A transport takes a [`TlsConfig`] for its TLS URLs (`amqps://`) and, when a handshake is
 //! refused, fails with [`TransportError::Tls`](crate::TransportError::Tls) naming the
 //! endpoint and a [`TlsFailure`]: which check failed, never the password or a key.
+//!
+//! With the `rustls` feature, this module also holds what every rustls-based transport does
+//! with them: [`client_config`] builds the client configuration, [`failure`] names the
+//! check a rustls error failed.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -146,3 +150,8 @@ pub enum TlsFailure {
     #[error("{0}")]
     Other(String),
 }
+
+#[cfg(feature = "rustls")]
+mod with_rustls;
+#[cfg(feature = "rustls")]
+pub use with_rustls::{client_config, endpoint, failure, rustls_error_in};
