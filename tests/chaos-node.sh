@@ -20,12 +20,13 @@
 # 127.0.0.1:$CHAOS_PORT, for distribution on $CHAOS_PORT + 20000, is called
 # rchaos$CHAOS_PORT@localhost, and keeps its config, data and logs in
 # /tmp/retry-chaos-$CHAOS_PORT (owned by the rabbitmq user, as the server script requires).
-# Ports 5681-5683 belong to tests/cluster.sh's cluster; the machine's node is never named.
+# Ports 5681-5683 belong to tests/cluster.sh's cluster, 5675-5676 to tests/tls-node.sh's node;
+# the machine's node is never named.
 set -euo pipefail
 
 PORT="${CHAOS_PORT:-5690}"
 case "$PORT" in
-    5672 | 5681 | 5682 | 5683) echo "chaos-node.sh: port $PORT is not ours" >&2; exit 2 ;;
+    5672 | 5675 | 5676 | 5681 | 5682 | 5683) echo "chaos-node.sh: port $PORT is not ours" >&2; exit 2 ;;
 esac
 DIST_PORT=$((PORT + 20000))
 NODE="rchaos$PORT@localhost"

@@ -3,6 +3,7 @@
 //! that does what each message's id says ([`Class`]), journaling every run, outcome and
 //! terminal. It stops gracefully when its standard input closes.
 
+use std::fmt::Write as _;
 use std::future::Future;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retry_core::{Consumer, HandlerError, Message, RunReport, Terminal, Transport};
-use retry_core::{TopologyPlan, headers::CRASHES};
+use retry_core::{QueueType, TopologyBuilder, TopologyPlan, headers::CRASHES};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
@@ -60,7 +61,7 @@ impl Protocol {
 pub struct ConsumerArgs {
     /// The transport.
     pub protocol: Protocol,
-    /// The broker's URL for that protocol.
+    /// The broker's URL for that protocol, or a cluster's node list joined by commas.
     pub url: String,
     /// The work queue.
     pub queue: String,
@@ -116,6 +117,12 @@ impl ConsumerArgs {
     }
 }
 
+/// A chaos run's plan on the cluster: quorum queues, each on all three nodes.
+pub fn cluster_plan(plan: TopologyBuilder<'_>) -> TopologyBuilder<'_> {
+    plan.with_queue_type(QueueType::Quorum)
+        .with_replication_factor(3)
+}
+
 /// The connection name (AMQP 0-9-1) or container id (AMQP 1.0) of the consumer process
 /// `pid`.
 pub fn connection_name(pid: u32) -> String {
@@ -138,6 +145,9 @@ pub fn main(args: impl IntoIterator<Item = String>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // The transports' warnings (connections recovered, rebuilt, failed over) go to standard
+    // error, which the driver keeps beside the journal: the soak counts stalls from them.
+    let _ = tracing::subscriber::set_global_default(Warnings);
     journal.line(
         "start",
         "-",
@@ -191,7 +201,13 @@ async fn run(args: &ConsumerArgs, journal: Arc<JournalWriter>) -> Result<RunRepo
     let shutdown = stdin_closed();
     match args.protocol {
         Protocol::Amqp091 => {
-            let config = AmqpConfig::new(&args.url).with_connection_name(name);
+            let config = if args.url.contains(',') {
+                AmqpConfig::cluster(args.url.split(',').map(str::to_owned))
+                    .map_err(|e| format!("the node list: {}", chain(&e)))?
+            } else {
+                AmqpConfig::new(&args.url)
+            }
+            .with_connection_name(name);
             let inner = AmqpTransport::connect(config)
                 .await
                 .map_err(|e| format!("connecting: {}", chain(&e)))?;
@@ -202,10 +218,15 @@ async fn run(args: &ConsumerArgs, journal: Arc<JournalWriter>) -> Result<RunRepo
             report
         }
         Protocol::Amqp10 => {
-            let config = Amqp10Config::new(&args.url)
-                .with_container_id(name)
-                .with_publish_timeout(Duration::from_secs(5))
-                .with_operation_timeout(Duration::from_secs(10));
+            let config = if args.url.contains(',') {
+                Amqp10Config::cluster(args.url.split(',').map(str::to_owned))
+                    .map_err(|e| format!("the node list: {}", chain(&e)))?
+            } else {
+                Amqp10Config::new(&args.url)
+            }
+            .with_container_id(name)
+            .with_publish_timeout(Duration::from_secs(5))
+            .with_operation_timeout(Duration::from_secs(10));
             let inner = Amqp10Transport::connect(config)
                 .await
                 .map_err(|e| format!("connecting: {}", chain(&e)))?;
@@ -276,7 +297,9 @@ async fn consume<T: Transport>(
     };
     let terminal_journal = Arc::clone(journal);
     let work_queue = args.queue.clone();
+    let on_cluster = args.url.contains(',');
     Consumer::builder(transport, args.queue.clone(), policy, handler)
+        .with_topology(move |plan| if on_cluster { cluster_plan(plan) } else { plan })
         .with_prefetch(args.prefetch)
         .with_handler_timeout(Duration::from_secs(10))
         .with_shutdown_grace(Duration::from_secs(5))
@@ -324,4 +347,59 @@ pub fn describe(terminal: &Terminal) -> String {
         Terminal::Dropped { reason } => format!("t=dropped reason={reason}"),
         Terminal::Requeued { cause } => format!("t=requeued cause={cause:?}"),
     }
+}
+
+/// A tracing subscriber that writes each event at WARN or above but the engine's note of a
+/// parked message to standard error, on one line: `<unix-ms> <pid> <LEVEL> <target> <message> key=value ...`.
+struct Warnings;
+
+/// The engine's warning for each parked message.
+const PARKED: &str = " message=parked in the dead-letter queue";
+
+struct Fields(String);
+
+impl tracing::field::Visit for Fields {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        let _ = write!(self.0, " {}={value}", field.name());
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        let _ = write!(self.0, " {}={value:?}", field.name());
+    }
+}
+
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.is_event() && *metadata.level() <= tracing::Level::WARN
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        let meta = event.metadata();
+        let mut fields = Fields(format!(
+            "{} {} {} {}",
+            super::journal::unix_ms(),
+            std::process::id(),
+            meta.level(),
+            meta.target()
+        ));
+        event.record(&mut fields);
+        // Parked messages are the journal's business: the engine's warning for each would
+        // be most of the lines.
+        if fields.0.contains(PARKED) {
+            return;
+        }
+        eprintln!("{}", fields.0.replace('\n', " "));
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
 }

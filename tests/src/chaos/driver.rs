@@ -16,18 +16,111 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, ConnectionProperties};
-use retry_core::{ParkedRecord, Settlement, Subscription, TopologyPlan, Transport, splitmix64};
+use retry_core::{
+    ParkedRecord, RetryPolicy, Settlement, Subscription, TopologyPlan, Transport, splitmix64,
+};
 use tokio::process::{Child, ChildStdin, Command};
 use tokio::task::JoinHandle;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-use super::consumer::{ConsumerArgs, Protocol};
+use super::consumer::{ConsumerArgs, Protocol, cluster_plan};
 use super::journal::{self, Entry, JournalWriter};
-use super::node::{PrivateNode, local_ports};
+use super::node::{PrivateNode, cluster_sh, local_ports};
 use super::reconcile::{Drained, Reconciled, RunFacts, reconcile};
 use super::script::{self, Class, Mix};
 use crate::rabbitmq::{Admin, unique_name};
+
+/// Where a chaos run's consumers run, and what its broker faults do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Broker {
+    /// A private node ([`PrivateNode`]) on this port: a broker fault is a
+    /// `stop_app`/`start_app` of it, and connections are closed by force.
+    Node(u16),
+    /// The three-node cluster of `tests/cluster.sh`, by its AMQP 0-9-1 node list: the plan's
+    /// queues are quorum queues on all three nodes, the consumers are given the whole list,
+    /// and a broker fault stops one node gracefully or kills it (by turns), the next node
+    /// each time, then starts it again. Connections are not closed by force there.
+    Cluster(Vec<String>),
+}
+
+impl Broker {
+    /// What a consumer process is given for `protocol`: one URL, or the node list joined by
+    /// commas.
+    pub fn url(&self, protocol: Protocol) -> String {
+        match self {
+            Broker::Node(port) => protocol.url(*port),
+            Broker::Cluster(urls) => urls.join(","),
+        }
+    }
+
+    /// The AMQP 0-9-1 URLs to publish and check through, in order of preference.
+    fn urls091(&self) -> Vec<String> {
+        match self {
+            Broker::Node(port) => vec![Protocol::Amqp091.url(*port)],
+            Broker::Cluster(urls) => urls.clone(),
+        }
+    }
+
+    /// An AMQP 0-9-1 transport's configuration for it.
+    fn config091(&self, name: String) -> AmqpConfig {
+        match self {
+            Broker::Node(port) => AmqpConfig::new(Protocol::Amqp091.url(*port)),
+            Broker::Cluster(urls) => {
+                AmqpConfig::cluster(urls.clone()).expect("the cluster's node list")
+            }
+        }
+        .with_connection_name(name)
+    }
+
+    /// The plan of a run on it.
+    fn plan(&self, queue: &str, policy: &RetryPolicy) -> TopologyPlan {
+        let builder = TopologyPlan::builder(queue, policy);
+        match self {
+            Broker::Node(_) => builder,
+            Broker::Cluster(_) => cluster_plan(builder),
+        }
+        .build()
+        .expect("a chaos plan")
+    }
+
+    /// Takes the broker down (`turn` picks the node and the way on a cluster), blocking.
+    fn down(&self, turn: usize) -> Result<String, String> {
+        match self {
+            Broker::Node(port) => PrivateNode::attach(*port)
+                .stop_app()
+                .map(|()| String::new()),
+            Broker::Cluster(_) => {
+                let (node, how) = cluster_turn(turn);
+                cluster_sh(&[how, &node]).map(|()| format!("node={node} how={how}"))
+            }
+        }
+    }
+
+    /// Brings back what [`down`](Self::down) took down, blocking.
+    fn up(&self, turn: usize) -> Result<String, String> {
+        match self {
+            Broker::Node(port) => PrivateNode::attach(*port)
+                .start_app()
+                .map(|()| String::new()),
+            Broker::Cluster(_) => {
+                let (node, _) = cluster_turn(turn);
+                cluster_sh(&["start", &node]).map(|()| format!("node={node}"))
+            }
+        }
+    }
+}
+
+/// The cluster node a broker fault takes down on its `turn`, and how: rtest1, rtest2,
+/// rtest3 in turn, stopped and killed by turns.
+fn cluster_turn(turn: usize) -> (String, &'static str) {
+    let how = if turn.is_multiple_of(2) {
+        "stop"
+    } else {
+        "kill"
+    };
+    (format!("rtest{}", turn % 3 + 1), how)
+}
 
 /// A chaos run's settings.
 #[derive(Clone, Debug)]
@@ -66,6 +159,13 @@ pub struct ChaosConfig {
     pub settle_time: Duration,
     /// Where the journal goes (a file named after the queue when `None`).
     pub journal: Option<PathBuf>,
+    /// With a rate, the messages are published at that many a second from the consumers'
+    /// start, through every fault, instead of all before it; the chaos window should then
+    /// be as long as the publishing (`messages / rate` seconds).
+    pub rate: Option<u32>,
+    /// Whether the process in the first slot is sampled ([`Sample`]) once a second. Give
+    /// such a run no kills and no poison: a sample curve is one process's.
+    pub sample: bool,
 }
 
 impl ChaosConfig {
@@ -91,6 +191,8 @@ impl ChaosConfig {
             app_down: Duration::from_secs(3),
             settle_time: Duration::from_secs(300),
             journal: None,
+            rate: None,
+            sample: false,
         }
     }
 
@@ -166,6 +268,45 @@ pub struct ChaosOutcome {
     pub journal: PathBuf,
     /// Error exits' reasons, from the journal.
     pub exit_errors: Vec<String>,
+    /// The first slot's process, once a second, when the run samples it.
+    pub samples: Vec<Sample>,
+}
+
+/// A consumer process's resources at one moment, from `/proc`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sample {
+    /// Since the consumers' start.
+    pub at: Duration,
+    /// The process sampled.
+    pub pid: u32,
+    /// Resident set size, in KiB (`VmRSS`).
+    pub rss_kib: u64,
+    /// Open file descriptors.
+    pub fds: u64,
+    /// Threads.
+    pub threads: u64,
+}
+
+impl Sample {
+    /// Process `pid` now, or `None` once it has ended.
+    pub fn of(pid: u32, at: Duration) -> Option<Sample> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
+        Some(Sample {
+            at,
+            pid,
+            rss_kib: field("VmRSS:")?,
+            fds,
+            threads: field("Threads:")?,
+        })
+    }
 }
 
 impl ChaosOutcome {
@@ -515,12 +656,10 @@ fn status_word(status: ExitStatus) -> String {
 
 /// Declares `plan` over AMQP 0-9-1 (the AMQP 1.0 plugin cannot declare queues with
 /// arguments).
-async fn provision(url: &str, plan: &TopologyPlan) {
-    let t = AmqpTransport::connect(
-        AmqpConfig::new(url).with_connection_name(unique_name("chaos-provision")),
-    )
-    .await
-    .expect("the provisioning connection opens");
+async fn provision(broker: &Broker, plan: &TopologyPlan) {
+    let t = AmqpTransport::connect(broker.config091(unique_name("chaos-provision")))
+        .await
+        .expect("the provisioning connection opens");
     t.provision(plan).await.expect("provision the chaos plan");
     let _ = t.close().await;
 }
@@ -562,29 +701,125 @@ pub async fn publish_all(url: &str, queue: &str, ids: &[String]) {
     let _ = connection.close(200, "published".into()).await;
 }
 
+/// Publishes `ids` to `queue` at `rate` a second, in batches every 100 ms, journaling each
+/// `sent` once confirmed. Through the faults: a batch whose connection fails, or which the
+/// broker nacks, is published again on a new connection (so a message may arrive twice,
+/// never not at all); connecting is tried again every 500 ms while the node is down.
+async fn publish_paced(
+    urls: Vec<String>,
+    queue: String,
+    ids: Vec<String>,
+    rate: u32,
+    journal: Arc<JournalWriter>,
+) {
+    let per_tick = (rate as usize).div_ceil(10).max(1);
+    let start = Instant::now();
+    let mut channel: Option<(lapin::Connection, lapin::Channel)> = None;
+    for (n, batch) in ids.chunks(per_tick).enumerate() {
+        let due = start + Duration::from_millis(1000 * (n * per_tick) as u64 / u64::from(rate));
+        tokio::time::sleep_until(due.into()).await;
+        loop {
+            if channel.is_none() {
+                channel = open_confirm_channel(&urls).await;
+            }
+            let Some((_, ch)) = channel.as_ref() else {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            };
+            if publish_confirmed(ch, &queue, batch).await {
+                for id in batch {
+                    journal.line("sent", id, format_args!("queue={queue}"));
+                }
+                break;
+            }
+            if let Some((conn, _)) = channel.take() {
+                let _ = conn.close(200, "publishing again".into()).await;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    if let Some((conn, _)) = channel {
+        let _ = conn.close(200, "published".into()).await;
+    }
+}
+
+/// A confirm channel on the first of `urls` that answers.
+async fn open_confirm_channel(urls: &[String]) -> Option<(lapin::Connection, lapin::Channel)> {
+    let mut conn = None;
+    for url in urls {
+        let connect = lapin::Connection::connect(url, ConnectionProperties::default());
+        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(5), connect).await {
+            conn = Some(c);
+            break;
+        }
+    }
+    let conn = conn?;
+    let ch = conn.create_channel().await.ok()?;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .ok()?;
+    Some((conn, ch))
+}
+
+/// Whether every message of `ids` was published to `queue` and acked within 10 s.
+async fn publish_confirmed(channel: &lapin::Channel, queue: &str, ids: &[String]) -> bool {
+    let all = async {
+        let mut confirms = Vec::with_capacity(ids.len());
+        for id in ids {
+            let props = BasicProperties::default()
+                .with_message_id(id.as_str().into())
+                .with_delivery_mode(2);
+            let confirm = channel
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    id.as_bytes(),
+                    props,
+                )
+                .await
+                .ok()?;
+            confirms.push(confirm);
+        }
+        for confirm in confirms {
+            if !confirm.await.ok()?.is_ack() {
+                return None;
+            }
+        }
+        Some(())
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(10), all).await,
+        Ok(Some(()))
+    )
+}
+
 /// Takes every message out of every queue of `plan` through the transport under test (so
 /// the engine's headers read as that transport carries them), by queue name after the work
 /// queue's.
 pub async fn drain_all(
     protocol: Protocol,
-    port: u16,
+    broker: &Broker,
     admin: &Admin,
     plan: &TopologyPlan,
 ) -> BTreeMap<String, Vec<Drained>> {
-    let url = protocol.url(port);
+    let url = broker.url(protocol);
     match protocol {
         Protocol::Amqp091 => {
-            let t = AmqpTransport::connect(
-                AmqpConfig::new(&url).with_connection_name(unique_name("chaos-drain")),
-            )
-            .await
-            .expect("the drain connects");
+            let t = AmqpTransport::connect(broker.config091(unique_name("chaos-drain")))
+                .await
+                .expect("the drain connects");
             let out = drain_with(&t, admin, plan).await;
             let _ = t.close().await;
             out
         }
         Protocol::Amqp10 => {
-            let t = Amqp10Transport::connect(Amqp10Config::new(&url))
+            let config = match broker {
+                Broker::Node(_) => Amqp10Config::new(&url),
+                Broker::Cluster(_) => Amqp10Config::cluster(url.split(',').map(str::to_owned))
+                    .expect("the cluster's node list"),
+            };
+            let t = Amqp10Transport::connect(config)
                 .await
                 .expect("the drain connects");
             let out = drain_with(&t, admin, plan).await;
@@ -659,8 +894,13 @@ async fn queues_empty(admin: &Admin, plan: &TopologyPlan) -> bool {
 
 /// Runs one chaos run on `node`: see the module docs.
 pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
-    let port = node.port();
-    let url091 = Protocol::Amqp091.url(port);
+    run_on(config, &Broker::Node(node.port())).await
+}
+
+/// Runs one chaos run on `broker`.
+pub async fn run_on(config: &ChaosConfig, broker: &Broker) -> ChaosOutcome {
+    let urls091 = broker.urls091();
+    let url091 = urls091[0].clone();
     let queue = unique_name("chaos");
     let journal_path = config
         .journal
@@ -668,16 +908,28 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
         .unwrap_or_else(|| std::env::temp_dir().join(format!("{queue}.journal")));
     let journal = Arc::new(JournalWriter::open(&journal_path).expect("the journal opens"));
     let policy = script::policy(config.crash_limit, config.delay);
-    let plan = TopologyPlan::new(&queue, &policy).expect("a chaos plan");
+    let plan = broker.plan(&queue, &policy);
     let ids = config.mix.ids(config.messages, config.seed);
 
     // Declared on a connection of its own, closed before the chaos: an admin connection
     // would not live through stop_app. A new one checks the queues once the chaos is over.
-    provision(&url091, &plan).await;
-    publish_all(&url091, &queue, &ids).await;
-    for id in &ids {
-        journal.line("sent", id, format_args!("queue={queue}"));
-    }
+    provision(broker, &plan).await;
+    let mut publisher = match config.rate {
+        None => {
+            publish_all(&url091, &queue, &ids).await;
+            for id in &ids {
+                journal.line("sent", id, format_args!("queue={queue}"));
+            }
+            None
+        }
+        Some(rate) => Some(tokio::spawn(publish_paced(
+            urls091.clone(),
+            queue.clone(),
+            ids.clone(),
+            rate,
+            Arc::clone(&journal),
+        ))),
+    };
     journal.line(
         "phase",
         "-",
@@ -696,7 +948,7 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
         config,
         args: ConsumerArgs {
             protocol: config.protocol,
-            url: config.protocol.url(port),
+            url: broker.url(config.protocol),
             queue: queue.clone(),
             journal: journal_path.clone(),
             prefetch: config.prefetch,
@@ -721,20 +973,42 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
     let mut timed_out = false;
     let mut accounted_at = None;
     let mut close_retries = config.closes;
+    let mut broker_turn = 0;
+    let mut samples = Vec::new();
+    let mut next_sample = Instant::now();
 
     loop {
         tail.poll();
         fleet.tend(true);
+        if config.sample && Instant::now() >= next_sample {
+            next_sample += Duration::from_secs(1);
+            if let Some(sample) = fleet.slots[0]
+                .as_ref()
+                .and_then(|p| Sample::of(p.pid, started.elapsed()))
+            {
+                samples.push(sample);
+            }
+        }
+        if publisher.as_ref().is_some_and(JoinHandle::is_finished) {
+            publisher
+                .take()
+                .expect("checked")
+                .await
+                .expect("the publisher");
+        }
         if let Some(op) = node_op.as_mut()
             && op.is_finished()
         {
             let (fault, result) = node_op.take().expect("checked").await.expect("a node op");
             match (fault, result) {
-                (Fault::StopApp, Ok(_)) => journal.line("stop-app", "-", format_args!("done")),
-                (Fault::StartApp, Ok(_)) => {
+                (Fault::StopApp, Ok(what)) => {
+                    journal.line("stop-app", "-", format_args!("done {what}"));
+                }
+                (Fault::StartApp, Ok(what)) => {
                     fleet.app_down = false;
                     fleet.faults.app_restarts += 1;
-                    journal.line("start-app", "-", format_args!("done"));
+                    broker_turn += 1;
+                    journal.line("start-app", "-", format_args!("done {what}"));
                 }
                 (Fault::Close, Ok(what)) => {
                     journal.line("close", "-", format_args!("{what}"));
@@ -750,7 +1024,7 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
                 (Fault::Close, Err(e)) => {
                     journal.line("close", "-", format_args!("closed=0 killed=0 err={e}"));
                 }
-                (fault, Err(e)) => panic!("{fault:?} on the private node failed: {e}"),
+                (fault, Err(e)) => panic!("{fault:?} on {broker:?} failed: {e}"),
                 (Fault::Kill, _) => unreachable!("kills are not node operations"),
             }
         }
@@ -796,11 +1070,13 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
                 Fault::Close => {
                     faults.pop();
                     let live = fleet.live();
+                    let Broker::Node(node_port) = *broker else {
+                        panic!("connections are closed by force on a private node only");
+                    };
                     if !live.is_empty() {
                         let pid = live[rng.below(live.len())];
-                        let ports = local_ports(pid, port);
+                        let ports = local_ports(pid, node_port);
                         fleet.faults.closes.0 += 1;
-                        let node_port = port;
                         node_op = Some(tokio::task::spawn_blocking(move || {
                             let node = PrivateNode::attach(node_port);
                             let result = node.close_peers(&ports).map(|done| {
@@ -819,21 +1095,20 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
                     } else {
                         journal.line("start-app", "-", format_args!("begin"));
                     }
-                    let node_port = port;
+                    let broker = broker.clone();
                     node_op = Some(tokio::task::spawn_blocking(move || {
-                        let node = PrivateNode::attach(node_port);
                         let result = if fault == Fault::StopApp {
-                            node.stop_app()
+                            broker.down(broker_turn)
                         } else {
-                            node.start_app()
+                            broker.up(broker_turn)
                         };
-                        (fault, result.map(|()| String::new()))
+                        (fault, result)
                     }));
                 }
             }
         }
         // Count the closes' connections as they complete.
-        let chaos_over = faults.is_empty() && node_op.is_none();
+        let chaos_over = faults.is_empty() && node_op.is_none() && publisher.is_none();
         if chaos_over && tail.accounted.len() >= ids.len() && Instant::now() >= next_check {
             accounted_at.get_or_insert_with(|| started.elapsed());
             if checker.is_none() {
@@ -851,6 +1126,9 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let took = accounted_at.unwrap_or_else(|| started.elapsed());
+    if let Some(publisher) = publisher.take() {
+        publisher.abort();
+    }
     fleet.stop_all(Duration::from_secs(20)).await;
     if let Some(op) = node_op.take() {
         let _ = op.await;
@@ -860,7 +1138,7 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
         None => Admin::connect(&url091).await,
     };
     admin.track(&plan);
-    let drained = drain_all(config.protocol, port, &admin, &plan).await;
+    let drained = drain_all(config.protocol, broker, &admin, &plan).await;
     admin.cleanup().await;
     for (queue, messages) in &drained {
         for m in messages {
@@ -899,6 +1177,7 @@ pub async fn run(config: &ChaosConfig, node: &PrivateNode) -> ChaosOutcome {
         crash_limit: config.crash_limit,
         journal: journal_path,
         exit_errors,
+        samples,
     }
 }
 
