@@ -13,9 +13,11 @@
 //! * [`node`]: the private node (`tests/chaos-node.sh`).
 //! * [`driver`]: publishing, the fault schedule, the wait, the drain.
 //! * [`reconcile`]: what became of every message.
+//! * [`soak`]: chaos for a set time with one consumer's RSS, descriptors and threads
+//!   sampled, judged and drawn.
 //!
 //! The full run is the `chaos` binary (`cargo run -p conformance --bin chaos -- --help`);
-//! `tests/tests/chaos.rs` is the bounded version CI runs.
+//! `tests/tests/chaos.rs` is the bounded version CI runs. The soak is the `soak` binary.
 
 pub mod consumer;
 pub mod driver;
@@ -23,4 +25,5 @@ pub mod journal;
 pub mod node;
 pub mod reconcile;
 pub mod script;
+pub mod soak;
 pub mod transport;
