@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::testing::{TlsNode, tls_node};
 
-use common::{broker_at, unique};
+use common::{Broker, broker_at, unique};
 
 /// The password of every URL a refusal test gives: it must appear in no error.
 const PASSWORD: &str = "Tl5-N0t-Sh0wn-7731";
@@ -121,17 +121,22 @@ async fn handle(msg: Message) -> Result<(), HandlerError> {
     }
 }
 
+/// The TLS node over plain AMQP 0-9-1, to declare, publish and look.
+async fn plain(node: &TlsNode) -> Broker {
+    broker_at(&format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f",
+        node.plain_port
+    ))
+    .await
+    .expect("the TLS node's plain port")
+}
+
 #[tokio::test]
 async fn a_consumer_over_amqps_handles_retries_and_parks() {
     let Some(node) = tls_node("a consumer over amqps://") else {
         return;
     };
-    let b = broker_at(&format!(
-        "amqp://guest:guest@127.0.0.1:{}/%2f",
-        node.plain_port
-    ))
-    .await
-    .expect("the TLS node's plain port");
+    let b = plain(&node).await;
     let q = unique("tls-consumer");
     let policy = RetryPolicy::delays([Duration::from_millis(500)])
         .build()
@@ -199,12 +204,7 @@ async fn mutual_tls_logs_in_as_the_client_certificate_or_with_a_password() {
     let Some(node) = tls_node("mutual TLS over amqps://") else {
         return;
     };
-    let b = broker_at(&format!(
-        "amqp://guest:guest@127.0.0.1:{}/%2f",
-        node.plain_port
-    ))
-    .await
-    .expect("the TLS node's plain port");
+    let b = plain(&node).await;
     let q = unique("tls-mutual");
     let policy = RetryPolicy::delays([Duration::from_secs(30)])
         .build()

@@ -17,7 +17,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use conformance::chaos::consumer::Protocol;
+use conformance::chaos::consumer::{self, Protocol};
 use conformance::chaos::driver::{self, ChaosConfig};
 use conformance::chaos::node::PrivateNode;
 use conformance::rabbitmq::runtime;
@@ -96,11 +96,6 @@ fn parse() -> Result<Options, String> {
     Ok(o)
 }
 
-fn consumer_exe() -> PathBuf {
-    let exe = std::env::current_exe().expect("the current executable");
-    exe.with_file_name("chaos_consumer")
-}
-
 fn main() -> ExitCode {
     let o = match parse() {
         Ok(o) => o,
@@ -133,14 +128,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         };
     }
-    let consumer = consumer_exe();
-    if !consumer.exists() {
-        eprintln!(
-            "{} is missing: cargo build -p conformance --bin chaos --bin chaos_consumer",
-            consumer.display()
-        );
-        return ExitCode::from(2);
-    }
+    let consumer = match consumer::exe_beside_this_one("chaos") {
+        Ok(exe) => exe,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     eprintln!("starting a private RabbitMQ node on port {}", o.port);
     let node = match PrivateNode::up(o.port, Some(std::process::id())) {
         Ok(node) => node,

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use conformance::chaos::consumer;
 use conformance::chaos::driver::Broker;
 use conformance::chaos::node::{PrivateNode, cluster_sh};
 use conformance::chaos::soak::{self, SoakConfig};
@@ -113,16 +114,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let consumer_exe = std::env::current_exe()
-        .expect("the current executable")
-        .with_file_name("chaos_consumer");
-    if !consumer_exe.exists() {
-        eprintln!(
-            "{} is missing: cargo build -p conformance --bin soak --bin chaos_consumer",
-            consumer_exe.display()
-        );
-        return ExitCode::from(2);
-    }
+    let consumer_exe = match consumer::exe_beside_this_one("soak") {
+        Ok(exe) => exe,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     if let Err(e) = std::fs::create_dir_all(&o.out) {
         eprintln!("creating {}: {e}", o.out.display());
         return ExitCode::from(2);

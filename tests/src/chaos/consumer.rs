@@ -117,6 +117,22 @@ impl ConsumerArgs {
     }
 }
 
+/// The `chaos_consumer` binary beside the running one (the `chaos` and `soak` binaries), or
+/// what to build when it is missing.
+pub fn exe_beside_this_one(this: &str) -> Result<PathBuf, String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("the current executable: {e}"))?
+        .with_file_name("chaos_consumer");
+    if exe.exists() {
+        Ok(exe)
+    } else {
+        Err(format!(
+            "{} is missing: cargo build -p conformance --bin {this} --bin chaos_consumer",
+            exe.display()
+        ))
+    }
+}
+
 /// A chaos run's plan on the cluster: quorum queues, each on all three nodes.
 pub fn cluster_plan(plan: TopologyBuilder<'_>) -> TopologyBuilder<'_> {
     plan.with_queue_type(QueueType::Quorum)
