@@ -350,6 +350,8 @@ enum Phase {
 #[derive(Debug)]
 struct Live<D> {
     state: AttemptState,
+    /// The state it arrived with, for a suspect put back as it came.
+    received: AttemptState,
     phase: Phase,
     lane: Lane,
     /// The clone being published, kept for publish retries.
@@ -619,6 +621,7 @@ impl<D> Engine<D> {
         };
         let id = DeliveryId::from(self.live.insert(Live {
             state,
+            received: state,
             phase: Phase::Running,
             lane,
             publish: None,
@@ -699,7 +702,13 @@ impl<D> Engine<D> {
     /// The broker's answer to the publish the engine asked for. Only a positive confirm lets
     /// the original be acknowledged. Anything else publishes the clone again after the
     /// policy's publish-retry wait, counted from `now`; once those retries are spent, the
-    /// original is requeued. Call [`poll_action`](Self::poll_action) next.
+    /// original is requeued. Except a suspect from the isolation queue that showed no
+    /// crash: requeued, it would come back redelivered, which only this process could
+    /// excuse and any other would count as a crash. A fresh copy of it, as it came, is
+    /// published to the isolation queue first (ending [`Terminal::Isolated`] once
+    /// confirmed, like [`handle_declined`](Self::handle_declined)); only if that copy is
+    /// refused too is the original requeued, and excused here. Call
+    /// [`poll_action`](Self::poll_action) next.
     pub fn handle_confirm(
         &mut self,
         now: Timestamp,
@@ -725,6 +734,14 @@ impl<D> Engine<D> {
         let (lane, key, evidence) = (live.lane, live.excuse_key, live.evidence);
         if confirm == Confirm::Ack {
             self.settle(id, Settlement::Ack, terminal);
+            return Ok(());
+        }
+        if lane == Lane::Isolation && !evidence && terminal != Terminal::Isolated {
+            // Put back as it came: the run whose clone was refused is not counted, as a
+            // requeue would not count it.
+            let received = live.received;
+            let runs = received.attempt.saturating_sub(1);
+            self.execute(now, id, received, Decision::Isolate, runs, None);
             return Ok(());
         }
         if lane == Lane::Isolation && !evidence {

@@ -772,6 +772,41 @@ fn a_refused_publish_is_retried_with_doubling_waits_before_the_original_is_reque
 }
 
 #[test]
+fn a_suspect_whose_clone_is_refused_is_put_back_fresh_for_any_process_to_run() {
+    let policy = RetryPolicy::delays([secs(30)])
+        .with_publish_retries(0, Duration::ZERO)
+        .build()
+        .unwrap();
+    let suspect = [
+        (headers::ATTEMPTS, HeaderValue::Int(1)),
+        (headers::CRASHES, HeaderValue::Int(1)),
+        (headers::SUSPECT, HeaderValue::Int(77)),
+    ];
+    for confirm in [Confirm::Nack, Confirm::Returned, Confirm::Failed] {
+        let mut e = engine(policy.clone());
+        let id = e.handle_delivery(T0, Lane::Isolation, facts(&suspect, false), ());
+        expect_run(&drain(&mut e, T0));
+        e.handle_outcome(T0, id, Outcome::Transient("x".into()))
+            .unwrap();
+        assert_eq!(expect_publish(&drain(&mut e, T0)).headers.attempts, 2);
+        // Requeued, it would come back redelivered: a crash to any process but this one.
+        // A fresh copy goes back to the isolation queue instead, as it came: the run that
+        // could not be recorded is not counted.
+        e.handle_confirm(T0, id, confirm).unwrap();
+        let fresh = expect_publish(&drain(&mut e, T0));
+        assert_eq!(&*fresh.route.routing_key, "work.suspect", "{confirm:?}");
+        assert_eq!(fresh.headers.attempts, 1);
+        assert_eq!(fresh.headers.crashes, 1);
+        assert!(fresh.headers.suspect.is_some_and(|t| t != 77), "a token of its own");
+        e.handle_confirm(T0, id, Confirm::Ack).unwrap();
+        assert_eq!(
+            expect_settle(&drain(&mut e, T0)),
+            (Settlement::Ack, Terminal::Isolated)
+        );
+    }
+}
+
+#[test]
 fn a_suspect_requeued_after_its_publish_failed_is_not_blamed_when_it_returns() {
     let policy = RetryPolicy::delays([secs(30)])
         .with_publish_retries(0, Duration::ZERO)
@@ -780,6 +815,9 @@ fn a_suspect_requeued_after_its_publish_failed_is_not_blamed_when_it_returns() {
     let mut e = engine(policy);
     let id = failed_once(&mut e, Lane::Isolation);
     drain(&mut e, T0);
+    e.handle_confirm(T0, id, Confirm::Nack).unwrap();
+    // Its fresh copy is refused too: the original is requeued, and excused.
+    expect_publish(&drain(&mut e, T0));
     e.handle_confirm(T0, id, Confirm::Nack).unwrap();
     assert_eq!(expect_settle(&drain(&mut e, T0)).0, Settlement::Requeue);
     // Back from the isolation queue, redelivered: it runs, no crash counted.
