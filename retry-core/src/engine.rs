@@ -107,7 +107,9 @@ pub enum Terminal {
         delay: Duration,
     },
     /// A suspect (redelivered from the work queue) was cloned into the isolation queue,
-    /// without a handler run and without counting a crash.
+    /// without a handler run and without counting a crash; or a suspect from the isolation
+    /// queue was put back there as a fresh copy, as it came (it arrived after shutdown
+    /// began, or its clone was refused).
     Isolated,
     /// A suspect that crashed its consumer while running alone was cloned, with the crash
     /// counted, through the crash delay back into the isolation queue, without a handler
