@@ -542,6 +542,11 @@ pub fn reconcile(entries: &[Entry], bad_lines: usize, facts: &RunFacts) -> Recon
                     set.remove(&e.id);
                 }
             }
+            // A process starts with nothing running, whatever an earlier process with the
+            // same pid (a long run wraps the pids) was running when it died.
+            "start" => {
+                running.remove(&e.pid);
+            }
             _ => {}
         }
     }
@@ -634,6 +639,31 @@ mod tests {
         assert_eq!(r.wrongly_blamed, [ok]);
         assert_eq!(r.alone_violations.len(), 1, "{:?}", r.alone_violations);
         assert!(r.charged_by_kill.is_empty());
+    }
+
+    #[test]
+    fn a_pid_used_again_by_a_new_process_starts_with_nothing_running() {
+        let entries = vec![
+            entry(1, "start", "-", "protocol=amqp091 prefetch=20"),
+            entry(1, "run", "m00000-ok", "attempt=1 lane=work does=succeed"),
+            entry(9, "kill", "-", "pid=1"),
+            entry(9, "exited", "-", "pid=1 status=signal:9"),
+            entry(1, "start", "-", "protocol=amqp091 prefetch=20"),
+            entry(
+                1,
+                "run",
+                "m00001-ok",
+                "attempt=1 lane=isolation does=succeed",
+            ),
+            entry(1, "ran", "m00001-ok", "attempt=1 outcome=ok"),
+        ];
+        let r = reconcile(&entries, 0, &facts(&["m00000-ok", "m00001-ok"], &[]));
+        assert!(r.alone_violations.is_empty(), "{:?}", r.alone_violations);
+        // Within one process's life the same runs are a violation.
+        let mut one_life = entries.clone();
+        one_life.remove(4);
+        let r = reconcile(&one_life, 0, &facts(&["m00000-ok", "m00001-ok"], &[]));
+        assert_eq!(r.alone_violations.len(), 1, "{:?}", r.alone_violations);
     }
 
     #[test]
