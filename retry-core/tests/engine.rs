@@ -797,7 +797,10 @@ fn a_suspect_whose_clone_is_refused_is_put_back_fresh_for_any_process_to_run() {
         assert_eq!(&*fresh.route.routing_key, "work.suspect", "{confirm:?}");
         assert_eq!(fresh.headers.attempts, 1);
         assert_eq!(fresh.headers.crashes, 1);
-        assert!(fresh.headers.suspect.is_some_and(|t| t != 77), "a token of its own");
+        assert!(
+            fresh.headers.suspect.is_some_and(|t| t != 77),
+            "a token of its own"
+        );
         e.handle_confirm(T0, id, Confirm::Ack).unwrap();
         assert_eq!(
             expect_settle(&drain(&mut e, T0)),
