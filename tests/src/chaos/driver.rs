@@ -270,6 +270,8 @@ pub struct ChaosOutcome {
     pub exit_errors: Vec<String>,
     /// The first slot's process, once a second, when the run samples it.
     pub samples: Vec<Sample>,
+    /// Messages a paced publisher had not published when the run ended.
+    pub unpublished: usize,
 }
 
 /// A consumer process's resources at one moment, from `/proc`.
@@ -315,6 +317,12 @@ impl ChaosOutcome {
         let mut out = self.reconciled.problems(self.crash_limit);
         if self.timed_out {
             out.push("timed out before every message was accounted for".into());
+        }
+        if self.unpublished > 0 {
+            out.push(format!(
+                "{} messages were never published: the publisher fell behind or hung",
+                self.unpublished
+            ));
         }
         if self.reconciled.bad_lines > 0 {
             out.push(format!(
@@ -733,32 +741,40 @@ async fn publish_paced(
                 break;
             }
             if let Some((conn, _)) = channel.take() {
-                let _ = conn.close(200, "publishing again".into()).await;
+                close_within(conn, "publishing again").await;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
     if let Some((conn, _)) = channel {
-        let _ = conn.close(200, "published".into()).await;
+        close_within(conn, "published").await;
     }
 }
 
-/// A confirm channel on the first of `urls` that answers.
+/// Closes `conn`, giving up after 2 s: a close on a connection to a node that went away can
+/// wait for a `close-ok` forever.
+async fn close_within(conn: lapin::Connection, why: &str) {
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, why.into())).await;
+}
+
+/// A confirm channel on the first of `urls` that opens one within 5 s.
 async fn open_confirm_channel(urls: &[String]) -> Option<(lapin::Connection, lapin::Channel)> {
-    let mut conn = None;
     for url in urls {
-        let connect = lapin::Connection::connect(url, ConnectionProperties::default());
-        if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(5), connect).await {
-            conn = Some(c);
-            break;
+        let open = async {
+            let conn = lapin::Connection::connect(url, ConnectionProperties::default())
+                .await
+                .ok()?;
+            let ch = conn.create_channel().await.ok()?;
+            ch.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .ok()?;
+            Some((conn, ch))
+        };
+        if let Ok(Some(opened)) = tokio::time::timeout(Duration::from_secs(5), open).await {
+            return Some(opened);
         }
     }
-    let conn = conn?;
-    let ch = conn.create_channel().await.ok()?;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .ok()?;
-    Some((conn, ch))
+    None
 }
 
 /// Whether every message of `ids` was published to `queue` and acked within 10 s.
@@ -1162,6 +1178,15 @@ pub async fn run_on(config: &ChaosConfig, broker: &Broker) -> ChaosOutcome {
         .map(|e| e.num("closed").unwrap_or(0) + e.num("killed").unwrap_or(0))
         .sum::<u64>() as usize;
     let exit_errors = exit_errors(&entries);
+    // Only what was published can be lost; what a paced publisher never got to is said
+    // apart.
+    let sent: HashSet<&str> = entries
+        .iter()
+        .filter(|e| e.kind == "sent")
+        .map(|e| e.id.as_str())
+        .collect();
+    let (ids, unpublished): (Vec<String>, Vec<String>) =
+        ids.into_iter().partition(|id| sent.contains(id.as_str()));
     let facts = RunFacts {
         ids,
         crash_limit: config.crash_limit,
@@ -1178,6 +1203,7 @@ pub async fn run_on(config: &ChaosConfig, broker: &Broker) -> ChaosOutcome {
         journal: journal_path,
         exit_errors,
         samples,
+        unpublished: unpublished.len(),
     }
 }
 
