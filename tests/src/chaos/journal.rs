@@ -28,8 +28,8 @@
 //! | `terminal` | the consumer's `on_terminal` (`lane=`, `attempt=`, `t=handled`, `retried`, `isolated`, `diverted`, `parked`, `dropped` or `requeued`, with `crashes=`, `reason=`, `cause=`) |
 //! | `exit` | `run` returned (`result=ok`, the report's counts, or `err=`) |
 //!
-//! Kinds written by the driver: `sent` (a message published and confirmed before the
-//! consumers start), `spawn`, `exited` (a consumer process ended: `status=`), `kill`,
+//! Kinds written by the driver: `sent` (a message published and confirmed: before the
+//! consumers start, or while they run when the run publishes at a rate), `spawn`, `exited` (a consumer process ended: `status=`), `kill`,
 //! `close` (connections force-closed), `stop-app`, `start-app`, `shutdown` (a consumer asked
 //! to stop), `phase`, and `drained` (a message found in a queue of the plan at the end:
 //! `queue=`, `reason=`, `crashes=`). With `sent` and `drained`, a journal alone is enough to
