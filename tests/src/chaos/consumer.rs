@@ -366,7 +366,8 @@ pub fn describe(terminal: &Terminal) -> String {
 }
 
 /// A tracing subscriber that writes each event at WARN or above but the engine's note of a
-/// parked message to standard error, on one line: `<unix-ms> <pid> <LEVEL> <target> <message> key=value ...`.
+/// parked message to standard error, on one line:
+/// `<unix-ms> <pid> <LEVEL> <target> message=<message> key=value ...`.
 struct Warnings;
 
 /// The engine's warning for each parked message.
