@@ -738,17 +738,19 @@ impl<D> Engine<D> {
             self.settle(id, Settlement::Ack, terminal);
             return Ok(());
         }
-        if lane == Lane::Isolation && !evidence && terminal != Terminal::Isolated {
-            // Put back as it came: the run whose clone was refused is not counted, as a
-            // requeue would not count it.
-            let received = live.received;
-            let runs = received.attempt.saturating_sub(1);
-            self.execute(now, id, received, Decision::Isolate, runs, None);
-            return Ok(());
-        }
+        // A suspect that showed a crash keeps that evidence when requeued: its crash was
+        // never recorded.
         if lane == Lane::Isolation && !evidence {
-            // Requeued, it comes back redelivered from the isolation queue: not a crash. One
-            // that showed a crash keeps that evidence: its crash was never recorded.
+            if terminal != Terminal::Isolated {
+                // Put back as it came: the run whose clone was refused is not counted, as a
+                // requeue would not count it.
+                let received = live.received;
+                let runs = received.attempt.saturating_sub(1);
+                self.execute(now, id, received, Decision::Isolate, runs, None);
+                return Ok(());
+            }
+            // Its fresh copy (put back here or at shutdown) was refused. Requeued, it comes
+            // back redelivered from the isolation queue: not a crash, in this process.
             self.excuse(key);
         }
         self.settle(
