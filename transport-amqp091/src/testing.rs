@@ -285,15 +285,32 @@ pub fn tls_node(what: &str) -> Option<TlsNode> {
 /// transport_amqp091::testing::cluster_sh(&["start", "rtest1"]);
 /// ```
 pub fn cluster_sh(args: &[&str]) {
+    if let Err(e) = try_cluster_sh(args) {
+        panic!("{e}");
+    }
+}
+
+/// Runs `tests/cluster.sh` with `args` as [`cluster_sh`] does, returning its failure
+/// (the command and what it printed) instead of panicking.
+///
+/// ```no_run
+/// if let Err(e) = transport_amqp091::testing::try_cluster_sh(&["kill", "rtest2"]) {
+///     eprintln!("{e}");
+/// }
+/// ```
+pub fn try_cluster_sh(args: &[&str]) -> Result<(), String> {
     let out = cluster_script(args)
         .output()
-        .expect("tests/cluster.sh runs");
-    assert!(
-        out.status.success(),
-        "tests/cluster.sh {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .map_err(|e| format!("tests/cluster.sh {args:?} did not run: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "tests/cluster.sh {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
 }
 
 /// The test cluster for one test at a time (tests that stop and kill nodes must not overlap

@@ -21,9 +21,10 @@ use std::time::Duration;
 
 use conformance::chaos::consumer;
 use conformance::chaos::driver::Broker;
-use conformance::chaos::node::{PrivateNode, cluster_sh};
+use conformance::chaos::node::PrivateNode;
 use conformance::chaos::soak::{self, SoakConfig};
 use conformance::rabbitmq::runtime;
+use transport_amqp091::testing::try_cluster_sh;
 
 const USAGE: &str = "usage: soak [--duration 5m] [--warm-up 1m] [--rate 100] [--seed 1] [--port 5694 | --cluster] [--out DIR]";
 
@@ -148,7 +149,7 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
-        if let Err(e) = cluster_sh(&["start-all"]) {
+        if let Err(e) = try_cluster_sh(&["start-all"]) {
             eprintln!("{e}");
             return ExitCode::FAILURE;
         }
@@ -173,7 +174,7 @@ fn main() -> ExitCode {
     let outcome = runtime().block_on(soak::run(&config));
     drop(node);
     if o.cluster
-        && let Err(e) = cluster_sh(&["start-all"])
+        && let Err(e) = try_cluster_sh(&["start-all"])
     {
         eprintln!("{e}");
     }

@@ -133,6 +133,27 @@ pub fn exe_beside_this_one(this: &str) -> Result<PathBuf, String> {
     }
 }
 
+/// The AMQP 0-9-1 configuration for `url`: one URL, or a cluster's node list joined by
+/// commas (see [`ConsumerArgs::url`]).
+pub fn amqp091_config(url: &str) -> Result<AmqpConfig, String> {
+    if url.contains(',') {
+        AmqpConfig::cluster(url.split(',').map(str::to_owned))
+            .map_err(|e| format!("the node list: {}", chain(&e)))
+    } else {
+        Ok(AmqpConfig::new(url))
+    }
+}
+
+/// The AMQP 1.0 configuration for `url`, as [`amqp091_config`].
+pub fn amqp10_config(url: &str) -> Result<Amqp10Config, String> {
+    if url.contains(',') {
+        Amqp10Config::cluster(url.split(',').map(str::to_owned))
+            .map_err(|e| format!("the node list: {}", chain(&e)))
+    } else {
+        Ok(Amqp10Config::new(url))
+    }
+}
+
 /// A chaos run's plan on the cluster: quorum queues, each on all three nodes.
 pub fn cluster_plan(plan: TopologyBuilder<'_>) -> TopologyBuilder<'_> {
     plan.with_queue_type(QueueType::Quorum)
@@ -217,13 +238,7 @@ async fn run(args: &ConsumerArgs, journal: Arc<JournalWriter>) -> Result<RunRepo
     let shutdown = stdin_closed();
     match args.protocol {
         Protocol::Amqp091 => {
-            let config = if args.url.contains(',') {
-                AmqpConfig::cluster(args.url.split(',').map(str::to_owned))
-                    .map_err(|e| format!("the node list: {}", chain(&e)))?
-            } else {
-                AmqpConfig::new(&args.url)
-            }
-            .with_connection_name(name);
+            let config = amqp091_config(&args.url)?.with_connection_name(name);
             let inner = AmqpTransport::connect(config)
                 .await
                 .map_err(|e| format!("connecting: {}", chain(&e)))?;
@@ -234,15 +249,10 @@ async fn run(args: &ConsumerArgs, journal: Arc<JournalWriter>) -> Result<RunRepo
             report
         }
         Protocol::Amqp10 => {
-            let config = if args.url.contains(',') {
-                Amqp10Config::cluster(args.url.split(',').map(str::to_owned))
-                    .map_err(|e| format!("the node list: {}", chain(&e)))?
-            } else {
-                Amqp10Config::new(&args.url)
-            }
-            .with_container_id(name)
-            .with_publish_timeout(Duration::from_secs(5))
-            .with_operation_timeout(Duration::from_secs(10));
+            let config = amqp10_config(&args.url)?
+                .with_container_id(name)
+                .with_publish_timeout(Duration::from_secs(5))
+                .with_operation_timeout(Duration::from_secs(10));
             let inner = Amqp10Transport::connect(config)
                 .await
                 .map_err(|e| format!("connecting: {}", chain(&e)))?;

@@ -21,15 +21,16 @@ use retry_core::{
 };
 use tokio::process::{Child, ChildStdin, Command};
 use tokio::task::JoinHandle;
-use transport_amqp10::{Amqp10Config, Amqp10Transport};
+use transport_amqp10::Amqp10Transport;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-use super::consumer::{ConsumerArgs, Protocol, cluster_plan};
+use super::consumer::{ConsumerArgs, Protocol, amqp10_config, amqp091_config, cluster_plan};
 use super::journal::{self, Entry, JournalWriter};
-use super::node::{PrivateNode, cluster_sh, local_ports};
+use super::node::{PrivateNode, local_ports};
 use super::reconcile::{Drained, Reconciled, RunFacts, reconcile};
 use super::script::{self, Class, Mix};
 use crate::rabbitmq::{Admin, unique_name};
+use transport_amqp091::testing::try_cluster_sh;
 
 /// Where a chaos run's consumers run, and what its broker faults do.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,13 +65,9 @@ impl Broker {
 
     /// An AMQP 0-9-1 transport's configuration for it.
     fn config091(&self, name: String) -> AmqpConfig {
-        match self {
-            Broker::Node(port) => AmqpConfig::new(Protocol::Amqp091.url(*port)),
-            Broker::Cluster(urls) => {
-                AmqpConfig::cluster(urls.clone()).expect("the cluster's node list")
-            }
-        }
-        .with_connection_name(name)
+        amqp091_config(&self.url(Protocol::Amqp091))
+            .expect("the broker's URL")
+            .with_connection_name(name)
     }
 
     /// The plan of a run on it.
@@ -92,7 +89,7 @@ impl Broker {
                 .map(|()| String::new()),
             Broker::Cluster(_) => {
                 let (node, how) = cluster_turn(turn);
-                cluster_sh(&[how, &node]).map(|()| format!("node={node} how={how}"))
+                try_cluster_sh(&[how, &node]).map(|()| format!("node={node} how={how}"))
             }
         }
     }
@@ -105,7 +102,7 @@ impl Broker {
                 .map(|()| String::new()),
             Broker::Cluster(_) => {
                 let (node, _) = cluster_turn(turn);
-                cluster_sh(&["start", &node]).map(|()| format!("node={node}"))
+                try_cluster_sh(&["start", &node]).map(|()| format!("node={node}"))
             }
         }
     }
@@ -686,20 +683,7 @@ pub async fn publish_all(url: &str, queue: &str, ids: &[String]) {
     for chunk in ids.chunks(500) {
         let mut confirms = Vec::with_capacity(chunk.len());
         for id in chunk {
-            confirms.push(
-                channel
-                    .basic_publish(
-                        "".into(),
-                        queue.into(),
-                        BasicPublishOptions::default(),
-                        id.as_bytes(),
-                        BasicProperties::default()
-                            .with_message_id(id.as_str().into())
-                            .with_delivery_mode(2),
-                    )
-                    .await
-                    .expect("publish"),
-            );
+            confirms.push(publish_one(&channel, queue, id).await.expect("publish"));
         }
         for confirm in confirms {
             let confirm = confirm.await.expect("a confirm");
@@ -707,6 +691,25 @@ pub async fn publish_all(url: &str, queue: &str, ids: &[String]) {
         }
     }
     let _ = connection.close(200, "published".into()).await;
+}
+
+/// Publishes the test message `id` to `queue`: persistent, its id as message id and body.
+async fn publish_one(
+    channel: &lapin::Channel,
+    queue: &str,
+    id: &str,
+) -> lapin::Result<lapin::PublisherConfirm> {
+    channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            id.as_bytes(),
+            BasicProperties::default()
+                .with_message_id(id.into())
+                .with_delivery_mode(2),
+        )
+        .await
 }
 
 /// Publishes `ids` to `queue` at `rate` a second, in batches every 100 ms, journaling each
@@ -782,20 +785,7 @@ async fn publish_confirmed(channel: &lapin::Channel, queue: &str, ids: &[String]
     let all = async {
         let mut confirms = Vec::with_capacity(ids.len());
         for id in ids {
-            let props = BasicProperties::default()
-                .with_message_id(id.as_str().into())
-                .with_delivery_mode(2);
-            let confirm = channel
-                .basic_publish(
-                    "".into(),
-                    queue.into(),
-                    BasicPublishOptions::default(),
-                    id.as_bytes(),
-                    props,
-                )
-                .await
-                .ok()?;
-            confirms.push(confirm);
+            confirms.push(publish_one(channel, queue, id).await.ok()?);
         }
         for confirm in confirms {
             if !confirm.await.ok()?.is_ack() {
@@ -830,12 +820,7 @@ pub async fn drain_all(
             out
         }
         Protocol::Amqp10 => {
-            let config = match broker {
-                Broker::Node(_) => Amqp10Config::new(&url),
-                Broker::Cluster(_) => Amqp10Config::cluster(url.split(',').map(str::to_owned))
-                    .expect("the cluster's node list"),
-            };
-            let t = Amqp10Transport::connect(config)
+            let t = Amqp10Transport::connect(amqp10_config(&url).expect("the broker's URL"))
                 .await
                 .expect("the drain connects");
             let out = drain_with(&t, admin, plan).await;

@@ -11,28 +11,6 @@ pub fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("chaos-node.sh")
 }
 
-/// Runs the workspace's `tests/cluster.sh` with `args` (`stop rtest2`, `kill rtest1`,
-/// `start rtest1`...), blocking.
-pub fn cluster_sh(args: &[&str]) -> Result<(), String> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("cluster.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .args(args)
-        .output()
-        .map_err(|e| format!("running {}: {e}", script.display()))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "cluster.sh {} failed ({}): {}{}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
 /// A private node, on its own port.
 #[derive(Debug)]
 pub struct PrivateNode {
