@@ -158,6 +158,8 @@ pub struct ParkedFilter {
     reason: Option<ParkedReason>,
     parked_before: Option<Timestamp>,
     parked_after: Option<Timestamp>,
+    error_group: Option<String>,
+    error_containing: Option<String>,
 }
 
 impl ParkedFilter {
@@ -203,6 +205,32 @@ impl ParkedFilter {
         self
     }
 
+    /// Only messages whose last error folds to `fingerprint` ([`error_fingerprint`]): one
+    /// failure group. The empty fingerprint matches messages with no last error.
+    ///
+    /// ```
+    /// use retry_core::{Message, MessageParts, ParkedFilter, error_fingerprint};
+    ///
+    /// let parked = Message::new(MessageParts {
+    ///     headers: [("x-retry-last-error", "order 1234 not found")].into_iter().collect(),
+    ///     ..MessageParts::default()
+    /// });
+    /// let group = error_fingerprint(Some("order 98 not found"));
+    /// assert!(ParkedFilter::all().with_error_group(group).matches(&parked));
+    /// assert!(!ParkedFilter::all().with_error_group("").matches(&parked));
+    /// ```
+    pub fn with_error_group(mut self, fingerprint: impl Into<String>) -> Self {
+        self.error_group = Some(fingerprint.into());
+        self
+    }
+
+    /// Only messages whose last error contains `text`, ignoring the case of ASCII letters.
+    /// A message with no last error does not match.
+    pub fn with_error_containing(mut self, text: impl Into<String>) -> Self {
+        self.error_containing = Some(text.into());
+        self
+    }
+
     /// Whether it takes every message.
     pub fn is_all(&self) -> bool {
         *self == ParkedFilter::default()
@@ -210,26 +238,198 @@ impl ParkedFilter {
 
     /// Whether `message` matches.
     pub fn matches(&self, message: &Message) -> bool {
-        if !self.ids.is_empty() {
-            let id = message.properties().message_id.as_deref();
-            if !id.is_some_and(|id| self.ids.iter().any(|want| want == id)) {
-                return false;
-            }
+        let headers = message.headers();
+        let last_error = if self.error_group.is_some() || self.error_containing.is_some() {
+            ParkedRecord::decode(headers).last_error
+        } else {
+            None
+        };
+        let fingerprint = match &self.error_group {
+            Some(_) => error_fingerprint(last_error),
+            None => String::new(),
+        };
+        self.matches_summary(&ParkedSummary {
+            id: message.properties().message_id.as_deref(),
+            reason: ParkedReason::of(headers),
+            parked_at: parked_at(headers),
+            last_error,
+            fingerprint: &fingerprint,
+        })
+    }
+
+    /// Whether a parked message read once into a [`ParkedSummary`] matches: as
+    /// [`matches`](Self::matches) on the message, for a reader that matches the same
+    /// messages many times (an index of a parking queue).
+    pub fn matches_summary(&self, parked: &ParkedSummary<'_>) -> bool {
+        if !self.ids.is_empty() && !parked.id.is_some_and(|id| self.ids.iter().any(|w| w == id)) {
+            return false;
+        }
+        if self.reason.is_some_and(|r| r != parked.reason) {
+            return false;
         }
         if self
-            .reason
-            .is_some_and(|r| r != ParkedReason::of(message.headers()))
+            .error_group
+            .as_deref()
+            .is_some_and(|group| group != parked.fingerprint)
+        {
+            return false;
+        }
+        if let Some(text) = &self.error_containing
+            && !parked
+                .last_error
+                .is_some_and(|e| contains_ignoring_ascii_case(e, text))
         {
             return false;
         }
         if self.parked_before.is_none() && self.parked_after.is_none() {
             return true;
         }
-        let Some(at) = parked_at(message.headers()) else {
+        let Some(at) = parked.parked_at else {
             return false;
         };
         self.parked_before.is_none_or(|t| at < t) && self.parked_after.is_none_or(|t| at >= t)
     }
+}
+
+/// What a [`ParkedFilter`] looks at in a parked message.
+#[derive(Clone, Copy, Debug)]
+pub struct ParkedSummary<'a> {
+    /// Its `message-id`.
+    pub id: Option<&'a str>,
+    /// Why it was parked.
+    pub reason: ParkedReason,
+    /// When it was parked ([`parked_at`]).
+    pub parked_at: Option<Timestamp>,
+    /// Its last error (`x-retry-last-error`).
+    pub last_error: Option<&'a str>,
+    /// [`error_fingerprint`] of `last_error`: read only by a filter with
+    /// [`with_error_group`](ParkedFilter::with_error_group).
+    pub fingerprint: &'a str,
+}
+
+/// Whether `haystack` contains `needle`, ignoring the case of ASCII letters.
+fn contains_ignoring_ascii_case(haystack: &str, needle: &str) -> bool {
+    let (h, n) = (haystack.as_bytes(), needle.as_bytes());
+    n.is_empty() || h.windows(n.len()).any(|w| w.eq_ignore_ascii_case(n))
+}
+
+/// The longest fingerprint [`error_fingerprint`] returns, in characters.
+pub const FINGERPRINT_MAX_CHARS: usize = 200;
+
+/// A last error with its variable parts folded away, so that failures of the same kind
+/// group together, as ServicePulse groups failed messages by exception: the first line
+/// only, then UUIDs as `<uuid>`, IPv4 addresses (with their port) as `<ip>`, e-mail
+/// addresses as `<email>`, quoted text as `"…"`, runs of hex digits of 8 or more with a
+/// digit and a letter in them as `<hex>`, and every other number as `<n>`; cut at
+/// [`FINGERPRINT_MAX_CHARS`]. No error (`None`) folds to the empty string.
+///
+/// ```
+/// use retry_core::error_fingerprint;
+///
+/// assert_eq!(
+///     error_fingerprint(Some("order 1234 not found on 10.0.0.7:5432")),
+///     "order <n> not found on <ip>",
+/// );
+/// assert_eq!(
+///     error_fingerprint(Some("user \"ann@example.com\" locked, id 3f2a9c1e-0b4d-4c55-9e0a-1b2c3d4e5f60")),
+///     "user \"…\" locked, id <uuid>",
+/// );
+/// assert_eq!(error_fingerprint(Some("timeout after 30s\n  at db.rs:12")), "timeout after <n>s");
+/// assert_eq!(error_fingerprint(None), "");
+/// ```
+pub fn error_fingerprint(error: Option<&str>) -> String {
+    let Some(error) = error else {
+        return String::new();
+    };
+    let line = error
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
+    let chars: Vec<char> = line.chars().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < chars.len() && out.chars().count() < FINGERPRINT_MAX_CHARS {
+        let c = chars[i];
+        let word_start = i == 0 || !(chars[i - 1].is_alphanumeric() || chars[i - 1] == '_');
+        if c == '"' || c == '\'' {
+            if let Some(end) = chars[i + 1..].iter().position(|&q| q == c) {
+                out.push(c);
+                out.push('…');
+                out.push(c);
+                i += end + 2;
+                continue;
+            }
+        }
+        if word_start && let Some(len) = fingerprint_token(&chars[i..]) {
+            out.push_str(len.1);
+            i += len.0;
+            continue;
+        }
+        if c.is_ascii_digit() {
+            while i < chars.len()
+                && (chars[i].is_ascii_digit()
+                    || (chars[i] == '.' && chars.get(i + 1).is_some_and(char::is_ascii_digit)))
+            {
+                i += 1;
+            }
+            out.push_str("<n>");
+            continue;
+        }
+        out.push(if c.is_control() { ' ' } else { c });
+        i += 1;
+    }
+    out.chars().take(FINGERPRINT_MAX_CHARS).collect()
+}
+
+/// A variable token at the start of `chars` that [`error_fingerprint`] folds: its length
+/// and its placeholder.
+fn fingerprint_token(chars: &[char]) -> Option<(usize, &'static str)> {
+    let word = chars
+        .iter()
+        .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | ':' | '@' | '_' | '+'))
+        .count();
+    let text: String = chars[..word].iter().collect();
+    let text = text.trim_end_matches(['.', ':', '-']);
+    let is_hex = |s: &str| s.chars().all(|c| c.is_ascii_hexdigit());
+    let uuid = text.len() >= 36 && {
+        let parts: Vec<&str> = text[..36].split('-').collect();
+        parts.len() == 5
+            && parts.iter().map(|p| p.len()).eq([8, 4, 4, 4, 12])
+            && parts.iter().all(|p| is_hex(p))
+    };
+    if uuid {
+        return Some((36, "<uuid>"));
+    }
+    if let Some(at) = text.find('@')
+        && at > 0
+        && text[at + 1..].contains('.')
+    {
+        return Some((text.len(), "<email>"));
+    }
+    let host = text.split(':').next().unwrap_or("");
+    let octets: Vec<&str> = host.split('.').collect();
+    if octets.len() == 4
+        && octets
+            .iter()
+            .all(|o| !o.is_empty() && o.len() <= 3 && o.chars().all(|c| c.is_ascii_digit()))
+    {
+        let port = text[host.len()..].strip_prefix(':').map_or(0, |p| {
+            1 + p.chars().take_while(char::is_ascii_digit).count()
+        });
+        return Some((host.len() + port, "<ip>"));
+    }
+    let run = chars.iter().take_while(|c| c.is_ascii_hexdigit()).count();
+    let ends = chars.get(run).is_none_or(|c| !c.is_alphanumeric());
+    let hex = &chars[..run];
+    if run >= 8
+        && ends
+        && hex.iter().any(char::is_ascii_digit)
+        && hex.iter().any(char::is_ascii_alphabetic)
+    {
+        return Some((run, "<hex>"));
+    }
+    None
 }
 
 /// The headers of a replayed copy: the parked message's, with the engine's counters reset
@@ -746,5 +946,89 @@ impl<T: Transport> Pass<'_, T> {
             .ack(tag)
             .await
             .map_err(|e| transport_error(&self.lot.parking_queue, operation, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(error: &str) -> String {
+        error_fingerprint(Some(error))
+    }
+
+    #[test]
+    fn a_fingerprint_folds_what_varies_between_failures_of_one_kind() {
+        assert_eq!(fp("order 1234 not found"), fp("order 7 not found"));
+        assert_eq!(fp("order o-1234 not found"), "order o-<n> not found");
+        assert_eq!(fp("took 1.25 s"), "took <n> s");
+        assert_eq!(
+            fp("connect to 192.168.1.20:5432 refused"),
+            "connect to <ip> refused"
+        );
+        assert_eq!(
+            fp("mail to bob@example.org bounced"),
+            "mail to <email> bounced"
+        );
+        assert_eq!(
+            fp("row 0b4d9c1e-0b4d-4c55-9e0a-1b2c3d4e5f60 locked"),
+            "row <uuid> locked"
+        );
+        assert_eq!(fp("blob deadbeef00 missing"), "blob <hex> missing");
+        // Eight digits with no letter are a number, not hex.
+        assert_eq!(fp("waited 30000000 ms"), "waited <n> ms");
+        // Words are not numbers, and quoted text folds whole.
+        assert_eq!(
+            fp("decode failed: 'x' is not a field"),
+            "decode failed: '…' is not a field"
+        );
+        assert_eq!(fp("v2 schema"), "v<n> schema");
+        assert_eq!(fp("an unmatched \" stays"), "an unmatched \" stays");
+    }
+
+    #[test]
+    fn a_fingerprint_keeps_the_first_line_and_is_cut() {
+        assert_eq!(fp("\n  timeout\n at src/db.rs:12"), "timeout");
+        assert_eq!(fp("tab\there"), "tab here");
+        let long = "x".repeat(FINGERPRINT_MAX_CHARS * 2);
+        assert_eq!(fp(&long).chars().count(), FINGERPRINT_MAX_CHARS);
+        assert_eq!(fp(""), "");
+        assert_eq!(error_fingerprint(None), "");
+        // Not a panic on text that is not ASCII, around what looks like tokens.
+        assert_eq!(fp("échec 12 à 10.0.0.1"), "échec <n> à <ip>");
+    }
+
+    #[test]
+    fn a_filter_by_group_or_error_text_reads_the_last_error() {
+        let parked = |error: Option<&str>| {
+            let headers: Headers = error
+                .map(|e| (headers::LAST_ERROR, HeaderValue::from(e)))
+                .into_iter()
+                .collect();
+            Message::new(MessageParts {
+                headers,
+                ..MessageParts::default()
+            })
+        };
+        let timeout = parked(Some("DB Timeout after 30 s"));
+        let none = parked(None);
+        let group = ParkedFilter::all().with_error_group(fp("db timeout after 5 s"));
+        assert!(
+            !group.matches(&timeout),
+            "the group folds numbers, not case"
+        );
+        let group = ParkedFilter::all().with_error_group(fp("DB Timeout after 5 s"));
+        assert!(group.matches(&timeout));
+        assert!(!group.matches(&none));
+        assert!(ParkedFilter::all().with_error_group("").matches(&none));
+        let text = ParkedFilter::all().with_error_containing("TIMEOUT");
+        assert!(text.matches(&timeout));
+        assert!(!text.matches(&none));
+        assert!(
+            !ParkedFilter::all()
+                .with_error_containing("refused")
+                .matches(&timeout)
+        );
+        assert!(!text.is_all());
     }
 }
