@@ -352,14 +352,14 @@ pub fn error_fingerprint(error: Option<&str>) -> String {
     while i < chars.len() && out.chars().count() < FINGERPRINT_MAX_CHARS {
         let c = chars[i];
         let word_start = i == 0 || !(chars[i - 1].is_alphanumeric() || chars[i - 1] == '_');
-        if c == '"' || c == '\'' {
-            if let Some(end) = chars[i + 1..].iter().position(|&q| q == c) {
-                out.push(c);
-                out.push('…');
-                out.push(c);
-                i += end + 2;
-                continue;
-            }
+        if (c == '"' || c == '\'')
+            && let Some(end) = chars[i + 1..].iter().position(|&q| q == c)
+        {
+            out.push(c);
+            out.push('…');
+            out.push(c);
+            i += end + 2;
+            continue;
         }
         if word_start && let Some(len) = fingerprint_token(&chars[i..]) {
             out.push_str(len.1);

@@ -72,6 +72,7 @@ mod parked;
 mod policy;
 mod protocol;
 mod render;
+mod serve;
 mod topology;
 mod verify;
 
@@ -191,6 +192,9 @@ enum Command {
     /// Plan, apply and verify a work queue's exchanges, queues and bindings.
     #[command(subcommand)]
     Topology(topology::TopologyCommand),
+    /// Serve a web console for the parking lots of work queues: overview, failure groups,
+    /// messages, replay and purge, and a JSON API.
+    Serve(serve::ServeArgs),
 }
 
 /// `println!` that does not panic when standard output is closed (`retryctl ... | head`).
@@ -229,6 +233,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Parked(command) => parked::run(command, &broker),
         Command::Topology(command) => topology::run(command, &broker),
+        Command::Serve(args) => serve::run(args, &broker),
     }
 }
 

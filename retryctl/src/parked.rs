@@ -168,7 +168,7 @@ fn parse_rate(text: &str) -> Result<f64, String> {
 }
 
 /// An RFC 3339 time, or a duration before now.
-fn parse_when(text: &str) -> Result<Timestamp, String> {
+pub(crate) fn parse_when(text: &str) -> Result<Timestamp, String> {
     if let Ok(t) = humantime::parse_rfc3339_weak(text) {
         return Ok(Timestamp::from_system_time(t));
     }
@@ -414,6 +414,17 @@ async fn refuse_hidden_headers<T: Inspect>(
     queue: &QueueArgs,
     filter: &ParkedFilter,
 ) -> Result<(), CliError> {
+    let hidden = count_hidden_headers::<T>(lot, filter)
+        .await
+        .map_err(|e| walk_error("reading", queue, e))?;
+    hidden_headers_refusal(hidden, lot.parking_queue())
+}
+
+/// How many of the messages `filter` selects may have headers the protocol does not show.
+pub(crate) async fn count_hidden_headers<T: Inspect>(
+    lot: &ParkingLot<Arc<T>>,
+    filter: &ParkedFilter,
+) -> Result<u64, ParkingError> {
     let mut hidden = 0u64;
     lot.browse(filter, |parked| {
         if T::hides_headers(&parked) {
@@ -421,17 +432,21 @@ async fn refuse_hidden_headers<T: Inspect>(
         }
         ControlFlow::Continue(())
     })
-    .await
-    .map_err(|e| walk_error("reading", queue, e))?;
+    .await?;
+    Ok(hidden)
+}
+
+/// The refusal of a replay that selects `hidden` messages whose headers the protocol does
+/// not show, if any.
+pub(crate) fn hidden_headers_refusal(hidden: u64, parking: &str) -> Result<(), CliError> {
     if hidden == 0 {
         return Ok(());
     }
     Err(CliError::usage(format!(
-        "nothing replayed: {hidden} of the selected messages in {} show no headers over AMQP \
-         1.0, as RabbitMQ 3.x shows a message published over AMQP 0-9-1 (one parked by an AMQP \
-         0-9-1 consumer), and a copy replayed over AMQP 1.0 would lose them: replay over AMQP \
-         0-9-1 (without --protocol amqp10)",
-        lot.parking_queue()
+        "nothing replayed: {hidden} of the selected messages in {parking} show no headers over \
+         AMQP 1.0, as RabbitMQ 3.x shows a message published over AMQP 0-9-1 (one parked by an \
+         AMQP 0-9-1 consumer), and a copy replayed over AMQP 1.0 would lose them: replay over \
+         AMQP 0-9-1 (without --protocol amqp10)"
     )))
 }
 
@@ -453,15 +468,19 @@ fn walk_error(what: &str, queue: &QueueArgs, e: ParkingError) -> CliError {
             _ => {}
         }
     }
-    let text = if done == ParkingReport::default() {
+    CliError::failure_from(walk_error_text(what, &done), e)
+}
+
+/// What a walk that failed after doing `done` says.
+pub(crate) fn walk_error_text(what: &str, done: &ParkingReport) -> String {
+    if *done == ParkingReport::default() {
         format!("{what} failed")
     } else {
         format!(
             "{what} stopped after {} replayed and {} purged; every other message is still parked",
             done.replayed, done.purged
         )
-    };
-    CliError::failure_from(text, e)
+    }
 }
 
 /// A progress bar on standard error, hidden when that is not a terminal; without a total, a
@@ -580,7 +599,7 @@ async fn show<T: Transport>(
 }
 
 /// A time as RFC 3339, to the millisecond, in UTC.
-fn time_text(t: Timestamp) -> String {
+pub(crate) fn time_text(t: Timestamp) -> String {
     let system = UNIX_EPOCH.checked_add(Duration::from_millis(t.as_millis()));
     match system {
         Some(t) => humantime::format_rfc3339_millis(t).to_string(),
@@ -590,7 +609,7 @@ fn time_text(t: Timestamp) -> String {
 
 /// Text cut to its first line, with control characters shown as spaces and `…` where
 /// something was cut.
-fn one_line(text: &str, max_chars: usize) -> String {
+pub(crate) fn one_line(text: &str, max_chars: usize) -> String {
     let first = text.lines().next().unwrap_or("");
     let mut out: String = first
         .chars()
@@ -650,7 +669,7 @@ fn record_line(parked: &ParkedMessage) -> String {
     )
 }
 
-fn id_text(parked: &ParkedMessage) -> String {
+pub(crate) fn id_text(parked: &ParkedMessage) -> String {
     parked
         .id()
         .map_or_else(|| "(no id)".to_owned(), |id| one_line(id, 64))
@@ -668,17 +687,21 @@ fn json_field(headers: &Headers, record: &ParkedRecord<'_>, name: &str, value: V
 }
 
 /// Every diagnostic field of a parked message.
-fn record_json(parked: &ParkedMessage) -> Value {
-    let headers = parked.message().headers();
-    let r = parked.record();
+pub(crate) fn record_json(parked: &ParkedMessage) -> Value {
+    record_json_of(parked.id(), parked.message().headers())
+}
+
+/// Every diagnostic field of a parked message with message id `id` and `headers`.
+pub(crate) fn record_json_of(id: Option<&str>, headers: &Headers) -> Value {
+    let r = ParkedRecord::decode(headers);
     let time = |t: Option<Timestamp>| t.map_or(Value::Null, |t| json!(time_text(t)));
     let f = |name: &str, value: Value| json_field(headers, &r, name, value);
     json!({
-        "id": parked.id(),
-        "reason": parked.reason().as_str(),
+        "id": id,
+        "reason": ParkedReason::of(headers).as_str(),
         "attempts": f(headers::ATTEMPTS, json!(r.attempts)),
         "crashes": f(headers::CRASHES, json!(r.crashes)),
-        "parked_at": time(parked.parked_at()),
+        "parked_at": time(retry_core::parked_at(headers)),
         "first_failure": f(headers::FIRST_FAILURE, time(r.first_failure)),
         "last_failure": f(headers::LAST_FAILURE, time(r.last_failure)),
         "last_error": f(headers::LAST_ERROR, json!(r.last_error)),
@@ -693,7 +716,7 @@ fn record_json(parked: &ParkedMessage) -> Value {
     })
 }
 
-fn properties_json(p: &Properties) -> Value {
+pub(crate) fn properties_json(p: &Properties) -> Value {
     json!({
         "content_type": p.content_type,
         "content_encoding": p.content_encoding,

@@ -1,0 +1,422 @@
+//! `retryctl serve`: a web console for the parking lots of one or more work queues.
+//!
+//! The console keeps an [`Index`](index::Index) of each parking queue, built by a walk of
+//! the queue (the same [`ParkingLot::browse`] as `retryctl parked list`) and rebuilt every
+//! `--refresh`, after every action, and on demand; pages are served from it and say "as of"
+//! when it was read. Replays and purges act on the queue through [`ParkingLot`], never on
+//! the index: a copy is confirmed before its original is acknowledged.
+//!
+//! Walks and actions run one at a time per queue, each on a thread of its own with its own
+//! connection, opened for it and closed after it: a console left open for days holds no
+//! connection between walks and survives a broker restart.
+
+mod auth;
+mod html;
+mod http;
+pub mod index;
+mod jobs;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock, mpsc};
+use std::time::{Duration, Instant, SystemTime};
+
+use clap::Args;
+use retry_core::{ParkingLot, QueueRole, RetryPolicy, Timestamp, TopologyPlan, redact_url};
+
+use crate::Broker;
+use crate::error::CliError;
+use crate::parked::{Depth, Inspect};
+use crate::protocol::Protocol;
+
+/// Connects over the console's protocol, evaluates `$job` (a future, generic over the
+/// transport) with the transport bound to `$t`, on a runtime of this thread's own, and
+/// closes the connection.
+macro_rules! on_transport {
+    ($app:expr, |$t:ident| $job:expr) => {{
+        let app: &App = $app;
+        crate::block_on(async {
+            match app.protocol {
+                crate::protocol::Protocol::Amqp091 => {
+                    let $t = Arc::new(crate::broker::connect(&app.url).await?);
+                    let result = $job.await;
+                    let _ = $t.close().await;
+                    result
+                }
+                crate::protocol::Protocol::Amqp10 => {
+                    let $t = Arc::new(crate::protocol::connect_amqp10(&app.url).await?);
+                    let result = $job.await;
+                    $t.close().await;
+                    result
+                }
+                crate::protocol::Protocol::Nats => {
+                    let $t = Arc::new(crate::protocol::connect_nats(&app.url, 1).await?);
+                    let result = $job.await;
+                    $t.close().await;
+                    result
+                }
+            }
+        })
+    }};
+}
+pub(crate) use on_transport;
+
+pub use index::{Index, IndexBuilder, IndexLimits};
+
+/// `retryctl serve`'s options.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The work queues whose parking lots the console shows (`QUEUE.parking` each).
+    #[arg(value_name = "QUEUE", required = true)]
+    queues: Vec<String>,
+    /// The address to listen on. Any but a loopback address needs --token or --token-file.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// The token every page, action and API call needs (by `Authorization: Bearer`, or a
+    /// session cookie made at /login). Without it (or --token-file) the console draws one
+    /// at start and prints the link that logs in with it.
+    #[arg(
+        long,
+        env = "RETRYCTL_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    token: Option<String>,
+    /// A file whose first line is the token.
+    #[arg(long, value_name = "FILE", conflicts_with = "token")]
+    token_file: Option<PathBuf>,
+    /// How often each parking queue is walked again to refresh its index.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_interval)]
+    refresh: Duration,
+    /// The most memory the index of each queue may take: what does not fit is counted, not
+    /// kept, and the pages say so. Bytes, or with KiB, MiB or GiB.
+    #[arg(long, value_name = "SIZE", default_value = "64MiB", value_parser = parse_size)]
+    index_memory: usize,
+    /// The bytes of each body kept in the index and shown on its message page.
+    #[arg(long, value_name = "BYTES", default_value = "256", value_parser = parse_size)]
+    preview_bytes: usize,
+    /// The retry policy (TOML) of the work queues, to show the depth of every queue of
+    /// their topology; without it, the work, isolation and parking queues.
+    #[arg(long, value_name = "FILE")]
+    policy: Option<PathBuf>,
+}
+
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d >= Duration::from_secs(1) => Ok(d),
+        Ok(_) => Err("must be at least 1s".into()),
+        Err(e) => Err(format!("{e}: expected a duration such as 30s or 5m")),
+    }
+}
+
+/// A size in bytes: a number, optionally followed by KiB, MiB or GiB.
+fn parse_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        other => return Err(format!("unknown unit {other:?}: use B, KiB, MiB or GiB")),
+    };
+    let n: usize = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size: a number of bytes, KiB, MiB or GiB"))?;
+    n.checked_mul(1 << shift)
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{text:?} must be above 0 and fit in memory"))
+}
+
+/// What the console knows of one work queue.
+pub struct Queue {
+    /// The work queue.
+    pub name: String,
+    /// Its parking queue.
+    pub parking: String,
+    /// The queues whose depth the overview shows, with their role.
+    pub shown: Vec<(String, &'static str)>,
+    /// The latest finished index, and the depths read with it.
+    pub snapshot: RwLock<Arc<Snapshot>>,
+    /// The walk under way, if any: messages read so far and since when.
+    pub building: Mutex<Option<(u64, Instant)>>,
+    /// Held by the walk or action running on this queue.
+    busy: Mutex<()>,
+    /// Asks the refresher to walk now.
+    wake: Mutex<mpsc::Sender<()>>,
+}
+
+/// A finished walk of a queue.
+#[derive(Default)]
+pub struct Snapshot {
+    /// The index; empty before the first walk ends.
+    pub index: Index,
+    /// Each shown queue's depth, in the order of [`Queue::shown`].
+    pub depths: Vec<DepthShown>,
+    /// Why the latest walk failed, if it did (the index is then the one before).
+    pub error: Option<String>,
+    /// How many walks have ended, this one included.
+    pub generation: u64,
+}
+
+/// A queue's depth as the overview shows it.
+#[derive(Clone, Debug)]
+pub enum DepthShown {
+    /// Messages ready.
+    Ready(u64),
+    /// The queue does not exist.
+    Missing,
+    /// The protocol cannot count it.
+    Unknown,
+}
+
+impl Queue {
+    /// The latest snapshot.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        Arc::clone(&self.snapshot.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Asks for a walk now.
+    pub fn refresh_now(&self) {
+        let _ = self.wake.lock().unwrap_or_else(|e| e.into_inner()).send(());
+    }
+}
+
+/// The console's state, shared by every request.
+pub struct App {
+    /// The token and the session.
+    auth: auth::Auth,
+    /// The broker's URL, password hidden.
+    pub broker_shown: String,
+    url: String,
+    protocol: Protocol,
+    /// The work queues, in the order given.
+    pub queues: Vec<Arc<Queue>>,
+    /// Replays and purges, newest last.
+    pub jobs: jobs::Jobs,
+    limits: IndexLimits,
+    refresh: Duration,
+}
+
+impl App {
+    /// The queue named `name`.
+    pub fn queue(&self, name: &str) -> Option<&Arc<Queue>> {
+        self.queues.iter().find(|q| q.name == name)
+    }
+}
+
+/// Runs `retryctl serve` until the process is stopped.
+pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
+    let protocol = broker_args.protocol()?;
+    let (token, given) = match (&args.token, &args.token_file) {
+        (Some(t), _) => (t.clone(), true),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                CliError::usage_from(format!("cannot read --token-file {}", path.display()), e)
+            })?;
+            (text.lines().next().unwrap_or("").trim().to_owned(), true)
+        }
+        (None, None) => (
+            auth::random_hex(24).map_err(|e| CliError::failure_from("cannot draw a token", e))?,
+            false,
+        ),
+    };
+    if given && token.len() < 16 {
+        return Err(CliError::usage(
+            "the token must be at least 16 characters: anyone who can reach the console can try guesses",
+        ));
+    }
+    if !given && !is_loopback(args.listen.ip()) {
+        return Err(CliError::usage(format!(
+            "--listen {} is not a loopback address: anyone on that network could reach the \
+             console; give --token or --token-file (or RETRYCTL_TOKEN), or listen on 127.0.0.1",
+            args.listen
+        )));
+    }
+    let policy = match &args.policy {
+        Some(path) => crate::policy::load_policy(path)?,
+        None => RetryPolicy::default(),
+    };
+    let mut queues = Vec::new();
+    for name in &args.queues {
+        let plan = TopologyPlan::new(name, &policy)
+            .map_err(|e| CliError::usage_from(format!("work queue {name:?}"), e))?;
+        let shown = plan
+            .queues()
+            .iter()
+            .filter(|q| {
+                args.policy.is_some()
+                    || matches!(
+                        q.role,
+                        QueueRole::Work | QueueRole::Isolation | QueueRole::Parking
+                    )
+            })
+            .map(|q| (q.name.clone(), role_name(q.role)))
+            .collect();
+        let (wake, _) = mpsc::channel();
+        queues.push(Arc::new(Queue {
+            name: name.clone(),
+            parking: TopologyPlan::parking_queue_of(name),
+            shown,
+            snapshot: RwLock::default(),
+            building: Mutex::new(None),
+            busy: Mutex::new(()),
+            wake: Mutex::new(wake),
+        }));
+    }
+    let app = Arc::new(App {
+        auth: auth::Auth::new(token, given)
+            .map_err(|e| CliError::failure_from("cannot draw a session key", e))?,
+        broker_shown: redact_url(broker_args.url),
+        url: broker_args.url.to_owned(),
+        protocol,
+        queues,
+        jobs: jobs::Jobs::default(),
+        limits: IndexLimits {
+            memory_cap: args.index_memory,
+            preview_bytes: args.preview_bytes,
+            ..IndexLimits::default()
+        },
+        refresh: args.refresh,
+    });
+    for queue in &app.queues {
+        start_refresher(&app, queue);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::failure_from("cannot start the async runtime", e))?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(|e| CliError::failure_from(format!("cannot listen on {}", args.listen), e))?;
+        let at = listener
+            .local_addr()
+            .map_err(|e| CliError::failure_from("cannot read the address listened on", e))?;
+        let host = match at {
+            SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+            SocketAddr::V4(a) => a.to_string(),
+        };
+        if app.auth.given {
+            eprintln!("retryctl serve: listening on http://{host}/ (log in with the token you gave)");
+        } else {
+            eprintln!(
+                "retryctl serve: listening on http://{host}/\n  open http://{host}/login?token={} to log in",
+                app.auth.token()
+            );
+        }
+        axum::serve(listener, http::router(Arc::clone(&app)))
+            .await
+            .map_err(|e| CliError::failure_from("the console's server stopped", e))
+    })
+}
+
+fn is_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+fn role_name(role: QueueRole) -> &'static str {
+    match role {
+        QueueRole::Work => "work",
+        QueueRole::Delay { .. } => "delay",
+        QueueRole::Isolation => "isolation",
+        QueueRole::CrashDelay { .. } => "crash delay",
+        QueueRole::Parking => "parking",
+        _ => "other",
+    }
+}
+
+/// Starts the thread that walks `queue` at start, every `--refresh`, and when asked.
+fn start_refresher(app: &Arc<App>, queue: &Arc<Queue>) {
+    let (wake, woken) = mpsc::channel();
+    *queue.wake.lock().unwrap_or_else(|e| e.into_inner()) = wake;
+    let app = Arc::clone(app);
+    let queue = Arc::clone(queue);
+    std::thread::Builder::new()
+        .name(format!("index {}", queue.name))
+        .spawn(move || {
+            loop {
+                refresh(&app, &queue);
+                match woken.recv_timeout(app.refresh) {
+                    Ok(()) | Err(mpsc::RecvTimeoutError::Timeout) => {
+                        // Asked several times while walking: one walk answers them all.
+                        while woken.try_recv().is_ok() {}
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            }
+        })
+        .expect("a thread for the index");
+}
+
+/// Walks `queue` once, and publishes the new snapshot (or the error, keeping the last
+/// index).
+pub fn refresh(app: &App, queue: &Queue) {
+    let _busy = queue.busy.lock().unwrap_or_else(|e| e.into_inner());
+    *queue.building.lock().unwrap_or_else(|e| e.into_inner()) = Some((0, Instant::now()));
+    let result = on_transport!(app, |transport| build_snapshot(&transport, app, queue));
+    *queue.building.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    let mut slot = queue.snapshot.write().unwrap_or_else(|e| e.into_inner());
+    let generation = slot.generation + 1;
+    *slot = Arc::new(match result {
+        Ok((index, depths)) => Snapshot {
+            index,
+            depths,
+            error: None,
+            generation,
+        },
+        Err(e) => {
+            // Keep what the last walk read, and say why this one failed.
+            let old = std::mem::take(&mut *slot);
+            let old = Arc::try_unwrap(old).unwrap_or_default();
+            Snapshot {
+                error: Some(e.chain()),
+                generation,
+                ..old
+            }
+        }
+    });
+}
+
+async fn build_snapshot<T: Inspect>(
+    transport: &Arc<T>,
+    app: &App,
+    queue: &Queue,
+) -> Result<(Index, Vec<DepthShown>), CliError> {
+    let mut depths = Vec::new();
+    for (name, _) in &queue.shown {
+        depths.push(match transport.depth(name).await? {
+            Depth::Ready(n) => DepthShown::Ready(n),
+            Depth::Missing => DepthShown::Missing,
+            Depth::Unknown => DepthShown::Unknown,
+        });
+    }
+    let started = Instant::now();
+    let mut builder = IndexBuilder::new(app.limits, Timestamp::from_system_time(SystemTime::now()));
+    let lot = ParkingLot::with_queues(
+        Arc::clone(transport),
+        queue.name.as_str(),
+        queue.parking.as_str(),
+    );
+    lot.browse(&retry_core::ParkedFilter::all(), |parked| {
+        builder.add(&parked);
+        if builder.seen().is_multiple_of(256)
+            && let Ok(mut b) = queue.building.lock()
+        {
+            *b = Some((builder.seen(), started));
+        }
+        std::ops::ControlFlow::Continue(())
+    })
+    .await
+    .map_err(|e| CliError::failure_from(format!("cannot read {}", queue.parking), e))?;
+    Ok((builder.finish(started.elapsed()), depths))
+}
