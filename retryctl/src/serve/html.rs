@@ -107,6 +107,15 @@ fn when(t: Option<Timestamp>) -> String {
     )
 }
 
+/// A duration for people: milliseconds under a second, else seconds.
+fn took(d: std::time::Duration) -> String {
+    if d < std::time::Duration::from_secs(1) {
+        format!("{} ms", d.as_millis())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}
+
 /// A whole page: `title`, and `body`; `refresh` reloads it every that many seconds.
 pub fn page(app: &App, title: &str, refresh: Option<u32>, csrf: &str, body: Html) -> String {
     let mut h = Html::default();
@@ -150,7 +159,7 @@ fn freshness(h: &mut Html, queue: &Queue, snap: &Snapshot, csrf: &str) {
             h.raw("As of ").text(&when(Some(t))).raw(" (walk of ");
             h.show(snap.index.total)
                 .raw(" messages took ")
-                .show(format!("{:.1} s", snap.index.took.as_secs_f64()))
+                .text(&took(snap.index.took))
                 .raw(").");
         }
         _ => {
