@@ -9,6 +9,7 @@
 //! retryctl topology plan   QUEUE --policy FILE [--quorum|--classic] [--replication-factor N] [--json]
 //! retryctl topology apply  QUEUE --policy FILE [--quorum|--classic] [--replication-factor N]
 //! retryctl topology verify QUEUE --policy FILE [--quorum|--classic] [--replication-factor N] [--max-probe-ttl 10s]
+//! retryctl serve           QUEUE... [--listen 127.0.0.1:8080] [--token TOKEN | --token-file FILE] [--refresh 60s] [--index-memory 64MiB] [--preview-bytes 256] [--policy FILE]
 //! ```
 //!
 //! * `parked` walks the work queue's parking queue (`QUEUE.parking`, or `--parking NAME`)
@@ -23,6 +24,11 @@
 //! * `verify` checks the broker from outside: every object exists, and a probe sent through
 //!   each delay queue, as the engine sends a delayed copy, comes back where the plan says,
 //!   dead-lettered as expired. It deletes nothing.
+//! * `serve` serves a web console for the parking lots of the work queues: overview,
+//!   failure groups, messages, replay and purge, and a JSON API, from an index of each
+//!   parking queue kept fresh by walks (see the `serve` module and the guide's
+//!   `docs/console.md`). It listens on 127.0.0.1 unless a token is given; every page needs
+//!   the token.
 //!
 //! The broker is `--url`, or `AMQP_URL`, or `amqp://guest:guest@127.0.0.1:5672/%2f`. Its
 //! password is never printed: not by `--help`, not in errors, not in reports. Several URLs
