@@ -117,7 +117,7 @@ fn took(d: std::time::Duration) -> String {
 }
 
 /// A whole page: `title`, and `body`; `refresh` reloads it every that many seconds.
-pub fn page(app: &App, title: &str, refresh: Option<u32>, csrf: &str, body: Html) -> String {
+pub fn page(app: &App, title: &str, refresh: Option<u32>, body: Html) -> String {
     let mut h = Html::default();
     h.raw("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">")
         .raw("<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">");
@@ -133,7 +133,6 @@ pub fn page(app: &App, title: &str, refresh: Option<u32>, csrf: &str, body: Html
         .text(&app.broker_shown)
         .raw("</span></header><main>");
     h.0.push_str(&body.0);
-    let _ = csrf;
     h.raw("</main></body></html>\n");
     h.into_string()
 }
@@ -356,7 +355,7 @@ pub fn overview(app: &App, csrf: &str) -> String {
         }
         h.raw("</ul>");
     }
-    page(app, "Overview", None, csrf, h)
+    page(app, "Overview", None, h)
 }
 
 /// A queue's page: its freshness and every failure group.
@@ -377,7 +376,7 @@ pub fn queue_page(app: &App, queue: &Queue, csrf: &str) -> String {
             "List every parked message",
         )
         .raw("</p>");
-    page(app, &queue.name, None, csrf, h)
+    page(app, &queue.name, None, h)
 }
 
 /// The fields that select a group, a filter, some ids or everything, as hidden inputs.
@@ -467,7 +466,7 @@ pub fn group_page(app: &App, queue: &Queue, group: &Group, csrf: &str) -> String
     if let Some(filter) = group.filter() {
         let page = snap.index.page(&filter, Sort::Position, false, 0, 50);
         h.raw("<h2>Messages</h2>");
-        message_table(&mut h, &queue.name, &snap.index, &page.entries, None, csrf);
+        message_table(&mut h, &queue.name, &page.entries, None);
         if page.matched > 50 {
             let mut href = format!("/q/{}/messages", enc(&queue.name));
             if let Some(fields) = &selection {
@@ -479,7 +478,7 @@ pub fn group_page(app: &App, queue: &Queue, group: &Group, csrf: &str) -> String
                 .raw("</p>");
         }
     }
-    page(app, &group_label(group), None, csrf, h)
+    page(app, &group_label(group), None, h)
 }
 
 /// The selection fields of a group, `None` for the overflow group.
@@ -501,14 +500,13 @@ pub fn query(fields: &[(String, String)]) -> String {
         .join("&")
 }
 
-/// The table of messages; with `select`, a checkbox each in the form `select` names.
+/// The table of messages; with `sort_links`, sortable columns and a checkbox each, in the
+/// form `selected`.
 fn message_table(
     h: &mut Html,
     queue: &str,
-    index: &Index,
     entries: &[&Entry],
     sort_links: Option<&dyn Fn(Sort) -> String>,
-    _csrf: &str,
 ) {
     let head = |h: &mut Html, sort: Sort, label: &'static str| {
         h.raw("<th>");
@@ -558,7 +556,6 @@ fn message_table(
             .text(&first_line(entry.last_error().unwrap_or("-"), 160))
             .raw("</td></tr>");
     }
-    let _ = index;
     h.raw("</tbody></table>");
 }
 
@@ -668,14 +665,7 @@ pub fn list_page(app: &App, queue: &Queue, view: &ListView<'_>, csrf: &str) -> S
     h.raw("<button type=\"submit\" class=\"replay-selected\">Replay selected</button> <button type=\"submit\" class=\"purge-selected\" formaction=\"/q/")
         .text(&enc(&queue.name))
         .raw("/purge\">Purge selected…</button></form>");
-    message_table(
-        &mut h,
-        &queue.name,
-        index,
-        &result.entries,
-        Some(&sort_link),
-        csrf,
-    );
+    message_table(&mut h, &queue.name, &result.entries, Some(&sort_link));
     // Pages.
     let pages = (result.matched as usize).div_ceil(view.per_page.max(1));
     if pages > 1 {
@@ -712,7 +702,7 @@ pub fn list_page(app: &App, queue: &Queue, view: &ListView<'_>, csrf: &str) -> S
     } else {
         action_forms(&mut h, &queue.name, &filtered, "all that match", csrf);
     }
-    page(app, "Parked messages", None, csrf, h)
+    page(app, "Parked messages", None, h)
 }
 
 /// A header value as text: strings as they are, times with their date.
@@ -864,7 +854,7 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
         }
         h.raw("</article>");
     }
-    page(app, "Message", None, csrf, h)
+    page(app, "Message", None, h)
 }
 
 /// The replay history of a parked message, as rows.
@@ -929,7 +919,7 @@ pub fn purge_confirm(
         .raw(" messages</button> ")
         .link(&queue_href(&queue.name), "Cancel")
         .raw("</form>");
-    page(app, "Confirm purge", None, csrf, h)
+    page(app, "Confirm purge", None, h)
 }
 
 fn job_title(job: &Job) -> String {
@@ -962,7 +952,7 @@ pub fn report_line(job: &Job, report: &ParkingReport) -> String {
 }
 
 /// A job's page: progress while it runs (the page reloads itself), its report when done.
-pub fn job_page(app: &App, job: &Job, csrf: &str) -> String {
+pub fn job_page(app: &App, job: &Job) -> String {
     let progress = job.progress();
     let mut h = Html::default();
     h.raw("<h1>").text(&job_title(job)).raw("</h1>");
@@ -1000,7 +990,7 @@ pub fn job_page(app: &App, job: &Job, csrf: &str) -> String {
     h.raw(". ")
         .link(&queue_href(&job.queue), "Back to the queue")
         .raw("</p>");
-    page(app, "Action", (!progress.done).then_some(1), csrf, h)
+    page(app, "Action", (!progress.done).then_some(1), h)
 }
 
 /// The login page.
@@ -1011,7 +1001,7 @@ pub fn login_page(app: &App, failed: bool) -> String {
         h.raw("<p class=\"error\" id=\"login-failed\">That is not the console's token.</p>");
     }
     h.raw("<form method=\"post\" action=\"/login\" class=\"login\"><label>Token <input type=\"password\" name=\"token\" autocomplete=\"off\" autofocus></label> <button type=\"submit\">Log in</button></form><p class=\"muted\">The token is the one given to <code>retryctl serve</code> (--token, --token-file or RETRYCTL_TOKEN), or the one it printed at start.</p>");
-    page(app, "Log in", None, "", h)
+    page(app, "Log in", None, h)
 }
 
 /// A page that says what went wrong.
@@ -1024,7 +1014,7 @@ pub fn error_page(app: &App, title: &str, text: &str) -> String {
         .raw("</p><p>")
         .link("/", "Overview")
         .raw("</p>");
-    page(app, title, None, "", h)
+    page(app, title, None, h)
 }
 
 #[cfg(test)]

@@ -641,13 +641,9 @@ async fn refresh_form(
     }
 }
 
-async fn job_page(
-    State(app): State<Arc<App>>,
-    via: Option<axum::Extension<Via>>,
-    Path(id): Path<String>,
-) -> Response {
+async fn job_page(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
     match id.parse().ok().and_then(|id| app.jobs.get(id)) {
-        Some(job) => page(html::job_page(&app, &job, &csrf_of(&app, via.as_deref()))),
+        Some(job) => page(html::job_page(&app, &job)),
         None => page_error(
             &app,
             StatusCode::NOT_FOUND,

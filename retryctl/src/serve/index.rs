@@ -70,9 +70,13 @@ impl Entry {
         self.properties.message_id.as_deref()
     }
 
-    /// Its last error (`x-retry-last-error`).
+    /// Its last error (`x-retry-last-error`), as [`ParkedRecord`] reads it: a string, or
+    /// nothing. One lookup, not the whole record: lists filter on it message by message.
     pub fn last_error(&self) -> Option<&str> {
-        ParkedRecord::decode(&self.headers).last_error
+        match self.headers.get(retry_core::headers::LAST_ERROR) {
+            Some(HeaderValue::Str(error)) => Some(error),
+            _ => None,
+        }
     }
 }
 
