@@ -5,6 +5,8 @@
 #[path = "common/cli.rs"]
 mod cli;
 mod common;
+#[path = "common/console.rs"]
+mod console;
 
 use std::time::Duration;
 
@@ -468,4 +470,51 @@ async fn the_password_is_never_printed_over_amqp10() {
     assert_eq!(help.code, 0, "{help:?}");
     assert!(!help.all().contains(&secret), "password shown: {help:?}");
     assert!(help.stdout.contains("--protocol"), "{help:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_console_groups_and_replays_parked_messages_over_amqp10() {
+    let Some((queue, plan, _cleanup)) = work_queue("retryctl-console10").await else {
+        return;
+    };
+    let parking = plan.parking_queue();
+    let (conn, ch) = common::raw().await;
+    for (id, reason, error) in [
+        ("c-1", "permanent", "order 1 not found"),
+        ("c-2", "attempts-exhausted", "db timeout"),
+        ("c-3", "permanent", "order 30 not found"),
+    ] {
+        let section = app_properties(&[
+            ("x-retry-reason", Ok(reason)),
+            ("x-retry-last-error", Ok(error)),
+        ]);
+        let properties = BasicProperties::default()
+            .with_message_id(id.into())
+            .with_delivery_mode(2)
+            .with_headers(common::table([("x-amqp-1.0-app-properties", section)]));
+        common::publish_with(&ch, parking, id.as_bytes(), properties).await;
+    }
+    let url = common::url10();
+    let console = console::Console::start(&[&queue], &["--protocol", "amqp10", "--url", &url]);
+    let q = console.index_after(&queue, 0);
+    assert_eq!(q["parked"], 3, "{q}");
+    assert_eq!(q["by_reason"]["permanent"], 2, "{q}");
+    // AMQP 1.0 gives no count of a queue.
+    assert_eq!(q["depths"][0]["ready"], Value::Null, "{q}");
+    assert_eq!(q["groups"][0]["error"], "order <n> not found", "{q}");
+
+    let r = console.api(
+        "POST",
+        &format!("/api/queues/{queue}/replay"),
+        Some(r#"{"reason": "permanent", "group": "order <n> not found"}"#),
+    );
+    let job = console.job_done(r.json()["url"].as_str().unwrap());
+    assert_eq!(job["error"], Value::Null, "{job}");
+    assert_eq!(
+        job["summary"],
+        format!("replayed 2 to {queue}, left 1 in {parking}")
+    );
+    assert_eq!(console::held(&queue).await, 2);
+    assert_eq!(console::held(parking).await, 1);
+    let _ = conn.close(200, "done".into()).await;
 }

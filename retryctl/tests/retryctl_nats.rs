@@ -6,6 +6,8 @@
 #[path = "common/cli.rs"]
 mod cli;
 mod common;
+#[path = "common/console.rs"]
+mod console;
 #[path = "common/nats.rs"]
 mod nats;
 
@@ -582,4 +584,38 @@ async fn what_nats_cannot_do_and_unknown_schemes_exit_2() {
     assert_eq!(json["streams"][5]["name"], "comments_parking", "{json:#}");
     assert_eq!(json["streams"][5]["retention"], "limits", "{json:#}");
     assert_eq!(json["streams"][5]["consumer"], Value::Null, "{json:#}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_console_groups_and_replays_parked_messages_on_nats() {
+    let Some((transport, queue, plan, _cleanup)) = parked_three("retryctl-nats-console").await
+    else {
+        return;
+    };
+    let url = nats::url();
+    let console = console::Console::start(&[&queue], &["--url", &url]);
+    let q = console.index_after(&queue, 0);
+    assert_eq!(q["parked"], 3, "{q}");
+    assert_eq!(q["by_reason"]["permanent"], 2);
+    assert_eq!(q["by_reason"]["unknown"], 1);
+    let parking = q["depths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["role"] == "parking")
+        .unwrap()
+        .clone();
+    assert_eq!(parking["ready"], 3, "a parking stream is counted: {q}");
+    let group = &q["groups"][0];
+    assert_eq!(group["count"], 2, "{q}");
+    assert_eq!(group["error"], "spam is never accepted: body of p-<n>");
+
+    let body = format!(r#"{{"reason": "permanent", "group": {}}}"#, group["error"]);
+    let r = console.api("POST", &format!("/api/queues/{queue}/replay"), Some(&body));
+    assert_eq!(r.status, 202, "{r:?}");
+    let job = console.job_done(r.json()["url"].as_str().unwrap());
+    assert_eq!(job["error"], Value::Null, "{job}");
+    assert_eq!(job["report"]["replayed"], 2, "{job}");
+    assert_eq!(transport.count(&queue).await.unwrap(), 2);
+    assert_eq!(transport.count(plan.parking_queue()).await.unwrap(), 1);
 }
