@@ -803,7 +803,8 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
             .raw(" parked messages have this id; each is shown. Replay or purge by this id takes them all.</p>");
     }
     for entry in entries {
-        let headers = &entry.headers;
+        let (properties, headers) = entry.unpack();
+        let headers = &headers;
         h.raw("<article class=\"message\"><h1 class=\"id\">")
             .text(entry.id().unwrap_or("(no message id)"))
             .raw("</h1><h2>Record</h2>");
@@ -823,7 +824,7 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
         pairs(
             &mut h,
             "properties",
-            &json_rows(properties_json(&entry.properties)),
+            &json_rows(properties_json(&properties)),
         );
         h.raw("<h2>Headers</h2>");
         let rows: Vec<(String, String)> = headers

@@ -758,16 +758,16 @@ fn queue_json(queue: &Queue, groups: Option<usize>) -> Value {
 }
 
 fn entry_json(entry: &Entry, full: bool) -> Value {
-    let mut value = record_json_of(entry.id(), &entry.headers);
+    let (properties, headers) = entry.unpack();
+    let mut value = record_json_of(entry.id(), &headers);
     if let Value::Object(fields) = &mut value {
         fields.insert("pos".into(), json!(entry.pos));
         if full {
-            fields.insert("properties".into(), properties_json(&entry.properties));
+            fields.insert("properties".into(), properties_json(&properties));
             fields.insert(
                 "headers".into(),
                 Value::Object(
-                    entry
-                        .headers
+                    headers
                         .iter()
                         .map(|(k, v)| (k.to_owned(), header_json(v)))
                         .collect(),

@@ -19,6 +19,8 @@ use retry_core::{
     ParkedSummary, Properties, Timestamp, error_fingerprint,
 };
 
+use super::packed;
+
 /// How much an index keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexLimits {
@@ -41,7 +43,8 @@ impl Default for IndexLimits {
     }
 }
 
-/// One parked message, as the index keeps it.
+/// One parked message, as the index keeps it: what lists sort and filter on, read once,
+/// and the rest packed ([`packed`](super::packed)) for its page.
 #[derive(Debug)]
 pub struct Entry {
     /// Its place in the walk, from 0: the queue's order.
@@ -54,10 +57,10 @@ pub struct Entry {
     pub group: u32,
     /// Its attempts, as the list shows them.
     pub attempts: Option<u32>,
-    /// The message's properties.
-    pub properties: Properties,
-    /// Every header.
-    pub headers: Headers,
+    id: Option<Box<str>>,
+    last_error: Option<Box<str>>,
+    /// Properties and headers, packed.
+    packed: Box<[u8]>,
     /// The length of its body.
     pub body_len: usize,
     /// The first bytes of its body.
@@ -67,16 +70,18 @@ pub struct Entry {
 impl Entry {
     /// Its `message-id`.
     pub fn id(&self) -> Option<&str> {
-        self.properties.message_id.as_deref()
+        self.id.as_deref()
     }
 
-    /// Its last error (`x-retry-last-error`), as [`ParkedRecord`] reads it: a string, or
-    /// nothing. One lookup, not the whole record: lists filter on it message by message.
+    /// Its last error (`x-retry-last-error`), when it is a string.
     pub fn last_error(&self) -> Option<&str> {
-        match self.headers.get(retry_core::headers::LAST_ERROR) {
-            Some(HeaderValue::Str(error)) => Some(error),
-            _ => None,
-        }
+        self.last_error.as_deref()
+    }
+
+    /// Its properties and every header.
+    pub fn unpack(&self) -> (Properties, Headers) {
+        // Packed by this process: it always reads back.
+        packed::unpack(&self.packed).unwrap_or_default()
     }
 }
 
@@ -151,46 +156,14 @@ pub struct IndexBuilder {
     overflow: Option<u32>,
 }
 
-/// The heap an [`Entry`]'s own allocations take, roughly: what the cap is measured against.
+/// The heap an [`Entry`] takes, its own allocations included: what the cap is measured
+/// against.
 fn entry_bytes(entry: &Entry) -> usize {
-    let p = &entry.properties;
-    let strings = [
-        &p.content_type,
-        &p.content_encoding,
-        &p.message_id,
-        &p.correlation_id,
-        &p.reply_to,
-        &p.kind,
-        &p.app_id,
-    ];
     size_of::<Entry>()
-        + strings
-            .iter()
-            .flat_map(|s| s.as_ref())
-            .map(String::len)
-            .sum::<usize>()
-        + headers_bytes(&entry.headers)
+        + entry.id.as_ref().map_or(0, |s| s.len())
+        + entry.last_error.as_ref().map_or(0, |s| s.len())
+        + entry.packed.len()
         + entry.preview.len()
-}
-
-fn headers_bytes(headers: &Headers) -> usize {
-    headers
-        .iter()
-        .map(|(name, value)| size_of::<(String, HeaderValue)>() + name.len() + value_bytes(value))
-        .sum()
-}
-
-fn value_bytes(value: &HeaderValue) -> usize {
-    match value {
-        HeaderValue::Str(s) => s.len(),
-        HeaderValue::Bytes(b) => b.len(),
-        HeaderValue::Array(items) => items
-            .iter()
-            .map(|v| size_of::<HeaderValue>() + value_bytes(v))
-            .sum(),
-        HeaderValue::Table(table) => headers_bytes(table),
-        _ => 0,
-    }
 }
 
 /// A short, stable name for a group: FNV-1a of its reason and fingerprint.
@@ -256,14 +229,19 @@ impl IndexBuilder {
         }
         let group = self.group_for(reason, error, id, parked_at);
         let body = message.body();
+        let last_error = match headers.get(retry_core::headers::LAST_ERROR) {
+            Some(HeaderValue::Str(e)) => Some(e.as_str().into()),
+            _ => None,
+        };
         let entry = Entry {
             pos,
             reason,
             parked_at,
             group,
             attempts: counter(headers, retry_core::headers::ATTEMPTS),
-            properties: message.properties().clone(),
-            headers: headers.clone(),
+            id: id.map(Into::into),
+            last_error,
+            packed: packed::pack(message.properties(), headers),
             body_len: body.len(),
             preview: body[..body.len().min(self.index.limits.preview_bytes)].into(),
         };

@@ -15,6 +15,7 @@ mod html;
 mod http;
 pub mod index;
 mod jobs;
+mod packed;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
