@@ -162,18 +162,22 @@ impl Browser {
         self.c().execute(script, vec![]).await.unwrap()
     }
 
-    /// Waits until the action's page says it is done (it reloads itself while running),
-    /// and returns what it says.
+    /// Waits until the action's page says it is done (it reloads itself every second
+    /// while running), and returns what it says. The state is read in one script, so a
+    /// reload between two WebDriver calls cannot leave a stale element; a reload during
+    /// the script is read again.
     async fn job_result(&self) -> String {
         let deadline = Instant::now() + Duration::from_secs(60);
+        let read = "const e = document.getElementById('job-state');
+                    return e ? [e.className, e.innerText] : null;";
         loop {
-            if let Ok(state) = self.c().find(Locator::Css("#job-state")).await
-                && state.attr("class").await.unwrap().as_deref() != Some("running")
+            if let Ok(Value::Array(state)) = self.c().execute(read, vec![]).await
+                && state[0] != "running"
             {
-                return state.text().await.unwrap();
+                return state[1].as_str().unwrap_or_default().to_owned();
             }
             assert!(Instant::now() < deadline, "the action did not end");
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
