@@ -8,25 +8,13 @@ mod console;
 
 use std::process::Command;
 
-use console::{Console, Parked, TOKEN, park};
-use retry_core::Transport as _;
+use console::{Console, Parked, TOKEN};
 use serde_json::Value;
 
-/// A work queue of its own with its parking and isolation queues, and `messages` parked.
+/// A work queue of its own with `messages` parked; `None` without a broker.
 async fn queue_with(prefix: &str, messages: Vec<Parked<'_>>) -> Option<(String, common::Cleanup)> {
     let config = common::broker(prefix).await?;
-    let queue = common::unique(prefix);
-    let plan = common::classic_plan(&queue);
-    let mut cleanup = common::Cleanup::new(&config);
-    cleanup.plan(&plan);
-    common::transport(&config)
-        .await
-        .provision(&plan)
-        .await
-        .unwrap();
-    let (_conn, ch) = common::raw().await;
-    park(&ch, &queue, plan.parking_queue(), messages).await;
-    Some((queue, cleanup))
+    Some(console::parked_queue(&config, prefix, messages).await)
 }
 
 fn ids(messages: &Value) -> Vec<&str> {

@@ -16,10 +16,9 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use console::{Console, Parked, TOKEN, park};
+use console::{Console, Parked, TOKEN};
 use fantoccini::{Client, ClientBuilder, Locator};
 use lapin::types::{AMQPValue, LongString};
-use retry_core::Transport as _;
 use serde_json::{Value, json};
 
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -233,17 +232,7 @@ async fn setup(
 ) -> Option<(String, common::Cleanup, Console, Browser)> {
     let config = common::broker(prefix).await?;
     let browser = Browser::start(prefix).await?;
-    let queue = common::unique(prefix);
-    let plan = common::classic_plan(&queue);
-    let mut cleanup = common::Cleanup::new(&config);
-    cleanup.plan(&plan);
-    common::transport(&config)
-        .await
-        .provision(&plan)
-        .await
-        .unwrap();
-    let (_conn, ch) = common::raw().await;
-    park(&ch, &queue, plan.parking_queue(), messages).await;
+    let (queue, cleanup) = console::parked_queue(&config, prefix, messages).await;
     let console = Console::start(&[&queue], &[]);
     console.index_after(&queue, 0);
     Some((queue, cleanup, console, browser))

@@ -47,18 +47,14 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/q/{queue}/groups/{key}", get(group_page))
         .route("/q/{queue}/messages", get(list_page))
         .route("/q/{queue}/message", get(message_page))
-        .route("/q/{queue}/replay", post(replay_form))
-        .route("/q/{queue}/purge", post(purge_form))
-        .route("/q/{queue}/refresh", post(refresh_form))
+        .route("/q/{queue}/{verb}", post(form_post))
         .route("/jobs/{id}", get(job_page))
         .route("/api/queues", get(api_queues))
         .route("/api/queues/{queue}", get(api_queue))
         .route("/api/queues/{queue}/groups", get(api_groups))
         .route("/api/queues/{queue}/messages", get(api_messages))
         .route("/api/queues/{queue}/message", get(api_message))
-        .route("/api/queues/{queue}/replay", post(api_replay))
-        .route("/api/queues/{queue}/purge", post(api_purge))
-        .route("/api/queues/{queue}/refresh", post(api_refresh))
+        .route("/api/queues/{queue}/{verb}", post(api_post))
         .route("/api/jobs/{id}", get(api_job))
         .route_layer(middleware::from_fn_with_state(Arc::clone(&app), authorize));
     Router::new()
@@ -205,9 +201,7 @@ fn json_body(value: &Value) -> Response {
 }
 
 fn api_error(status: StatusCode, why: impl Into<String>) -> Response {
-    let mut response = json_body(&json!({ "error": why.into() }));
-    *response.status_mut() = status;
-    response
+    with_status(json_body(&json!({ "error": why.into() })), status)
 }
 
 async fn css() -> Response {
@@ -222,13 +216,12 @@ async fn not_found(State(app): State<Arc<App>>, request: Request) -> Response {
     if is_api(&request) {
         return api_error(StatusCode::NOT_FOUND, "no such API route");
     }
-    let mut response = page(html::error_page(
+    page_error(
         &app,
+        StatusCode::NOT_FOUND,
         "Not found",
         "There is no such page.",
-    ));
-    *response.status_mut() = StatusCode::NOT_FOUND;
-    response
+    )
 }
 
 /// Name and value pairs of a query string or a form body, in order.
@@ -389,9 +382,7 @@ fn queue_of(app: &App, name: &str) -> Result<Arc<Queue>, String> {
 }
 
 fn page_error(app: &App, status: StatusCode, title: &str, text: &str) -> Response {
-    let mut response = page(html::error_page(app, title, text));
-    *response.status_mut() = status;
-    response
+    with_status(page(html::error_page(app, title, text)), status)
 }
 
 // ---- pages ----
@@ -531,21 +522,35 @@ async fn message_page(
 /// What a POST of an action's form or API call asks for.
 struct ActionRequest {
     queue: Arc<Queue>,
+    action: Action,
     filter: ParkedFilter,
     description: String,
     fields: Vec<(String, String)>,
 }
 
+/// The action `verb` (`replay` or `purge`) asks for on queue `name` with `fields`.
 fn action_request(
     app: &App,
     name: &str,
+    verb: &str,
     fields: Vec<(String, String)>,
 ) -> Result<ActionRequest, (StatusCode, String)> {
     let queue = queue_of(app, name).map_err(|e| (StatusCode::NOT_FOUND, e))?;
+    let action = match verb {
+        "replay" => replay_action(&fields)?,
+        "purge" => Action::Purge,
+        other => {
+            return Err((
+                StatusCode::NOT_FOUND,
+                format!("no action {other:?}: replay, purge or refresh"),
+            ));
+        }
+    };
     let (filter, description) =
         selection(&fields, true).map_err(|e| (StatusCode::BAD_REQUEST, e))?;
     Ok(ActionRequest {
         queue,
+        action,
         filter,
         description,
         fields,
@@ -569,10 +574,12 @@ fn replay_action(fields: &[(String, String)]) -> Result<Action, (StatusCode, Str
     Ok(Action::Replay { rate, dry_run })
 }
 
-async fn replay_form(
+/// The POST of a page's form: `replay`, `purge` (a confirmation page first, then with
+/// `confirm=yes` the purge) or `refresh`.
+async fn form_post(
     State(app): State<Arc<App>>,
     axum::Extension(via): axum::Extension<Via>,
-    Path(name): Path<String>,
+    Path((name, verb)): Path<(String, String)>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -580,33 +587,23 @@ async fn replay_form(
     if let Some(refused) = check_csrf(&app, via, &headers, &fields) {
         return refused;
     }
-    let started =
-        action_request(&app, &name, fields.clone()).and_then(|r| Ok((replay_action(&fields)?, r)));
-    match started {
-        Ok((action, r)) => {
-            let job = jobs::start(&app, &r.queue, action, r.filter, r.description);
-            redirect(&format!("/jobs/{}", job.id))
-        }
-        Err((status, why)) => page_error(&app, status, "Nothing replayed", &why),
-    }
-}
-
-async fn purge_form(
-    State(app): State<Arc<App>>,
-    axum::Extension(via): axum::Extension<Via>,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let fields = fields(&body);
-    if let Some(refused) = check_csrf(&app, via, &headers, &fields) {
-        return refused;
-    }
-    let r = match action_request(&app, &name, fields) {
-        Ok(r) => r,
-        Err((status, why)) => return page_error(&app, status, "Nothing purged", &why),
+    let refused = |(status, why): (StatusCode, String)| {
+        page_error(&app, status, &format!("Nothing done: {verb}"), &why)
     };
-    if value(&r.fields, "confirm") != Some("yes") {
+    if verb == "refresh" {
+        return match queue_of(&app, &name) {
+            Ok(queue) => {
+                queue.refresh_now();
+                redirect(&format!("/q/{}", html::enc(&queue.name)))
+            }
+            Err(e) => refused((StatusCode::NOT_FOUND, e)),
+        };
+    }
+    let r = match action_request(&app, &name, &verb, fields) {
+        Ok(r) => r,
+        Err(e) => return refused(e),
+    };
+    if r.action == Action::Purge && value(&r.fields, "confirm") != Some("yes") {
         let count = r.queue.snapshot().index.count(&r.filter);
         return page(html::purge_confirm(
             &app,
@@ -617,28 +614,8 @@ async fn purge_form(
             &csrf_of(&app, Some(&via)),
         ));
     }
-    let job = jobs::start(&app, &r.queue, Action::Purge, r.filter, r.description);
+    let job = jobs::start(&app, &r.queue, r.action, r.filter, r.description);
     redirect(&format!("/jobs/{}", job.id))
-}
-
-async fn refresh_form(
-    State(app): State<Arc<App>>,
-    axum::Extension(via): axum::Extension<Via>,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let fields = fields(&body);
-    if let Some(refused) = check_csrf(&app, via, &headers, &fields) {
-        return refused;
-    }
-    match queue_of(&app, &name) {
-        Ok(queue) => {
-            queue.refresh_now();
-            redirect(&format!("/q/{}", html::enc(&queue.name)))
-        }
-        Err(e) => page_error(&app, StatusCode::NOT_FOUND, "No such queue", &e),
-    }
 }
 
 async fn job_page(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
@@ -677,9 +654,7 @@ async fn login_post(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes
 
 fn log_in(app: &App, token: &str) -> Response {
     if !app.auth.is_token(token) {
-        let mut response = page(html::login_page(app, true));
-        *response.status_mut() = StatusCode::UNAUTHORIZED;
-        return response;
+        return with_status(page(html::login_page(app, true)), StatusCode::UNAUTHORIZED);
     }
     let mut response = redirect("/");
     if let Ok(cookie) = HeaderValue::from_str(&app.auth.set_cookie()) {
@@ -920,105 +895,58 @@ fn job_json(job: &Job) -> Value {
     })
 }
 
-fn accepted(job: &Job) -> Response {
-    let mut response = json_body(&job_json(job));
-    *response.status_mut() = StatusCode::ACCEPTED;
+/// `response` with `status`.
+fn with_status(mut response: Response, status: StatusCode) -> Response {
+    *response.status_mut() = status;
     response
 }
 
-async fn api_action(
-    app: Arc<App>,
-    via: Via,
-    name: String,
+/// A POST of the API: `replay`, `purge` (409 with the count without `"confirm": true`) or
+/// `refresh`; 202 once started.
+async fn api_post(
+    State(app): State<Arc<App>>,
+    axum::Extension(via): axum::Extension<Via>,
+    Path((name, verb)): Path<(String, String)>,
     headers: HeaderMap,
     body: Bytes,
-    purge: bool,
 ) -> Response {
+    if check_csrf(&app, via, &headers, &[]).is_some() {
+        return api_error(
+            StatusCode::FORBIDDEN,
+            "a request let in by the session cookie needs the X-CSRF-Token header",
+        );
+    }
     let fields = match json_fields(&body) {
         Ok(f) => f,
         Err(e) => return api_error(StatusCode::BAD_REQUEST, e),
     };
-    if check_csrf(&app, via, &headers, &[]).is_some() {
-        return api_error(
-            StatusCode::FORBIDDEN,
-            "a request let in by the session cookie needs the X-CSRF-Token header",
-        );
+    if verb == "refresh" {
+        return match queue_of(&app, &name) {
+            Ok(queue) => {
+                let generation = queue.snapshot().generation;
+                queue.refresh_now();
+                let answer =
+                    json!({ "queue": queue.name, "generation": generation, "requested": true });
+                with_status(json_body(&answer), StatusCode::ACCEPTED)
+            }
+            Err(e) => api_error(StatusCode::NOT_FOUND, e),
+        };
     }
-    let r = match action_request(&app, &name, fields) {
+    let r = match action_request(&app, &name, &verb, fields) {
         Ok(r) => r,
         Err((status, why)) => return api_error(status, why),
     };
-    let action = if purge {
-        if value(&r.fields, "confirm").is_none() {
-            let count = r.queue.snapshot().index.count(&r.filter);
-            let mut response = json_body(&json!({
-                "error": "a purge removes messages for good: send it again with \"confirm\": true",
-                "would_purge": count,
-                "selection": r.description,
-            }));
-            *response.status_mut() = StatusCode::CONFLICT;
-            return response;
-        }
-        Action::Purge
-    } else {
-        match replay_action(&r.fields) {
-            Ok(a) => a,
-            Err((status, why)) => return api_error(status, why),
-        }
-    };
-    accepted(&jobs::start(
-        &app,
-        &r.queue,
-        action,
-        r.filter,
-        r.description,
-    ))
-}
-
-async fn api_replay(
-    State(app): State<Arc<App>>,
-    axum::Extension(via): axum::Extension<Via>,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    api_action(app, via, name, headers, body, false).await
-}
-
-async fn api_purge(
-    State(app): State<Arc<App>>,
-    axum::Extension(via): axum::Extension<Via>,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    api_action(app, via, name, headers, body, true).await
-}
-
-async fn api_refresh(
-    State(app): State<Arc<App>>,
-    axum::Extension(via): axum::Extension<Via>,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    if check_csrf(&app, via, &headers, &[]).is_some() {
-        return api_error(
-            StatusCode::FORBIDDEN,
-            "a request let in by the session cookie needs the X-CSRF-Token header",
-        );
+    if r.action == Action::Purge && value(&r.fields, "confirm").is_none() {
+        let count = r.queue.snapshot().index.count(&r.filter);
+        let answer = json!({
+            "error": "a purge removes messages for good: send it again with \"confirm\": true",
+            "would_purge": count,
+            "selection": r.description,
+        });
+        return with_status(json_body(&answer), StatusCode::CONFLICT);
     }
-    match queue_of(&app, &name) {
-        Ok(queue) => {
-            let generation = queue.snapshot().generation;
-            queue.refresh_now();
-            let mut response = json_body(
-                &json!({ "queue": queue.name, "generation": generation, "requested": true }),
-            );
-            *response.status_mut() = StatusCode::ACCEPTED;
-            response
-        }
-        Err(e) => api_error(StatusCode::NOT_FOUND, e),
-    }
+    let job = jobs::start(&app, &r.queue, r.action, r.filter, r.description);
+    with_status(json_body(&job_json(&job)), StatusCode::ACCEPTED)
 }
 
 async fn api_job(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {

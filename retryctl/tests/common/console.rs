@@ -270,3 +270,23 @@ pub async fn held(queue: &str) -> u64 {
     let (ready, unacked) = super::common::ready_and_unacked(queue).await;
     ready + unacked
 }
+
+/// A work queue of its own (classic), provisioned, with `messages` parked in its parking
+/// queue; its guard deletes it.
+pub async fn parked_queue(
+    config: &transport_amqp091::AmqpConfig,
+    prefix: &str,
+    messages: Vec<Parked<'_>>,
+) -> (String, super::common::Cleanup) {
+    use retry_core::Transport as _;
+    let queue = super::common::unique(prefix);
+    let plan = super::common::classic_plan(&queue);
+    let mut cleanup = super::common::Cleanup::new(config);
+    cleanup.plan(&plan);
+    let transport = super::common::transport(config).await;
+    transport.provision(&plan).await.unwrap();
+    let _ = transport.close().await;
+    let (_conn, ch) = super::common::raw().await;
+    park(&ch, &queue, plan.parking_queue(), messages).await;
+    (queue, cleanup)
+}
