@@ -27,8 +27,8 @@ use bench_support::BoxError;
 use bench_support::args::env_or;
 use bench_support::proc::{load1_shown, peak_rss};
 use bench_support::publish::{confirm_channel, persistent, prefill};
+use bench_support::queue::plain_walk;
 use bench_support::url::amqp_url;
-use lapin::options::BasicGetOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, ConnectionProperties};
 use retry_core::{
@@ -61,22 +61,6 @@ async fn park(conn: &Connection, queue: &str, n: u64) -> Result<(), BoxError> {
     .await?;
     ch.close(200, "parked".into()).await?;
     Ok(())
-}
-
-/// The plain-lapin baseline: get every message unacknowledged, then close the channel,
-/// which puts them all back.
-async fn plain_walk(conn: &Connection, queue: &str) -> Result<u64, BoxError> {
-    let ch = conn.create_channel().await?;
-    let mut n = 0;
-    while ch
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await?
-        .is_some()
-    {
-        n += 1;
-    }
-    ch.close(200, "walked".into()).await?;
-    Ok(n)
 }
 
 fn line(what: &str, n: u64, took: Duration, base_rss: u64) {
