@@ -832,15 +832,15 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
             .map(|(name, value)| (name.to_owned(), header_text(name, value)))
             .collect();
         pairs(&mut h, "headers", &rows);
-        let whole = entry.preview.len() == entry.body_len;
-        let (kind, shown) = body_view(&entry.preview, whole);
+        let whole = entry.preview().len() == entry.body_len();
+        let (kind, shown) = body_view(entry.preview(), whole);
         h.raw("<h2>Body</h2><p class=\"muted\">")
-            .show(entry.body_len)
+            .show(entry.body_len())
             .raw(" bytes, ")
             .text(kind);
         if !whole {
             h.raw("; the first ")
-                .show(entry.preview.len())
+                .show(entry.preview().len())
                 .raw(" bytes are shown (--preview-bytes)");
         }
         h.raw("</p><pre class=\"body\">").text(&shown).raw("</pre>");

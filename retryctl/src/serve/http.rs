@@ -748,11 +748,11 @@ fn entry_json(entry: &Entry, full: bool) -> Value {
                         .collect(),
                 ),
             );
-            let whole = entry.preview.len() == entry.body_len;
-            let (kind, text) = html::body_view(&entry.preview, whole);
+            let whole = entry.preview().len() == entry.body_len();
+            let (kind, text) = html::body_view(entry.preview(), whole);
             fields.insert(
                 "body".into(),
-                json!({ "length": entry.body_len, "shown": entry.preview.len(), "cut": !whole, "kind": kind, "text": text }),
+                json!({ "length": entry.body_len(), "shown": entry.preview().len(), "cut": !whole, "kind": kind, "text": text }),
             );
         }
     }

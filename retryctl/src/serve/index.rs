@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::mem::size_of;
+use std::sync::Arc;
 use std::time::Duration;
 
 use retry_core::{
@@ -44,7 +45,7 @@ impl Default for IndexLimits {
 }
 
 /// One parked message, as the index keeps it: what lists sort and filter on, read once,
-/// and the rest packed ([`packed`](super::packed)) for its page.
+/// and what its page shows, [`Held`].
 #[derive(Debug)]
 pub struct Entry {
     /// Its place in the walk, from 0: the queue's order.
@@ -57,31 +58,58 @@ pub struct Entry {
     pub group: u32,
     /// Its attempts, as the list shows them.
     pub attempts: Option<u32>,
+    held: Arc<Held>,
+}
+
+/// What a parked message holds, kept by reference: the next walk's index shares it when it
+/// reads the same message again, so that an index being rebuilt beside the one being
+/// served costs only what changed.
+#[derive(Debug, PartialEq, Eq)]
+struct Held {
     id: Option<Box<str>>,
     last_error: Option<Box<str>>,
-    /// Properties and headers, packed.
+    /// Properties and headers, packed ([`packed`](super::packed)).
     packed: Box<[u8]>,
-    /// The length of its body.
-    pub body_len: usize,
-    /// The first bytes of its body.
-    pub preview: Box<[u8]>,
+    body_len: usize,
+    /// The first bytes of the body.
+    preview: Box<[u8]>,
+}
+
+impl Held {
+    /// A hash of everything it holds, to find it again in the previous index.
+    fn hash(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&self.packed, self.body_len, &self.preview).hash(&mut h);
+        h.finish()
+    }
 }
 
 impl Entry {
     /// Its `message-id`.
     pub fn id(&self) -> Option<&str> {
-        self.id.as_deref()
+        self.held.id.as_deref()
     }
 
     /// Its last error (`x-retry-last-error`), when it is a string.
     pub fn last_error(&self) -> Option<&str> {
-        self.last_error.as_deref()
+        self.held.last_error.as_deref()
     }
 
     /// Its properties and every header.
     pub fn unpack(&self) -> (Properties, Headers) {
         // Packed by this process: it always reads back.
-        packed::unpack(&self.packed).unwrap_or_default()
+        packed::unpack(&self.held.packed).unwrap_or_default()
+    }
+
+    /// The length of its body.
+    pub fn body_len(&self) -> usize {
+        self.held.body_len
+    }
+
+    /// The first bytes of its body.
+    pub fn preview(&self) -> &[u8] {
+        &self.held.preview
     }
 }
 
@@ -150,20 +178,23 @@ pub struct Index {
 
 /// Builds an [`Index`] from a walk, one message at a time.
 #[derive(Debug)]
-pub struct IndexBuilder {
+pub struct IndexBuilder<'a> {
     index: Index,
     group_of: HashMap<(ParkedReason, String), u32>,
     overflow: Option<u32>,
+    /// The index this one replaces, and its entries by [`Held::hash`].
+    previous: Option<(&'a Index, HashMap<u64, u32>)>,
 }
 
-/// The heap an [`Entry`] takes, its own allocations included: what the cap is measured
-/// against.
-fn entry_bytes(entry: &Entry) -> usize {
+/// The heap an [`Entry`] takes, what it holds included (even when shared with the previous
+/// index): what the cap is measured against.
+fn entry_bytes(held: &Held) -> usize {
     size_of::<Entry>()
-        + entry.id.as_ref().map_or(0, |s| s.len())
-        + entry.last_error.as_ref().map_or(0, |s| s.len())
-        + entry.packed.len()
-        + entry.preview.len()
+        + size_of::<Held>()
+        + held.id.as_ref().map_or(0, |s| s.len())
+        + held.last_error.as_ref().map_or(0, |s| s.len())
+        + held.packed.len()
+        + held.preview.len()
 }
 
 /// A short, stable name for a group: FNV-1a of its reason and fingerprint.
@@ -189,9 +220,18 @@ fn counter(headers: &Headers, name: &str) -> Option<u32> {
         .and_then(|n| u32::try_from(n).ok())
 }
 
-impl IndexBuilder {
-    /// An empty index that keeps what `limits` allow; the walk started at `started`.
-    pub fn new(limits: IndexLimits, started: Timestamp) -> Self {
+impl<'a> IndexBuilder<'a> {
+    /// An empty index that keeps what `limits` allow; the walk started at `started`. It
+    /// shares with `previous`, the index it will replace, what a message it reads again
+    /// unchanged holds.
+    pub fn new(limits: IndexLimits, started: Timestamp, previous: Option<&'a Index>) -> Self {
+        let previous = previous.map(|index| {
+            let mut by_hash = HashMap::with_capacity(index.entries.len());
+            for (i, entry) in index.entries.iter().enumerate() {
+                by_hash.entry(entry.held.hash()).or_insert(i as u32);
+            }
+            (index, by_hash)
+        });
         IndexBuilder {
             index: Index {
                 limits,
@@ -200,7 +240,20 @@ impl IndexBuilder {
             },
             group_of: HashMap::new(),
             overflow: None,
+            previous,
         }
+    }
+
+    /// `held`, or the same held by the previous index, shared.
+    fn shared(&self, held: Held) -> Arc<Held> {
+        if let Some((index, by_hash)) = &self.previous
+            && let Some(&i) = by_hash.get(&held.hash())
+            && let Some(old) = index.entries.get(i as usize)
+            && *old.held == held
+        {
+            return Arc::clone(&old.held);
+        }
+        Arc::new(held)
     }
 
     /// Counts `parked`, and keeps it if it fits.
@@ -233,25 +286,28 @@ impl IndexBuilder {
             Some(HeaderValue::Str(e)) => Some(e.as_str().into()),
             _ => None,
         };
-        let entry = Entry {
-            pos,
-            reason,
-            parked_at,
-            group,
-            attempts: counter(headers, retry_core::headers::ATTEMPTS),
+        let held = Held {
             id: id.map(Into::into),
             last_error,
             packed: packed::pack(message.properties(), headers),
             body_len: body.len(),
             preview: body[..body.len().min(self.index.limits.preview_bytes)].into(),
         };
-        let bytes = entry_bytes(&entry);
+        let bytes = entry_bytes(&held);
         if self.index.bytes + bytes > self.index.limits.memory_cap {
             self.index.not_kept += 1;
-        } else {
-            self.index.bytes += bytes;
-            self.index.entries.push(entry);
+            return;
         }
+        self.index.bytes += bytes;
+        let entry = Entry {
+            pos,
+            reason,
+            parked_at,
+            group,
+            attempts: counter(headers, retry_core::headers::ATTEMPTS),
+            held: self.shared(held),
+        };
+        self.index.entries.push(entry);
     }
 
     fn group_for(
@@ -522,7 +578,7 @@ mod tests {
     const T0: i64 = 1_796_117_400_000;
 
     fn build(messages: &[Message], limits: IndexLimits) -> Index {
-        let mut b = IndexBuilder::new(limits, Timestamp::from_millis(0));
+        let mut b = IndexBuilder::new(limits, Timestamp::from_millis(0), None);
         for m in messages {
             b.add_message(m);
         }
@@ -618,7 +674,7 @@ mod tests {
             index
                 .entries
                 .iter()
-                .all(|e| e.preview.len() == 1000 && e.body_len == 10_000)
+                .all(|e| e.preview().len() == 1000 && e.body_len() == 10_000)
         );
         // Counts cover every message, kept or not.
         assert_eq!(index.groups[0].count, 100);
@@ -646,6 +702,35 @@ mod tests {
         let other = index.groups.iter().find(|g| g.overflow).unwrap();
         assert_eq!(other.count, 3);
         assert!(other.filter().is_none());
+    }
+
+    #[test]
+    fn a_rebuilt_index_shares_what_an_unchanged_message_holds() {
+        let first = build(
+            &[
+                parked("a", "permanent", Some("boom"), T0, b"same"),
+                parked("b", "permanent", Some("boom"), T0, b"before"),
+            ],
+            IndexLimits::default(),
+        );
+        let mut b = IndexBuilder::new(
+            IndexLimits::default(),
+            Timestamp::from_millis(1),
+            Some(&first),
+        );
+        // Read again: a unchanged but now second, b changed, c new.
+        b.add_message(&parked("c", "permanent", Some("boom"), T0, b"new"));
+        b.add_message(&parked("a", "permanent", Some("boom"), T0, b"same"));
+        b.add_message(&parked("b", "permanent", Some("boom"), T0, b"after"));
+        let second = b.finish(Duration::ZERO);
+        let shared =
+            |i: usize, j: usize| Arc::ptr_eq(&first.entries[i].held, &second.entries[j].held);
+        assert!(shared(0, 1), "a is shared");
+        assert!(!shared(1, 2), "b changed");
+        assert_eq!(second.entries[1].pos, 1);
+        assert_eq!(second.entries[2].preview(), b"after");
+        // Shared or not, every entry counts in full against the cap.
+        assert!(second.bytes > first.bytes);
     }
 
     #[test]

@@ -402,7 +402,13 @@ async fn build_snapshot<T: Inspect>(
         });
     }
     let started = Instant::now();
-    let mut builder = IndexBuilder::new(app.limits, Timestamp::from_system_time(SystemTime::now()));
+    // The index being served, shared with the new one where a message is unchanged.
+    let previous = queue.snapshot();
+    let mut builder = IndexBuilder::new(
+        app.limits,
+        Timestamp::from_system_time(SystemTime::now()),
+        Some(&previous.index),
+    );
     let lot = ParkingLot::with_queues(
         Arc::clone(transport),
         queue.name.as_str(),
