@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retry_core::{
-    HeaderValue, Headers, Message, ParkedFilter, ParkedMessage, ParkedReason, ParkedRecord,
-    ParkedSummary, Properties, Timestamp, error_fingerprint,
+    HeaderValue, Headers, Message, ParkedFilter, ParkedMessage, ParkedReason, ParkedSummary,
+    Properties, Timestamp, error_fingerprint,
 };
 
 use super::packed;
@@ -58,6 +58,11 @@ pub struct Entry {
     pub group: u32,
     /// Its attempts, as the list shows them.
     pub attempts: Option<u32>,
+    // Read by every filter of a list, so held here, one pointer away, rather than in
+    // `held`, two away: at 100,000 messages the second pointer made a filtered list 4
+    // times slower. Shared with the previous index as `held` is.
+    id: Option<Arc<str>>,
+    last_error: Option<Arc<str>>,
     held: Arc<Held>,
 }
 
@@ -66,9 +71,8 @@ pub struct Entry {
 /// served costs only what changed.
 #[derive(Debug, PartialEq, Eq)]
 struct Held {
-    id: Option<Box<str>>,
-    last_error: Option<Box<str>>,
-    /// Properties and headers, packed ([`packed`](super::packed)).
+    /// Properties and headers, packed ([`packed`](super::packed)): the id and the last
+    /// error too.
     packed: Box<[u8]>,
     body_len: usize,
     /// The first bytes of the body.
@@ -88,12 +92,12 @@ impl Held {
 impl Entry {
     /// Its `message-id`.
     pub fn id(&self) -> Option<&str> {
-        self.held.id.as_deref()
+        self.id.as_deref()
     }
 
     /// Its last error (`x-retry-last-error`), when it is a string.
     pub fn last_error(&self) -> Option<&str> {
-        self.held.last_error.as_deref()
+        self.last_error.as_deref()
     }
 
     /// Its properties and every header.
@@ -188,11 +192,11 @@ pub struct IndexBuilder<'a> {
 
 /// The heap an [`Entry`] takes, what it holds included (even when shared with the previous
 /// index): what the cap is measured against.
-fn entry_bytes(held: &Held) -> usize {
+fn entry_bytes(id: Option<&str>, last_error: Option<&str>, held: &Held) -> usize {
     size_of::<Entry>()
         + size_of::<Held>()
-        + held.id.as_ref().map_or(0, |s| s.len())
-        + held.last_error.as_ref().map_or(0, |s| s.len())
+        + id.map_or(0, str::len)
+        + last_error.map_or(0, str::len)
         + held.packed.len()
         + held.preview.len()
 }
@@ -244,16 +248,11 @@ impl<'a> IndexBuilder<'a> {
         }
     }
 
-    /// `held`, or the same held by the previous index, shared.
-    fn shared(&self, held: Held) -> Arc<Held> {
-        if let Some((index, by_hash)) = &self.previous
-            && let Some(&i) = by_hash.get(&held.hash())
-            && let Some(old) = index.entries.get(i as usize)
-            && *old.held == held
-        {
-            return Arc::clone(&old.held);
-        }
-        Arc::new(held)
+    /// The entry of the previous index that holds the same as `held`, if any.
+    fn previous_holding(&self, held: &Held) -> Option<&'a Entry> {
+        let (index, by_hash) = self.previous.as_ref()?;
+        let old = index.entries.get(*by_hash.get(&held.hash())? as usize)?;
+        (*old.held == *held).then_some(old)
     }
 
     /// Counts `parked`, and keeps it if it fits.
@@ -266,7 +265,11 @@ impl<'a> IndexBuilder<'a> {
         let headers = message.headers();
         let reason = ParkedReason::of(headers);
         let parked_at = retry_core::parked_at(headers);
-        let error = ParkedRecord::decode(headers).last_error;
+        // As `ParkedRecord` reads it: a string, or none.
+        let last_error = match headers.get(retry_core::headers::LAST_ERROR) {
+            Some(HeaderValue::Str(e)) => Some(e.as_str()),
+            _ => None,
+        };
         let id = message.properties().message_id.as_deref();
         let index = &mut self.index;
         let pos = index.total;
@@ -280,32 +283,40 @@ impl<'a> IndexBuilder<'a> {
             }
             None => index.no_time += 1,
         }
-        let group = self.group_for(reason, error, id, parked_at);
+        let group = self.group_for(reason, last_error, id, parked_at);
         let body = message.body();
-        let last_error = match headers.get(retry_core::headers::LAST_ERROR) {
-            Some(HeaderValue::Str(e)) => Some(e.as_str().into()),
-            _ => None,
-        };
         let held = Held {
-            id: id.map(Into::into),
-            last_error,
             packed: packed::pack(message.properties(), headers),
             body_len: body.len(),
             preview: body[..body.len().min(self.index.limits.preview_bytes)].into(),
         };
-        let bytes = entry_bytes(&held);
+        let bytes = entry_bytes(id, last_error, &held);
         if self.index.bytes + bytes > self.index.limits.memory_cap {
             self.index.not_kept += 1;
             return;
         }
         self.index.bytes += bytes;
+        let (id, last_error, held) = match self.previous_holding(&held) {
+            Some(old) => (
+                old.id.clone(),
+                old.last_error.clone(),
+                Arc::clone(&old.held),
+            ),
+            None => (
+                id.map(Into::into),
+                last_error.map(Into::into),
+                Arc::new(held),
+            ),
+        };
         let entry = Entry {
             pos,
             reason,
             parked_at,
             group,
             attempts: counter(headers, retry_core::headers::ATTEMPTS),
-            held: self.shared(held),
+            id,
+            last_error,
+            held,
         };
         self.index.entries.push(entry);
     }
