@@ -427,3 +427,37 @@ async fn build_snapshot<T: Inspect>(
     .map_err(|e| CliError::failure_from(format!("cannot read {}", queue.parking), e))?;
     Ok((builder.finish(started.elapsed()), depths))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_intervals_are_read_or_refused_naming_the_input() {
+        assert_eq!(parse_size("256"), Ok(256));
+        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_size("2 KiB"), Ok(2048));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12 parsecs").unwrap_err().contains("parsecs"));
+        assert!(parse_size("MiB").unwrap_err().contains("MiB"));
+        assert!(parse_size("99999999999999999999GiB").is_err());
+        assert_eq!(parse_interval("90s"), Ok(Duration::from_secs(90)));
+        assert!(parse_interval("10ms").is_err());
+        assert!(parse_interval("soon").is_err());
+    }
+
+    #[test]
+    fn loopback_addresses_are_told_apart() {
+        for (ip, loopback) in [
+            ("127.0.0.1", true),
+            ("127.9.9.9", true),
+            ("::1", true),
+            ("::ffff:127.0.0.1", true),
+            ("0.0.0.0", false),
+            ("10.0.0.5", false),
+            ("::", false),
+        ] {
+            assert_eq!(is_loopback(ip.parse().unwrap()), loopback, "{ip}");
+        }
+    }
+}
