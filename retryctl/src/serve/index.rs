@@ -71,7 +71,7 @@ pub struct Entry {
 /// served costs only what changed.
 #[derive(Debug, PartialEq, Eq)]
 struct Held {
-    /// Properties and headers, packed ([`packed`](super::packed)): the id and the last
+    /// Properties and headers, packed ([`packed`]): the id and the last
     /// error too.
     packed: Box<[u8]>,
     body_len: usize,

@@ -1,6 +1,6 @@
 //! `retryctl serve`: a web console for the parking lots of one or more work queues.
 //!
-//! The console keeps an [`Index`](index::Index) of each parking queue, built by a walk of
+//! The console keeps an [`Index`] of each parking queue, built by a walk of
 //! the queue (the same [`ParkingLot::browse`] as `retryctl parked list`) and rebuilt every
 //! `--refresh`, after every action, and on demand; pages are served from it and say "as of"
 //! when it was read. Replays and purges act on the queue through [`ParkingLot`], never on
