@@ -27,6 +27,10 @@ struct Operating;
 #[doc = include_str!("../../docs/parking-lot.md")]
 struct ParkingLot;
 
+/// `docs/console.md`.
+#[doc = include_str!("../../docs/console.md")]
+struct Console;
+
 /// `docs/clusters.md`.
 #[doc = include_str!("../../docs/clusters.md")]
 struct Clusters;
