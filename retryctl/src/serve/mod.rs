@@ -153,8 +153,9 @@ pub struct Queue {
 /// A finished walk of a queue.
 #[derive(Default)]
 pub struct Snapshot {
-    /// The index; empty before the first walk ends.
-    pub index: Index,
+    /// The index; empty before the first walk ends. Shared, so that the snapshot after a
+    /// failed walk keeps it while pages still read the one before.
+    pub index: Arc<Index>,
     /// Each shown queue's depth, in the order of [`Queue::shown`].
     pub depths: Vec<DepthShown>,
     /// Why the latest walk failed, if it did (the index is then the one before).
@@ -367,25 +368,32 @@ pub fn refresh(app: &App, queue: &Queue) {
     let result = on_transport!(app, |transport| build_snapshot(&transport, app, queue));
     *queue.building.lock().unwrap_or_else(|e| e.into_inner()) = None;
     let mut slot = queue.snapshot.write().unwrap_or_else(|e| e.into_inner());
-    let generation = slot.generation + 1;
-    *slot = Arc::new(match result {
-        Ok((index, depths)) => Snapshot {
-            index,
-            depths,
-            error: None,
-            generation,
-        },
-        Err(e) => {
-            // Keep what the last walk read, and say why this one failed.
-            let old = std::mem::take(&mut *slot);
-            let old = Arc::try_unwrap(old).unwrap_or_default();
-            Snapshot {
-                error: Some(e.chain()),
+    *slot = Arc::new(Snapshot::after(&slot, result.map_err(|e| e.chain())));
+}
+
+impl Snapshot {
+    /// The snapshot that follows `previous` once a walk ended with `result`: the new index
+    /// and depths, or, when the walk failed, the previous ones with the reason.
+    fn after(
+        previous: &Arc<Snapshot>,
+        result: Result<(Index, Vec<DepthShown>), String>,
+    ) -> Snapshot {
+        let generation = previous.generation + 1;
+        match result {
+            Ok((index, depths)) => Snapshot {
+                index: Arc::new(index),
+                depths,
+                error: None,
                 generation,
-                ..old
-            }
+            },
+            Err(error) => Snapshot {
+                index: Arc::clone(&previous.index),
+                depths: previous.depths.clone(),
+                error: Some(error),
+                generation,
+            },
         }
-    });
+    }
 }
 
 async fn build_snapshot<T: Inspect>(
@@ -431,6 +439,30 @@ async fn build_snapshot<T: Inspect>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_walk_keeps_the_index_it_replaces_even_while_a_page_reads_it() {
+        let mut builder =
+            IndexBuilder::new(IndexLimits::default(), Timestamp::from_millis(1), None);
+        builder.add_message(&retry_core::Message::new(
+            retry_core::MessageParts::default(),
+        ));
+        let first = Arc::new(Snapshot::after(
+            &Arc::default(),
+            Ok((builder.finish(Duration::ZERO), vec![DepthShown::Ready(1)])),
+        ));
+        // A request holds the snapshot while the next walk fails.
+        let page = Arc::clone(&first);
+        let second = Snapshot::after(&first, Err("the broker went away".into()));
+        assert_eq!(
+            second.index.total, 1,
+            "the index the failed walk replaced is kept"
+        );
+        assert_eq!(second.depths.len(), 1);
+        assert_eq!(second.error.as_deref(), Some("the broker went away"));
+        assert_eq!(second.generation, 2);
+        drop(page);
+    }
 
     #[test]
     fn sizes_and_intervals_are_read_or_refused_naming_the_input() {
