@@ -14,7 +14,7 @@ use serde_json::Value;
 use super::index::{Entry, Group, Index, Sort};
 use super::jobs::{Action, Job};
 use super::{App, DepthShown, Queue, Snapshot};
-use crate::parked::{properties_json, record_json_of, time_text};
+use crate::parked::{one_line, properties_json, record_json_of, time_text};
 use crate::render::{header_json, hex};
 
 /// HTML under construction.
@@ -553,14 +553,10 @@ fn message_table(
             .raw("</td><td>")
             .text(&when(entry.parked_at))
             .raw("</td><td class=\"err\">")
-            .text(&first_line(entry.last_error().unwrap_or("-"), 160))
+            .text(&one_line(entry.last_error().unwrap_or("-"), 160))
             .raw("</td></tr>");
     }
     h.raw("</tbody></table>");
-}
-
-fn first_line(text: &str, max: usize) -> String {
-    crate::parked::one_line(text, max)
 }
 
 /// What a list shows: the filter's fields, the order and the page.
@@ -813,7 +809,7 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
             "record",
             &json_rows(record_json_of(entry.id(), headers)),
         );
-        let replays = ParkedRecordView::of(headers);
+        let replays = replay_history(headers);
         h.raw("<h2>Replay history</h2>");
         if replays.is_empty() {
             h.raw("<p class=\"muted\">Never replayed.</p>");
@@ -859,26 +855,22 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
 }
 
 /// The replay history of a parked message, as rows.
-struct ParkedRecordView;
-
-impl ParkedRecordView {
-    fn of(headers: &retry_core::Headers) -> Vec<(String, String)> {
-        let r = retry_core::ParkedRecord::decode(headers);
-        let mut rows = Vec::new();
-        if r.replays > 0 {
-            rows.push(("replays".into(), r.replays.to_string()));
-        }
-        if let Some(t) = r.replayed_at {
-            rows.push(("last replayed at".into(), when(Some(t))));
-        }
-        if let Some(reason) = r.previous_reason {
-            rows.push(("parked before for".into(), reason.to_owned()));
-        }
-        if let Some(error) = r.previous_error {
-            rows.push(("with the error".into(), error.to_owned()));
-        }
-        rows
+fn replay_history(headers: &retry_core::Headers) -> Vec<(String, String)> {
+    let r = retry_core::ParkedRecord::decode(headers);
+    let mut rows = Vec::new();
+    if r.replays > 0 {
+        rows.push(("replays".into(), r.replays.to_string()));
     }
+    if let Some(t) = r.replayed_at {
+        rows.push(("last replayed at".into(), when(Some(t))));
+    }
+    if let Some(reason) = r.previous_reason {
+        rows.push(("parked before for".into(), reason.to_owned()));
+    }
+    if let Some(error) = r.previous_error {
+        rows.push(("with the error".into(), error.to_owned()));
+    }
+    rows
 }
 
 /// The confirmation a purge asks for: how many messages, as of the index.

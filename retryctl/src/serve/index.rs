@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retry_core::{
-    HeaderValue, Headers, Message, ParkedFilter, ParkedMessage, ParkedReason, ParkedSummary,
-    Properties, Timestamp, error_fingerprint,
+    HeaderValue, Headers, Message, ParkedFilter, ParkedReason, ParkedSummary, Properties,
+    Timestamp, error_fingerprint,
 };
 
 use super::packed;
@@ -255,13 +255,8 @@ impl<'a> IndexBuilder<'a> {
         (*old.held == *held).then_some(old)
     }
 
-    /// Counts `parked`, and keeps it if it fits.
-    pub fn add(&mut self, parked: &ParkedMessage) {
-        self.add_message(parked.message());
-    }
-
     /// Counts a parked message, and keeps it if it fits.
-    pub fn add_message(&mut self, message: &Message) {
+    pub fn add(&mut self, message: &Message) {
         let headers = message.headers();
         let reason = ParkedReason::of(headers);
         let parked_at = retry_core::parked_at(headers);
@@ -591,7 +586,7 @@ mod tests {
     fn build(messages: &[Message], limits: IndexLimits) -> Index {
         let mut b = IndexBuilder::new(limits, Timestamp::from_millis(0), None);
         for m in messages {
-            b.add_message(m);
+            b.add(m);
         }
         b.finish(Duration::ZERO)
     }
@@ -730,9 +725,9 @@ mod tests {
             Some(&first),
         );
         // Read again: a unchanged but now second, b changed, c new.
-        b.add_message(&parked("c", "permanent", Some("boom"), T0, b"new"));
-        b.add_message(&parked("a", "permanent", Some("boom"), T0, b"same"));
-        b.add_message(&parked("b", "permanent", Some("boom"), T0, b"after"));
+        b.add(&parked("c", "permanent", Some("boom"), T0, b"new"));
+        b.add(&parked("a", "permanent", Some("boom"), T0, b"same"));
+        b.add(&parked("b", "permanent", Some("boom"), T0, b"after"));
         let second = b.finish(Duration::ZERO);
         let shared =
             |i: usize, j: usize| Arc::ptr_eq(&first.entries[i].held, &second.entries[j].held);

@@ -147,7 +147,7 @@ pub struct Queue {
     /// Held by the walk or action running on this queue.
     busy: Mutex<()>,
     /// Asks the refresher to walk now.
-    wake: Mutex<mpsc::Sender<()>>,
+    wake: mpsc::Sender<()>,
 }
 
 /// A finished walk of a queue.
@@ -183,7 +183,7 @@ impl Queue {
 
     /// Asks for a walk now.
     pub fn refresh_now(&self) {
-        let _ = self.wake.lock().unwrap_or_else(|e| e.into_inner()).send(());
+        let _ = self.wake.send(());
     }
 }
 
@@ -243,6 +243,7 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
         None => RetryPolicy::default(),
     };
     let mut queues = Vec::new();
+    let mut refreshers = Vec::new();
     for name in &args.queues {
         let plan = TopologyPlan::new(name, &policy)
             .map_err(|e| CliError::usage_from(format!("work queue {name:?}"), e))?;
@@ -258,7 +259,8 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
             })
             .map(|q| (q.name.clone(), role_name(q.role)))
             .collect();
-        let (wake, _) = mpsc::channel();
+        let (wake, woken) = mpsc::channel();
+        refreshers.push(woken);
         queues.push(Arc::new(Queue {
             name: name.clone(),
             parking: TopologyPlan::parking_queue_of(name),
@@ -266,7 +268,7 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
             snapshot: RwLock::default(),
             building: Mutex::new(None),
             busy: Mutex::new(()),
-            wake: Mutex::new(wake),
+            wake,
         }));
     }
     let app = Arc::new(App {
@@ -284,8 +286,8 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
         },
         refresh: args.refresh,
     });
-    for queue in &app.queues {
-        start_refresher(&app, queue);
+    for (queue, woken) in app.queues.iter().zip(refreshers) {
+        start_refresher(&app, queue, woken);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -299,10 +301,8 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
         let at = listener
             .local_addr()
             .map_err(|e| CliError::failure_from("cannot read the address listened on", e))?;
-        let host = match at {
-            SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
-            SocketAddr::V4(a) => a.to_string(),
-        };
+        // `[::1]:8080` for IPv6, as a URL writes it.
+        let host = at.to_string();
         if app.auth.given {
             eprintln!("retryctl serve: listening on http://{host}/ (log in with the token you gave)");
         } else {
@@ -337,10 +337,9 @@ fn role_name(role: QueueRole) -> &'static str {
     }
 }
 
-/// Starts the thread that walks `queue` at start, every `--refresh`, and when asked.
-fn start_refresher(app: &Arc<App>, queue: &Arc<Queue>) {
-    let (wake, woken) = mpsc::channel();
-    *queue.wake.lock().unwrap_or_else(|e| e.into_inner()) = wake;
+/// Starts the thread that walks `queue` at start, every `--refresh`, and when `woken`
+/// says so.
+fn start_refresher(app: &Arc<App>, queue: &Arc<Queue>, woken: mpsc::Receiver<()>) {
     let app = Arc::clone(app);
     let queue = Arc::clone(queue);
     std::thread::Builder::new()
@@ -423,7 +422,7 @@ async fn build_snapshot<T: Inspect>(
         queue.parking.as_str(),
     );
     lot.browse(&retry_core::ParkedFilter::all(), |parked| {
-        builder.add(&parked);
+        builder.add(parked.message());
         if builder.seen().is_multiple_of(256)
             && let Ok(mut b) = queue.building.lock()
         {
@@ -444,7 +443,7 @@ mod tests {
     fn a_failed_walk_keeps_the_index_it_replaces_even_while_a_page_reads_it() {
         let mut builder =
             IndexBuilder::new(IndexLimits::default(), Timestamp::from_millis(1), None);
-        builder.add_message(&retry_core::Message::new(
+        builder.add(&retry_core::Message::new(
             retry_core::MessageParts::default(),
         ));
         let first = Arc::new(Snapshot::after(
