@@ -161,24 +161,21 @@ async fn replays_and_purges_act_on_the_queue_and_report_as_the_cli_does() {
     console.index_after(&queue, 0);
 
     // A dry run counts and takes nothing.
-    let r = console.api(
-        "POST",
-        &format!("/api/queues/{queue}/replay"),
-        Some(r#"{"reason": "permanent", "group": "order <n> not found", "dry_run": true}"#),
+    let job = console.act(
+        &queue,
+        "replay",
+        r#"{"reason": "permanent", "group": "order <n> not found", "dry_run": true}"#,
     );
-    assert_eq!(r.status, 202, "{r:?}");
-    let job = console.job_done(r.json()["url"].as_str().unwrap());
     assert_eq!(job["report"]["matched"], 2, "{job}");
     assert_eq!(job["report"]["replayed"], 0);
     assert_eq!(console::held(&parking).await, 5);
 
     // The group is replayed: copies confirmed into the work queue, originals gone.
-    let r = console.api(
-        "POST",
-        &format!("/api/queues/{queue}/replay"),
-        Some(r#"{"reason": "permanent", "group": "order <n> not found"}"#),
+    let job = console.act(
+        &queue,
+        "replay",
+        r#"{"reason": "permanent", "group": "order <n> not found"}"#,
     );
-    let job = console.job_done(r.json()["url"].as_str().unwrap());
     assert_eq!(job["error"], Value::Null, "{job}");
     assert_eq!(job["report"]["replayed"], 2);
     assert_eq!(job["report"]["left"], 3);
@@ -217,13 +214,7 @@ async fn replays_and_purges_act_on_the_queue_and_report_as_the_cli_does() {
     );
     assert_eq!(r.json()["would_purge"], 2, "{r:?}");
     assert_eq!(console::held(&parking).await, 3);
-    let r = console.api(
-        "POST",
-        &format!("/api/queues/{queue}/purge"),
-        Some(r#"{"error": "timeout", "confirm": true}"#),
-    );
-    assert_eq!(r.status, 202, "{r:?}");
-    let job = console.job_done(r.json()["url"].as_str().unwrap());
+    let job = console.act(&queue, "purge", r#"{"error": "timeout", "confirm": true}"#);
     assert_eq!(
         job["summary"],
         format!("purged 2, left 1 in {parking}"),

@@ -503,12 +503,11 @@ async fn the_console_groups_and_replays_parked_messages_over_amqp10() {
     assert_eq!(q["depths"][0]["ready"], Value::Null, "{q}");
     assert_eq!(q["groups"][0]["error"], "order <n> not found", "{q}");
 
-    let r = console.api(
-        "POST",
-        &format!("/api/queues/{queue}/replay"),
-        Some(r#"{"reason": "permanent", "group": "order <n> not found"}"#),
+    let job = console.act(
+        &queue,
+        "replay",
+        r#"{"reason": "permanent", "group": "order <n> not found"}"#,
     );
-    let job = console.job_done(r.json()["url"].as_str().unwrap());
     assert_eq!(job["error"], Value::Null, "{job}");
     assert_eq!(
         job["summary"],

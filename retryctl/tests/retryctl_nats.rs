@@ -611,9 +611,7 @@ async fn the_console_groups_and_replays_parked_messages_on_nats() {
     assert_eq!(group["error"], "spam is never accepted: body of p-<n>");
 
     let body = format!(r#"{{"reason": "permanent", "group": {}}}"#, group["error"]);
-    let r = console.api("POST", &format!("/api/queues/{queue}/replay"), Some(&body));
-    assert_eq!(r.status, 202, "{r:?}");
-    let job = console.job_done(r.json()["url"].as_str().unwrap());
+    let job = console.act(&queue, "replay", &body);
     assert_eq!(job["error"], Value::Null, "{job}");
     assert_eq!(job["report"]["replayed"], 2, "{job}");
     assert_eq!(transport.count(&queue).await.unwrap(), 2);

@@ -126,6 +126,14 @@ impl Console {
         self.index_after(queue, before)
     }
 
+    /// Starts `verb` (`replay` or `purge`) on `queue` through the API with `body`, which
+    /// must answer 202, and returns the action's JSON once it has ended.
+    pub fn act(&self, queue: &str, verb: &str, body: &str) -> Value {
+        let r = self.api("POST", &format!("/api/queues/{queue}/{verb}"), Some(body));
+        assert_eq!(r.status, 202, "{verb} {body}: {r:?}");
+        self.job_done(r.json()["url"].as_str().unwrap())
+    }
+
     /// Waits for job `url` (`/api/jobs/N`) to end, and returns its JSON.
     pub fn job_done(&self, url: &str) -> Value {
         let deadline = Instant::now() + Duration::from_secs(60);
