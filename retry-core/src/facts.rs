@@ -146,7 +146,8 @@ impl DeliveryFacts {
         let attempts = counter(headers, headers::ATTEMPTS, &mut malformed).unwrap_or(0);
         let crashes = counter(headers, headers::CRASHES, &mut malformed).unwrap_or(0);
         let first_failure = time(headers, headers::FIRST_FAILURE, &mut malformed);
-        let last_failure = time(headers, headers::LAST_FAILURE, &mut malformed);
+        // Written only when it differs from the first (`EngineHeaders::write_into`).
+        let last_failure = time(headers, headers::LAST_FAILURE, &mut malformed).or(first_failure);
         let x_delivery_count = counter(headers, "x-delivery-count", &mut malformed).unwrap_or(0);
         let deaths = x_death_count(headers, &mut malformed);
         let suspect = headers.get(headers::SUSPECT).and_then(|v| {
@@ -250,16 +251,23 @@ impl<'a> ParkedRecord<'a> {
             }
             r
         });
+        let first_failure = time(headers, headers::FIRST_FAILURE, &mut malformed);
+        let origin_queue = string(headers, headers::ORIGIN_QUEUE, &mut malformed);
+        // Headers that hold their default are left out of clones (`EngineHeaders::write_into`,
+        // `headers::clone_headers`): an absent last failure is the first, an absent origin
+        // exchange the default exchange, an absent origin routing key the queue's name.
         ParkedRecord {
             reason,
             attempts: counter(headers, headers::ATTEMPTS, &mut malformed).unwrap_or(0),
             crashes: counter(headers, headers::CRASHES, &mut malformed).unwrap_or(0),
-            first_failure: time(headers, headers::FIRST_FAILURE, &mut malformed),
-            last_failure: time(headers, headers::LAST_FAILURE, &mut malformed),
+            first_failure,
+            last_failure: time(headers, headers::LAST_FAILURE, &mut malformed).or(first_failure),
             last_error: string(headers, headers::LAST_ERROR, &mut malformed),
-            origin_queue: string(headers, headers::ORIGIN_QUEUE, &mut malformed),
-            origin_exchange: string(headers, headers::ORIGIN_EXCHANGE, &mut malformed),
-            origin_routing_key: string(headers, headers::ORIGIN_ROUTING_KEY, &mut malformed),
+            origin_queue,
+            origin_exchange: string(headers, headers::ORIGIN_EXCHANGE, &mut malformed)
+                .or(origin_queue.map(|_| "")),
+            origin_routing_key: string(headers, headers::ORIGIN_ROUTING_KEY, &mut malformed)
+                .or(origin_queue),
             delay: time(headers, headers::DELAY, &mut malformed)
                 .map(|t| Duration::from_millis(t.as_millis())),
             replays: counter(headers, headers::REPLAYS, &mut malformed).unwrap_or(0),

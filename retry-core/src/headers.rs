@@ -11,21 +11,25 @@ use std::time::Duration;
 
 use crate::time::{Timestamp, duration_millis};
 
-/// Failed runs so far (integer).
+/// Failed runs so far (integer); absent when there are none.
 pub const ATTEMPTS: &str = "x-retry-attempts";
-/// Crashes so far: solo runs of the message that took their consumer down (integer).
+/// Crashes so far: solo runs of the message that took their consumer down (integer); absent
+/// when there are none.
 pub const CRASHES: &str = "x-retry-crashes";
 /// First failure, milliseconds since the Unix epoch (integer).
 pub const FIRST_FAILURE: &str = "x-retry-first-failure";
-/// Latest failure, milliseconds since the Unix epoch (integer).
+/// Latest failure, milliseconds since the Unix epoch (integer); absent when it is the first
+/// failure ([`FIRST_FAILURE`]).
 pub const LAST_FAILURE: &str = "x-retry-last-failure";
 /// The latest failure's cause, at most [`MAX_ERROR_LEN`] bytes (string).
 pub const LAST_ERROR: &str = "x-retry-last-error";
 /// The queue the message was first consumed from (string).
 pub const ORIGIN_QUEUE: &str = "x-retry-origin-queue";
-/// The exchange the message was first published to (string).
+/// The exchange the message was first published to (string); absent for the default
+/// exchange (`""`).
 pub const ORIGIN_EXCHANGE: &str = "x-retry-origin-exchange";
-/// The routing key the message was first published with (string).
+/// The routing key the message was first published with (string); absent when it is the
+/// origin queue's name ([`ORIGIN_QUEUE`]).
 pub const ORIGIN_ROUTING_KEY: &str = "x-retry-origin-routing-key";
 /// Why the message was parked: see [`DeadLetterReason`] (string).
 pub const REASON: &str = "x-retry-reason";
@@ -505,15 +509,50 @@ pub struct EngineHeaders {
 
 impl EngineHeaders {
     /// Writes these headers into `headers`, replacing earlier engine values.
+    ///
+    /// A header that would hold its default is left out (and an earlier value removed): no
+    /// attempts or crashes (0), and a last failure equal to the first. Readers
+    /// ([`DeliveryFacts`](crate::DeliveryFacts), [`ParkedRecord`](crate::ParkedRecord)) read
+    /// an absent counter as 0 and an absent last failure as the first, so a message in this
+    /// form and one with every header written read the same.
+    ///
+    /// ```
+    /// use retry_core::headers::{self, EngineHeaders};
+    /// use retry_core::{Headers, ParkedRecord, Timestamp};
+    ///
+    /// let t = Timestamp::from_millis(5);
+    /// let update = EngineHeaders {
+    ///     attempts: 1, crashes: 0, first_failure: Some(t), last_failure: Some(t),
+    ///     last_error: Some("timeout".into()), reason: None, delay: None, suspect: None,
+    /// };
+    /// let mut h = Headers::new();
+    /// update.write_into(&mut h);
+    /// assert!(h.get(headers::CRASHES).is_none());
+    /// assert!(h.get(headers::LAST_FAILURE).is_none());
+    /// let record = ParkedRecord::decode(&h);
+    /// assert_eq!((record.crashes, record.last_failure), (0, Some(t)));
+    /// ```
     pub fn write_into(&self, headers: &mut Headers) {
-        headers.insert_static(ATTEMPTS, i64::from(self.attempts));
-        headers.insert_static(CRASHES, i64::from(self.crashes));
+        set_counter(headers, ATTEMPTS, self.attempts);
+        set_counter(headers, CRASHES, self.crashes);
+        // The last failure as a reader sees it now: its own header, or the first failure.
+        let first_before = headers
+            .get(FIRST_FAILURE)
+            .and_then(HeaderValue::as_timestamp);
+        let last_before = headers
+            .get(LAST_FAILURE)
+            .and_then(HeaderValue::as_timestamp)
+            .or(first_before);
         if let Some(t) = self.first_failure {
             headers.insert_static(FIRST_FAILURE, millis_value(t.as_millis()));
         }
-        if let Some(t) = self.last_failure {
-            headers.insert_static(LAST_FAILURE, millis_value(t.as_millis()));
-        }
+        let first = self.first_failure.or(first_before);
+        match self.last_failure.or(last_before) {
+            Some(last) if Some(last) != first => {
+                headers.insert_static(LAST_FAILURE, millis_value(last.as_millis()))
+            }
+            _ => headers.remove(LAST_FAILURE),
+        };
         if let Some(e) = &self.last_error {
             headers.insert_static(LAST_ERROR, e.as_str());
         }
@@ -532,17 +571,31 @@ impl EngineHeaders {
     }
 }
 
+/// Writes a counter, or removes it when it is 0 (what a reader takes an absent one for).
+fn set_counter(headers: &mut Headers, name: &'static str, n: u32) {
+    if n == 0 {
+        headers.remove(name);
+    } else {
+        headers.insert_static(name, i64::from(n));
+    }
+}
+
 fn millis_value(ms: u64) -> HeaderValue {
     HeaderValue::Int(i64::try_from(ms).unwrap_or(i64::MAX))
 }
 
 /// The headers of a clone: the original's, minus the broker-owned ones and a transport's
-/// [`PUBLISH_ID`] stamp, with the origin
-/// recorded if it is not yet, and the engine's headers written over.
+/// [`PUBLISH_ID`] stamp, with the origin recorded if it is not yet, and the engine's headers
+/// written over ([`EngineHeaders::write_into`]).
+///
+/// The origin is written in short: the exchange only when it is not the default exchange
+/// (`""`), the routing key only when it differs from the queue's name. Readers
+/// ([`ParkedRecord`](crate::ParkedRecord)) read an absent one as that default once
+/// [`ORIGIN_QUEUE`] is there.
 ///
 /// ```
 /// use retry_core::headers::{self, EngineHeaders, Origin};
-/// use retry_core::{Headers, Timestamp};
+/// use retry_core::{Headers, ParkedRecord, Timestamp};
 ///
 /// let original: Headers = [("x-death", "…"), ("tenant", "acme")].into_iter().collect();
 /// let update = EngineHeaders {
@@ -555,13 +608,18 @@ fn millis_value(ms: u64) -> HeaderValue {
 /// assert!(clone.get("x-death").is_none());
 /// assert!(clone.get("tenant").is_some());
 /// assert!(clone.get(headers::ORIGIN_QUEUE).is_some());
+/// assert!(clone.get(headers::ORIGIN_EXCHANGE).is_none());
+/// let record = ParkedRecord::decode(&clone);
+/// assert_eq!(record.origin_exchange, Some(""));
+/// assert_eq!(record.origin_routing_key, Some("comments"));
 /// ```
 pub fn clone_headers(original: &Headers, origin: Origin<'_>, update: &EngineHeaders) -> Headers {
     let first = original.get(ORIGIN_QUEUE).is_none();
-    // Room for what is added: the origin and every engine header on a first clone, at most
-    // the reason and the delay on later ones. Copies wait in delay queues by the thousand,
-    // so the room is kept tight.
-    let room = if first { 10 } else { 2 };
+    // Room for what is usually added: on a first clone the origin queue and five engine
+    // headers at most (attempts, the first failure, the last error, the delay or the reason,
+    // a crash count or a last failure), on later ones two (a last failure and the reason).
+    // Copies wait in delay queues by the thousand, so the room is kept tight.
+    let room = if first { 6 } else { 2 };
     // Copied without the broker's entries (x-death can be the largest), rather than copied
     // whole and pruned.
     let mut out = Headers::with_capacity(original.len() + room);
@@ -574,8 +632,12 @@ pub fn clone_headers(original: &Headers, origin: Origin<'_>, update: &EngineHead
     );
     if first {
         out.insert_static(ORIGIN_QUEUE, origin.queue);
-        out.insert_static(ORIGIN_EXCHANGE, origin.exchange);
-        out.insert_static(ORIGIN_ROUTING_KEY, origin.routing_key);
+        if !origin.exchange.is_empty() {
+            out.insert_static(ORIGIN_EXCHANGE, origin.exchange);
+        }
+        if origin.routing_key != origin.queue {
+            out.insert_static(ORIGIN_ROUTING_KEY, origin.routing_key);
+        }
     }
     update.write_into(&mut out);
     out
@@ -649,6 +711,139 @@ mod tests {
         );
         let same: Headers = [("c", 6i64), ("b", 3), ("a", 5)].into_iter().collect();
         assert_eq!(h, same);
+    }
+
+    fn failed(attempts: u32, crashes: u32, first: u64, last: u64) -> EngineHeaders {
+        EngineHeaders {
+            attempts,
+            crashes,
+            first_failure: Some(Timestamp::from_millis(first)),
+            last_failure: Some(Timestamp::from_millis(last)),
+            last_error: Some("timeout".into()),
+            reason: None,
+            delay: Some(Duration::from_secs(1)),
+            suspect: None,
+        }
+    }
+
+    fn engine_names(h: &Headers) -> Vec<&str> {
+        h.iter()
+            .map(|(k, _)| k)
+            .filter(|k| k.starts_with("x-retry-"))
+            .collect()
+    }
+
+    const DEFAULT_ORIGIN: Origin<'static> = Origin {
+        queue: "comments",
+        exchange: "",
+        routing_key: "comments",
+    };
+
+    #[test]
+    fn a_first_clone_leaves_out_what_holds_its_default() {
+        let clone = clone_headers(&Headers::new(), DEFAULT_ORIGIN, &failed(1, 0, 5, 5));
+        assert_eq!(
+            engine_names(&clone),
+            [ATTEMPTS, DELAY, FIRST_FAILURE, LAST_ERROR, ORIGIN_QUEUE]
+        );
+        let routed = Origin {
+            queue: "comments",
+            exchange: "blog",
+            routing_key: "comment.new",
+        };
+        let clone = clone_headers(&Headers::new(), routed, &failed(1, 2, 5, 9));
+        assert_eq!(
+            engine_names(&clone),
+            [
+                ATTEMPTS,
+                CRASHES,
+                DELAY,
+                FIRST_FAILURE,
+                LAST_ERROR,
+                LAST_FAILURE,
+                ORIGIN_EXCHANGE,
+                ORIGIN_QUEUE,
+                ORIGIN_ROUTING_KEY
+            ]
+        );
+    }
+
+    #[test]
+    fn later_clones_write_a_last_failure_once_it_differs_and_drop_it_when_it_does_not() {
+        let first = clone_headers(&Headers::new(), DEFAULT_ORIGIN, &failed(1, 0, 5, 5));
+        let second = clone_headers(&first, DEFAULT_ORIGIN, &failed(2, 0, 5, 8));
+        assert_eq!(second.get(LAST_FAILURE), Some(&HeaderValue::Int(8)));
+        // A suspect's copy keeps the dates it came with (`None`): the last failure stays.
+        let keep = EngineHeaders {
+            first_failure: None,
+            last_failure: None,
+            suspect: Some(1),
+            ..failed(2, 1, 0, 0)
+        };
+        let isolated = clone_headers(&second, DEFAULT_ORIGIN, &keep);
+        assert_eq!(isolated.get(LAST_FAILURE), Some(&HeaderValue::Int(8)));
+        assert_eq!(isolated.get(FIRST_FAILURE), Some(&HeaderValue::Int(5)));
+        // A message written in full by an earlier version: its defaults are dropped.
+        let full: Headers = [
+            (ATTEMPTS, HeaderValue::Int(1)),
+            (CRASHES, HeaderValue::Int(0)),
+            (FIRST_FAILURE, HeaderValue::Int(5)),
+            (LAST_FAILURE, HeaderValue::Int(5)),
+            (ORIGIN_QUEUE, HeaderValue::from("comments")),
+            (ORIGIN_EXCHANGE, HeaderValue::from("")),
+            (ORIGIN_ROUTING_KEY, HeaderValue::from("comments")),
+        ]
+        .into_iter()
+        .collect();
+        let later = clone_headers(&full, DEFAULT_ORIGIN, &failed(2, 0, 5, 5));
+        assert_eq!(later.get(CRASHES), None);
+        assert_eq!(later.get(LAST_FAILURE), None);
+        // A crash count that falls back to 0 (a replay) is removed, not left behind.
+        let replay = EngineHeaders {
+            attempts: 0,
+            crashes: 0,
+            ..failed(0, 0, 5, 5)
+        };
+        let crashed = clone_headers(&Headers::new(), DEFAULT_ORIGIN, &failed(1, 3, 5, 5));
+        let replayed = clone_headers(&crashed, DEFAULT_ORIGIN, &replay);
+        assert_eq!(
+            (replayed.get(ATTEMPTS), replayed.get(CRASHES)),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn the_short_form_and_the_full_form_read_the_same() {
+        use crate::{BrokerSignals, DeliveryFacts, ParkedRecord};
+        let full: Headers = [
+            (ATTEMPTS, HeaderValue::Int(3)),
+            (CRASHES, HeaderValue::Int(0)),
+            (FIRST_FAILURE, HeaderValue::Int(5)),
+            (LAST_FAILURE, HeaderValue::Int(5)),
+            (LAST_ERROR, HeaderValue::from("timeout")),
+            (ORIGIN_QUEUE, HeaderValue::from("comments")),
+            (ORIGIN_EXCHANGE, HeaderValue::from("")),
+            (ORIGIN_ROUTING_KEY, HeaderValue::from("comments")),
+            (REASON, HeaderValue::from("attempts-exhausted")),
+        ]
+        .into_iter()
+        .collect();
+        let short = clone_headers(
+            &Headers::new(),
+            DEFAULT_ORIGIN,
+            &EngineHeaders {
+                reason: Some(DeadLetterReason::AttemptsExhausted),
+                delay: None,
+                ..failed(3, 0, 5, 5)
+            },
+        );
+        assert!(short.len() < full.len(), "{short:?}");
+        assert_eq!(ParkedRecord::decode(&short), ParkedRecord::decode(&full));
+        let signals = BrokerSignals::default();
+        assert_eq!(
+            DeliveryFacts::decode(&short, signals, 7),
+            DeliveryFacts::decode(&full, signals, 7)
+        );
     }
 
     #[test]

@@ -622,33 +622,33 @@ pub(crate) fn one_line(text: &str, max_chars: usize) -> String {
     out
 }
 
-/// A field of the engine's record as a list shows it: `malformed` when its header is
-/// unusable, `-` when it is absent.
-fn field(headers: &Headers, record: &ParkedRecord<'_>, name: &str, value: String) -> String {
+/// Whether a counter of the engine's record has a value on this message: its header is
+/// there, or it is attempts or crashes and the message carries the engine's record at all
+/// (clones leave out those counters when they are 0, see `EngineHeaders::write_into`).
+fn counter_known(headers: &Headers, name: &str) -> bool {
+    headers.get(name).is_some()
+        || ([headers::ATTEMPTS, headers::CRASHES].contains(&name)
+            && (headers.get(headers::ORIGIN_QUEUE).is_some()
+                || headers.get(headers::REASON).is_some()))
+}
+
+/// A counter of the engine's record as a list shows it: `malformed` when its header is
+/// unusable, `-` when the message has none.
+fn counter_field(headers: &Headers, record: &ParkedRecord<'_>, name: &str, n: u32) -> String {
     if record.malformed.contains(name) {
         "malformed".into()
-    } else if headers.get(name).is_none() {
-        "-".into()
+    } else if counter_known(headers, name) {
+        n.to_string()
     } else {
-        value
+        "-".into()
     }
 }
 
 fn record_line(parked: &ParkedMessage) -> String {
     let headers = parked.message().headers();
     let record = parked.record();
-    let attempts = field(
-        headers,
-        &record,
-        headers::ATTEMPTS,
-        record.attempts.to_string(),
-    );
-    let crashes = field(
-        headers,
-        &record,
-        headers::CRASHES,
-        record.crashes.to_string(),
-    );
+    let attempts = counter_field(headers, &record, headers::ATTEMPTS, record.attempts);
+    let crashes = counter_field(headers, &record, headers::CRASHES, record.crashes);
     let parked_at = match parked.parked_at() {
         Some(t) => time_text(t),
         None if record.malformed.contains(headers::LAST_FAILURE) => "malformed".into(),
@@ -675,32 +675,32 @@ pub(crate) fn id_text(parked: &ParkedMessage) -> String {
         .map_or_else(|| "(no id)".to_owned(), |id| one_line(id, 64))
 }
 
-/// A field as JSON: `"malformed"` when its header is unusable, `null` when absent.
-fn json_field(headers: &Headers, record: &ParkedRecord<'_>, name: &str, value: Value) -> Value {
-    if record.malformed.contains(name) {
-        json!("malformed")
-    } else if headers.get(name).is_none() {
-        Value::Null
-    } else {
-        value
-    }
-}
-
 /// Every diagnostic field of a parked message.
 pub(crate) fn record_json(parked: &ParkedMessage) -> Value {
     record_json_of(parked.id(), parked.message().headers())
 }
 
-/// Every diagnostic field of a parked message with message id `id` and `headers`.
+/// Every diagnostic field of a parked message with message id `id` and `headers`: a field is
+/// `"malformed"` when its header is unusable and `null` when the message has no value for
+/// it (a header left out because it held its default has one: see `ParkedRecord`).
 pub(crate) fn record_json_of(id: Option<&str>, headers: &Headers) -> Value {
     let r = ParkedRecord::decode(headers);
     let time = |t: Option<Timestamp>| t.map_or(Value::Null, |t| json!(time_text(t)));
-    let f = |name: &str, value: Value| json_field(headers, &r, name, value);
+    let f = |name: &str, value: Value| {
+        if r.malformed.contains(name) {
+            json!("malformed")
+        } else {
+            value
+        }
+    };
+    let count = |name: &str, n: u32| {
+        f(name, if counter_known(headers, name) { json!(n) } else { Value::Null })
+    };
     json!({
         "id": id,
         "reason": ParkedReason::of(headers).as_str(),
-        "attempts": f(headers::ATTEMPTS, json!(r.attempts)),
-        "crashes": f(headers::CRASHES, json!(r.crashes)),
+        "attempts": count(headers::ATTEMPTS, r.attempts),
+        "crashes": count(headers::CRASHES, r.crashes),
         "parked_at": time(retry_core::parked_at(headers)),
         "first_failure": f(headers::FIRST_FAILURE, time(r.first_failure)),
         "last_failure": f(headers::LAST_FAILURE, time(r.last_failure)),
@@ -708,7 +708,7 @@ pub(crate) fn record_json_of(id: Option<&str>, headers: &Headers) -> Value {
         "origin_queue": f(headers::ORIGIN_QUEUE, json!(r.origin_queue)),
         "origin_exchange": f(headers::ORIGIN_EXCHANGE, json!(r.origin_exchange)),
         "origin_routing_key": f(headers::ORIGIN_ROUTING_KEY, json!(r.origin_routing_key)),
-        "replays": f(REPLAYS, json!(r.replays)),
+        "replays": count(REPLAYS, r.replays),
         "replayed_at": f(REPLAYED_AT, time(r.replayed_at)),
         "previous_reason": f(PREVIOUS_REASON, json!(r.previous_reason)),
         "previous_error": f(PREVIOUS_ERROR, json!(r.previous_error)),

@@ -302,9 +302,10 @@ async fn a_publish_refused_every_time_requeues_once_then_runs_as_a_suspect_uncou
         policy.clone(),
         move |m: Message| {
             let n = r.next(&m);
-            s.lock()
-                .unwrap()
-                .push(m.headers().get(headers::CRASHES).cloned());
+            s.lock().unwrap().push((
+                m.headers().get(headers::SUSPECT).is_some(),
+                ParkedRecord::decode(m.headers()).crashes,
+            ));
             async move {
                 match n {
                     1 => Err(HandlerError::transient("down")),
@@ -334,8 +335,8 @@ async fn a_publish_refused_every_time_requeues_once_then_runs_as_a_suspect_uncou
     );
     let report = running.stop().await;
     assert_eq!(report.diverted + report.dead_lettered + report.retried, 0);
-    // The solo run saw no crash recorded on the message.
-    assert_eq!(*seen.lock().unwrap(), [None, Some(HeaderValue::Int(0))]);
+    // The solo run, of the suspect's copy, saw no crash recorded on the message.
+    assert_eq!(*seen.lock().unwrap(), [(false, 0), (true, 0)]);
     t.close().await.unwrap();
     assert_eq!(message_count(&ch, &q).await, 0);
     assert_eq!(message_count(&ch, &delay_queue).await, 0);
