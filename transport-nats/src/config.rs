@@ -75,7 +75,8 @@ impl NatsConfig {
     }
 
     /// How long a [`fetch`](retry_core::Transport::fetch) (a pull of one message, with
-    /// this as its `expires`) waits for a message before it answers `None`.
+    /// this as its `expires`) waits for a message before it answers `None`. A queue with
+    /// nothing pending and nothing handed out answers `None` at once, without a pull.
     pub fn with_fetch_wait(mut self, fetch_wait: Duration) -> Self {
         self.fetch_wait = fetch_wait;
         self

@@ -367,6 +367,30 @@ impl NatsTransport {
         Ok(())
     }
 
+    /// The server's view of `queue`'s consumer: what it has pending and handed out.
+    async fn consumer_info(
+        &self,
+        consumer: &PullConsumer,
+        queue: &str,
+    ) -> Result<async_nats::jetstream::consumer::Info, TransportError> {
+        bounded(
+            self.inner.config.operation_timeout(),
+            "reading a consumer",
+            consumer.get_info(),
+        )
+        .await?
+        .map_err(|e| {
+            TransportError::connection_failed(format!("reading the consumer of {queue}"), e)
+        })
+    }
+
+    /// Whether `queue` has no message to hand out and none handed out unacknowledged
+    /// (which the server hands out again once its ack wait has passed).
+    async fn idle(&self, consumer: &PullConsumer, queue: &str) -> Result<bool, TransportError> {
+        let info = self.consumer_info(consumer, queue).await?;
+        Ok(info.num_pending == 0 && info.num_ack_pending == 0)
+    }
+
     /// A handle on `queue`'s stream, without reading its info.
     async fn stream(&self, queue: &str) -> Result<Stream<()>, TransportError> {
         bounded(
@@ -463,6 +487,12 @@ impl Transport for NatsTransport {
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<NatsTag>>, TransportError> {
         let consumer = self.consumer(queue).await?;
         let config = &self.inner.config;
+        // A queue with nothing to hand out and nothing handed out answers at once, rather
+        // than after the fetch wait: the consumer's first look at its isolation queue, which
+        // is empty nearly always, waits for this before its work queue is consumed.
+        if self.idle(&consumer, queue).await? {
+            return Ok(None);
+        }
         let batch = consumer
             .batch()
             .max_messages(1)
@@ -502,15 +532,7 @@ impl Transport for NatsTransport {
     async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
         let consumer = self.consumer(queue).await?;
         loop {
-            let info = bounded(
-                self.inner.config.operation_timeout(),
-                "reading a consumer",
-                consumer.get_info(),
-            )
-            .await?
-            .map_err(|e| {
-                TransportError::connection_failed(format!("reading the consumer of {queue}"), e)
-            })?;
+            let info = self.consumer_info(&consumer, queue).await?;
             if info.num_pending > 0 {
                 return Ok(());
             }

@@ -361,3 +361,32 @@ async fn a_handler_longer_than_the_ack_wait_runs_once() {
     delete(&t, &plan).await;
     t.close().await;
 }
+
+#[tokio::test]
+async fn a_fetch_from_an_idle_queue_answers_at_once_and_a_waiting_message_is_fetched() {
+    if connect().await.is_none() {
+        return;
+    }
+    // A fetch wait no test waits out: only a fetch that skips it answers in time.
+    let long = Duration::from_secs(300);
+    let config = NatsConfig::new(nats_url()).with_fetch_wait(long);
+    let t = NatsTransport::connect(config).await.expect("connect");
+    let queue = unique("idle-fetch");
+    let plan = TopologyPlan::new(&queue, &RetryPolicy::default()).unwrap();
+    t.provision(&plan).await.unwrap();
+    let isolation = plan.isolation_queue().to_owned();
+    let bound = Duration::from_secs(60);
+    let empty = tokio::time::timeout(bound, t.fetch(&isolation)).await;
+    assert!(
+        matches!(empty, Ok(Ok(None))),
+        "an empty queue answers None without the fetch wait: {empty:?}"
+    );
+    testing::publish(t.client(), &isolation, "suspect-1", "suspect", &[]).await;
+    let fetched = tokio::time::timeout(bound, t.fetch(&isolation))
+        .await
+        .expect("a waiting message is fetched at once")
+        .unwrap()
+        .expect("the message");
+    assert_eq!(fetched.message.body(), b"suspect");
+    delete(&t, &plan).await;
+}
