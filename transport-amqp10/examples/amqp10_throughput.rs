@@ -45,10 +45,11 @@
 //! Two clocks per measurement: **total** runs from just before the first connection is
 //! opened until the last settlement has been handed to the link (for the consumer: until
 //! `run` returns), so it includes connecting, attaching and, for the consumer, verifying the
-//! plan's addresses and the first look at the isolation queue (one empty fetch, a
-//! `with_fetch_wait` of 250 ms); **steady** runs from the first delivery in hand (the first
+//! plan's addresses and the first look at the isolation queue (one count, answered at once
+//! when the queue is empty); **steady** runs from the first delivery in hand (the first
 //! handler call, for the consumer) to the same end, the rate at which messages flow once they
-//! do. The consumer runs with its defaults apart from prefetch 100 and `provision(false)`
+//! do. Time to first delivery, on every transport, is measured by `cargo run --release -p
+//! conformance --example first_delivery`. The consumer runs with its defaults apart from prefetch 100 and `provision(false)`
 //! (the plan was declared over AMQP 0-9-1; it is verified either way).
 //!
 //! Rounds (default 3) are interleaved: every path once per round, the order rotated each

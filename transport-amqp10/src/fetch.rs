@@ -169,6 +169,11 @@ impl FetchTask {
                         self.unclaimed = Some((tag.info, message, facts));
                     }
                 }
+                Command::Attach => {
+                    if let Err(e) = self.attach().await {
+                        debug!(queue = %self.queue, error = %e, "attaching the fetch link ahead of the first fetch failed; the fetch tries again");
+                    }
+                }
                 Command::Settle {
                     info,
                     generation,
@@ -212,6 +217,7 @@ impl FetchTask {
             };
             let tag = Amqp10Tag {
                 link,
+                settler: None,
                 info,
                 generation: self.generation,
             };
@@ -420,6 +426,7 @@ impl FetchTask {
         self.held.insert(info.delivery_id());
         let tag = Amqp10Tag {
             link,
+            settler: None,
             info,
             generation: self.generation,
         };
@@ -440,6 +447,7 @@ impl FetchTask {
         self.held.insert(info.delivery_id());
         let tag = Amqp10Tag {
             link,
+            settler: None,
             info,
             generation: self.generation,
         };
@@ -604,6 +612,12 @@ pub(crate) async fn ask(link: &mpsc::Sender<Command>, config: &Amqp10Config) -> 
             after,
         }),
     }
+}
+
+/// Asks the fetch link task `link` to attach its link now, without waiting for it: a fetch
+/// asked for meanwhile is answered once it has.
+pub(crate) fn attach_ahead(link: &mpsc::Sender<Command>) {
+    let _ = link.try_send(Command::Attach);
 }
 
 /// Asks the fetch link task `link` how many messages its queue has ready, and waits for the

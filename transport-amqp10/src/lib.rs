@@ -19,12 +19,20 @@
 //!   are refusals; an error or a timeout is a failure. Either way the engine requeues the
 //!   original.
 //! * **Manual credit equal to the prefetch.** A task owns each subscription's receiver; it
-//!   hands deliveries out, settles them and grants `prefetch − held` more once the previous
-//!   grant is used up, so no more than `prefetch` deliveries are ever unsettled. (Granting
-//!   earlier is unsafe: RabbitMQ 3.10 does not subtract transfers already on the way from a
-//!   new grant, and fe2o3 refuses a transfer beyond its credit, which can then never be
-//!   settled.) A tag names its link, so settling reaches the subscription (or fetch) that
-//!   received the delivery and no other.
+//!   hands deliveries out and grants `prefetch − held` more once the previous grant is used
+//!   up, so no more than `prefetch` deliveries are ever unsettled. (Granting earlier is
+//!   unsafe: RabbitMQ 3.10 does not subtract transfers already on the way from a new grant,
+//!   and fe2o3 refuses a transfer beyond its credit, which can then never be settled.) A tag
+//!   names its link, so settling reaches the subscription (or fetch) that received the
+//!   delivery and no other. Accepting and releasing a subscription's delivery go from the
+//!   settling task straight to the link's session (fe2o3's `ReceiverDisposer`), not through
+//!   the link's task: the two share the credit ledger, and a settlement wakes the task only
+//!   when it makes a grant due.
+//! * **A consumer's start is prepared ahead.** While [`verify`](retry_core::Transport::verify)
+//!   (or `provision`) probes a plan's addresses, several at once, the isolation queue's fetch
+//!   link is attached and a consuming link on the work queue is opened, both granting
+//!   nothing; the consumer's first fetch and its `consume` then find them ready. Suspects
+//!   are still fetched and run before any work.
 //! * **Fetch counts, then takes a credit of one.** [`fetch`](retry_core::Transport::fetch)
 //!   first asks how many messages the queue has ready, with a `flow` that grants nothing:
 //!   RabbitMQ answers every `flow` with the count (`available`), which the transport reads

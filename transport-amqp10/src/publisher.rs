@@ -31,6 +31,20 @@ use crate::verification::Verifications;
 /// No connection has been opened yet.
 const NO_GENERATION: u64 = u64::MAX;
 
+/// The most idle probe sessions kept for the next probes: as many as a verification probes
+/// at once.
+const PROBE_SESSIONS_KEPT: usize = 8;
+
+/// Sessions of the publishing connection whose probe found its address, kept for the next
+/// probe instead of ended (see [`connection::probe`]): a probe then begins no session, and
+/// none is ended while the connection serves sends and other probes.
+#[derive(Default)]
+struct IdleSessions {
+    /// The connection they belong to.
+    generation: u64,
+    sessions: Vec<SessionHandle<()>>,
+}
+
 struct Live {
     generation: u64,
     connection: ConnectionHandle<()>,
@@ -46,6 +60,8 @@ pub(crate) struct Publisher {
     /// The generation of the connection opened last, readable without the `live` lock.
     current: AtomicU64,
     verifications: Verifications,
+    /// Shared with the probes' background tasks, which give their sessions back.
+    idle: Arc<std::sync::Mutex<IdleSessions>>,
 }
 
 impl Publisher {
@@ -57,6 +73,7 @@ impl Publisher {
             generations: AtomicU64::new(0),
             current: AtomicU64::new(NO_GENERATION),
             verifications: Verifications::default(),
+            idle: Arc::default(),
         }
     }
 
@@ -136,17 +153,21 @@ impl Publisher {
     async fn verified(&self, address: &str, how: Probe, force: bool) -> Result<u64, ProbeError> {
         let slot = self.verifications.slot(address);
         let current = || self.current.load(Ordering::Acquire);
+        // Boxed, as a rare path (once per address and re-verification age): the future of
+        // every send would carry the probe's otherwise.
         let probe = || async {
-            let after = self.config.operation_timeout();
-            // The connection is held only to begin the probe's session: sends go on while
-            // the probe attaches.
-            let (session, generation) = {
-                let mut live = self.live.lock().await;
-                let current = self.ensure(&mut live).await?;
-                let session = connection::probe_session(&mut current.connection, after).await?;
-                (session, current.generation)
+            // A kept session the broker ended meanwhile fails the attach as a lost session
+            // would: the probe is made again, once, on a session begun for it.
+            let (generation, outcome, reused) =
+                Box::pin(self.probe_once(address, how, true)).await?;
+            let (generation, outcome) = match outcome {
+                Err(ProbeError::Failed(_)) if reused => {
+                    let (generation, outcome, _) =
+                        Box::pin(self.probe_once(address, how, false)).await?;
+                    (generation, outcome)
+                }
+                outcome => (generation, outcome),
             };
-            let outcome = connection::probe(session, address, how, after).await;
             match &outcome {
                 Ok(()) => debug!(address, generation, "verified"),
                 Err(ProbeError::Missing(why)) => debug!(address, generation, %why, "missing"),
@@ -160,9 +181,67 @@ impl Publisher {
             .await
     }
 
+    /// Probes `address` on a kept session of the current connection (`reuse`, when there is
+    /// one) or on one begun for it; the connection's generation, the broker's answer, and
+    /// whether the session was a kept one. A session whose probe found its address is kept
+    /// afterwards (at most [`PROBE_SESSIONS_KEPT`]).
+    async fn probe_once(
+        &self,
+        address: &str,
+        how: Probe,
+        reuse: bool,
+    ) -> Result<(u64, Result<(), ProbeError>, bool), TransportError> {
+        let after = self.config.operation_timeout();
+        // The connection is held only to begin the probe's session: sends go on while the
+        // probe attaches.
+        let (session, generation, reused) = {
+            let mut live = self.live.lock().await;
+            let current = self.ensure(&mut live).await?;
+            let kept = if reuse {
+                self.idle_session(current.generation)
+            } else {
+                None
+            };
+            match kept {
+                Some(session) => (session, current.generation, true),
+                None => {
+                    let session = connection::probe_session(&mut current.connection, after).await?;
+                    (session, current.generation, false)
+                }
+            }
+        };
+        let idle = Arc::clone(&self.idle);
+        let keep = move |session: SessionHandle<()>| {
+            let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.generation != generation || idle.sessions.len() >= PROBE_SESSIONS_KEPT {
+                return Some(session);
+            }
+            idle.sessions.push(session);
+            None
+        };
+        let outcome = connection::probe(session, address, how, after, keep).await;
+        Ok((generation, outcome, reused))
+    }
+
+    /// A kept probe session of the connection of `generation`, if there is one; those of an
+    /// earlier connection are dropped (which ends them).
+    fn idle_session(&self, generation: u64) -> Option<SessionHandle<()>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.generation != generation {
+            idle.generation = generation;
+            idle.sessions.clear();
+        }
+        while let Some(session) = idle.sessions.pop() {
+            if !session.is_ended() {
+                return Some(session);
+            }
+        }
+        None
+    }
+
     async fn sender(&self, address: &str) -> Result<(Arc<Mutex<Sender>>, u64), TransportError> {
         let mut live = self.live.lock().await;
-        let current = self.ensure(&mut live).await?;
+        let current = Box::pin(self.ensure(&mut live)).await?;
         if let Some(sender) = current.senders.get(address) {
             return Ok((Arc::clone(sender), current.generation));
         }

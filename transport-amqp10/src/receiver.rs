@@ -3,16 +3,21 @@
 //! ever held. Also the tag and the commands every link task (this one and the fetch link's)
 //! understands.
 //!
-//! One task owns the link because receiving and settling both need it, and settling must
-//! also adjust the credit. Credit is manual: fe2o3's automatic mode refills to the full amount
+//! One task owns the link's receiver: it receives, grants credit and handles the commands.
+//! Accepting and releasing (the settlements of nearly every delivery) do not pass through it:
+//! a tag carries the link's [`Settler`], which sends the disposition from the caller's own
+//! task with fe2o3's [`ReceiverDisposer`] and wakes the link task only when that makes a grant
+//! due. The credit ledger (what is held, what credit the broker has left) is shared between
+//! the two under a lock. Credit is manual: fe2o3's automatic mode refills to the full amount
 //! once half is settled, which would let more than `prefetch` deliveries be unsettled.
 
 use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::link::delivery::DeliveryInfo;
-use fe2o3_amqp::link::receiver::CreditMode;
+use fe2o3_amqp::link::receiver::{CreditMode, ReceiverDisposer};
 use fe2o3_amqp::link::{MessageDecodeError, RecvError};
 use fe2o3_amqp::session::SessionHandle;
 use fe2o3_amqp::types::definitions::{self, AmqpError};
@@ -20,7 +25,7 @@ use fe2o3_amqp::types::messaging::{Body, Modified};
 use fe2o3_amqp::types::primitives::Value;
 use fe2o3_amqp::{Receiver, Session};
 use retry_core::{Delivery, Settlement, TransportError};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{Notify, RwLock, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout};
 use tracing::{debug, warn};
 
@@ -40,6 +45,9 @@ use crate::tap::{FlowSeen, Tap};
 #[derive(Clone, Debug)]
 pub struct Amqp10Tag {
     pub(crate) link: mpsc::Sender<Command>,
+    /// A subscription's link settles most deliveries without its task (see [`Settler`]);
+    /// `None` on a fetch link, whose task settles everything.
+    pub(crate) settler: Option<Arc<Settler>>,
     pub(crate) info: DeliveryInfo,
     pub(crate) generation: u64,
 }
@@ -54,6 +62,134 @@ impl Amqp10Tag {
     /// The delivery id the broker gave the transfer.
     pub fn delivery_id(&self) -> u32 {
         self.info.delivery_id()
+    }
+}
+
+/// What a subscription's link task shares with the tags of its deliveries, so that accepting
+/// and releasing a delivery (`Ack`, and `Requeue` on RabbitMQ 3.x) go from the settling task
+/// straight to the link's session, with fe2o3's [`ReceiverDisposer`], instead of through the
+/// link task as a command awaiting an answer. `Reject`, and `Requeue` as `modified`, which the
+/// disposer cannot send, still go through the link task.
+///
+/// The credit rule does not change with it: a settlement takes its delivery off the
+/// [`Ledger`] under its lock, and wakes the link task only when that makes a grant due (the
+/// previous grant used up), which then grants `prefetch − held`. Only the link task grants,
+/// and only once it has counted the last grant's transfers in, so nothing can be on its way
+/// when it does: the broker never has more credit than `prefetch − held`.
+pub(crate) struct Settler {
+    disposer: ReceiverDisposer,
+    /// `Requeue` is `modified` (sent by the link task), not `released`.
+    modified: bool,
+    ledger: Mutex<Ledger>,
+    /// Wakes the link task when a settlement made a grant due. A wake-up sent while the task
+    /// is busy is kept for its next wait.
+    grant_due: Notify,
+    /// `true` while the link is attached. Every settlement here holds it shared while it
+    /// sends; the link task sets it `false`, holding it exclusively, before it detaches.
+    /// So a settlement either reaches the session before the detach or fails as a stale
+    /// tag's does (the broker puts the delivery back), as when settling went through the
+    /// link task.
+    attached: RwLock<bool>,
+}
+
+/// The credit of a subscription's link and the deliveries it has handed out.
+#[derive(Debug)]
+struct Ledger {
+    prefetch: u32,
+    /// The credit the broker has left, as far as this side knows.
+    credit: u32,
+    /// Delivery ids handed out and not yet settled.
+    held: HashSet<u32>,
+    /// No more grants.
+    cancelled: bool,
+}
+
+impl Ledger {
+    /// The credit to grant now: `prefetch − held`, once the previous grant is used up, never
+    /// earlier; `None` when nothing is due.
+    ///
+    /// RabbitMQ 3.10 applies a flow's link-credit as new credit without subtracting transfers
+    /// already on the way, and fe2o3 tears the link down (`TransferLimitExceeded`) on a
+    /// transfer beyond the credit it granted. Once this side has counted the whole grant in,
+    /// nothing can be on the way, so a new grant cannot be overrun.
+    fn due(&self) -> Option<u32> {
+        if self.cancelled || self.credit > 0 {
+            return None;
+        }
+        let held = u32::try_from(self.held.len()).unwrap_or(u32::MAX);
+        Some(self.prefetch.saturating_sub(held)).filter(|&target| target > 0)
+    }
+}
+
+impl std::fmt::Debug for Settler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settler")
+            .field("modified", &self.modified)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Settler {
+    /// The settler of a link just granted `prefetch`.
+    fn new(disposer: ReceiverDisposer, profile: &BrokerProfile, prefetch: u32) -> Self {
+        Settler {
+            disposer,
+            modified: profile.supports_modified(),
+            ledger: Mutex::new(Ledger {
+                prefetch,
+                credit: prefetch,
+                held: HashSet::new(),
+                cancelled: false,
+            }),
+            grant_due: Notify::new(),
+            attached: RwLock::new(true),
+        }
+    }
+
+    /// The ledger; a lock poisoned by a panic elsewhere is still consistent (every change is
+    /// one statement).
+    fn ledger(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether this settlement goes straight to the session (`true`) or through the link
+    /// task.
+    fn settles(&self, settlement: Settlement) -> bool {
+        match settlement {
+            Settlement::Ack => true,
+            Settlement::Requeue => !self.modified,
+            Settlement::Reject => false,
+        }
+    }
+
+    /// Accepts or releases one delivery held: sends its disposition to the session from the
+    /// calling task, then wakes the link task if that made a grant due.
+    async fn settle(
+        &self,
+        info: &DeliveryInfo,
+        settlement: Settlement,
+    ) -> Result<(), TransportError> {
+        let attached = self.attached.read().await;
+        if !*attached {
+            return Err(stale(info));
+        }
+        let grant = {
+            let mut ledger = self.ledger();
+            if !ledger.held.remove(&info.delivery_id()) {
+                return Err(already_settled(info));
+            }
+            ledger.due().is_some()
+        };
+        let disposed = match settlement {
+            Settlement::Ack => self.disposer.accept(info.clone()).await,
+            _ => self.disposer.release(info.clone()).await,
+        };
+        drop(attached);
+        disposed.map_err(|e| TransportError::connection_failed("settling a delivery", e))?;
+        if grant {
+            self.grant_due.notify_one();
+        }
+        Ok(())
     }
 }
 
@@ -72,6 +208,10 @@ pub(crate) enum Command {
     Flush { done: oneshot::Sender<()> },
     /// Take at most one message (fetch links only).
     Fetch { done: oneshot::Sender<Fetched> },
+    /// Open the connection and attach the link now, granting nothing, so that the first
+    /// fetch does not wait for them (fetch links only; unanswered, a failure is the next
+    /// fetch's to report).
+    Attach,
     /// How many messages the queue has ready, taking none; `None` where it cannot be told
     /// (fetch links only).
     Count {
@@ -91,6 +231,7 @@ impl std::fmt::Debug for Command {
             Command::Cancel { .. } => "Cancel",
             Command::Flush { .. } => "Flush",
             Command::Fetch { .. } => "Fetch",
+            Command::Attach => "Attach",
             Command::Count { .. } => "Count",
             Command::Close { .. } => "Close",
         })
@@ -141,14 +282,38 @@ pub(crate) struct Link {
     pub(crate) incoming: mpsc::Receiver<Incoming>,
 }
 
-/// Opens a connection, attaches a receiver on `queue` and starts its task.
-pub(crate) async fn start(
+/// A consuming link attached with no credit, not yet started: what [`open`] makes and
+/// [`start`] starts.
+pub(crate) struct Opened {
+    connection: ConnectionHandle<()>,
+    tap: Tap,
+    session: SessionHandle<()>,
+    receiver: Receiver,
+}
+
+/// A consuming link opened ahead of [`consume`](retry_core::Transport::consume), while the
+/// consumer verifies its plan and looks at its isolation queue: connecting and attaching
+/// are then off the path to the first delivery. With no credit granted nothing is delivered
+/// on it, as on the receivers that verify queues. Dropped unused, it closes its connection.
+pub(crate) type Ahead = oneshot::Receiver<Result<Opened, TransportError>>;
+
+/// Starts opening a consuming link on `queue` in the background (see [`Ahead`]).
+pub(crate) fn open_ahead(nodes: &Nodes, config: &Amqp10Config, queue: &str) -> Ahead {
+    let (opened, ahead) = oneshot::channel();
+    let (nodes, config, queue) = (nodes.clone(), config.clone(), queue.to_owned());
+    tokio::spawn(async move {
+        // Unwanted by then (the transport closed), it is dropped: that closes it.
+        let _ = opened.send(open(&nodes, &config, &queue).await);
+    });
+    ahead
+}
+
+/// Opens a connection and attaches a receiver on `queue` to it, with no credit.
+pub(crate) async fn open(
     nodes: &Nodes,
     config: &Amqp10Config,
     queue: &str,
-    prefetch: u16,
-    generation: u64,
-) -> Result<Link, TransportError> {
+) -> Result<Opened, TransportError> {
     let profile = config.profile();
     let after = config.operation_timeout();
     let (mut connection, tap) = connection::open(nodes, config, "consumer").await?;
@@ -157,7 +322,7 @@ pub(crate) async fn start(
         attach_receiver(&mut connection, "consumer", queue, &profile),
     )
     .await;
-    let (session, mut receiver) = match attached {
+    let (session, receiver) = match attached {
         Ok(Ok(parts)) => parts,
         Ok(Err(e)) => {
             let _ = timeout(after, connection.close()).await;
@@ -171,6 +336,48 @@ pub(crate) async fn start(
             });
         }
     };
+    Ok(Opened {
+        connection,
+        tap,
+        session,
+        receiver,
+    })
+}
+
+/// Starts consuming `queue`: grants the credit on a link opened ahead when there is one
+/// that opened, or else on one opened now, and starts its task.
+pub(crate) async fn start(
+    nodes: &Nodes,
+    config: &Amqp10Config,
+    queue: &str,
+    prefetch: u16,
+    generation: u64,
+    ahead: Option<Ahead>,
+) -> Result<Link, TransportError> {
+    let profile = config.profile();
+    let after = config.operation_timeout();
+    let opened = match ahead {
+        Some(ahead) => match ahead.await {
+            Ok(Ok(opened)) => Some(opened),
+            Ok(Err(e)) => {
+                debug!(%queue, error = %e, "the link opened ahead failed; opening another");
+                None
+            }
+            Err(_) => None,
+        },
+        None => None,
+    };
+    let Opened {
+        connection,
+        tap,
+        session,
+        mut receiver,
+    } = match opened {
+        // One that ended while it waited (the broker restarted, the queue was deleted) is
+        // replaced.
+        Some(opened) if !opened.session.is_ended() => opened,
+        _ => open(nodes, config, queue).await?,
+    };
     let credit = u32::from(prefetch);
     let flows = tap.flows();
     let granted_at = flows.borrow().seq;
@@ -180,6 +387,7 @@ pub(crate) async fn start(
             e,
         ));
     }
+    let settler = Arc::new(Settler::new(receiver.disposer(), &profile, credit));
     let (commands, command_rx) = mpsc::channel(usize::from(prefetch).max(16));
     // Credit bounds what is undelivered in the channel to `prefetch`, plus one final marker.
     let (incoming_tx, incoming) = mpsc::channel(usize::from(prefetch) + 2);
@@ -189,9 +397,7 @@ pub(crate) async fn start(
         receiver,
         queue: queue.to_owned(),
         profile,
-        prefetch: credit,
-        credit,
-        held: HashSet::new(),
+        settler,
         cancelled: None,
         ended: false,
         received: 0,
@@ -212,11 +418,8 @@ struct LinkTask {
     receiver: Receiver,
     queue: String,
     profile: BrokerProfile,
-    prefetch: u32,
-    /// The credit the broker has left, as far as this side knows.
-    credit: u32,
-    /// Delivery ids handed out and not yet settled.
-    held: HashSet<u32>,
+    /// The credit ledger, shared with the tags of the deliveries handed out.
+    settler: Arc<Settler>,
     /// Once cancelled: until when what the credit still brings is waited for.
     cancelled: Option<Instant>,
     /// The consumer was told it has everything ([`Incoming::Cancelled`]).
@@ -259,6 +462,7 @@ impl LinkTask {
                     Some(Command::Count { done }) => {
                         let _ = done.send(Ok(None));
                     }
+                    Some(Command::Attach) => {}
                     Some(Command::Fetch { done }) => {
                         let _ = done.send(Err(TransportError::Other(
                             "a subscription's link does not fetch".into(),
@@ -278,9 +482,16 @@ impl LinkTask {
                     debug!(queue = %self.queue, "the credit's last transfers did not come; consuming ends");
                     self.end(&out);
                 }
+                // A settlement outside the task used up what held back the next grant.
+                () = self.settler.grant_due.notified() => {
+                    if let Err(e) = self.refill().await {
+                        let _ = out.try_send(Incoming::Lost(e));
+                        break;
+                    }
+                }
                 received = self.receiver.recv::<Body<Value>>() => match received {
                     Ok(delivery) => {
-                        self.credit = self.credit.saturating_sub(1);
+                        self.used_one();
                         self.received += 1;
                         if self.ended {
                             // Sent on credit the broker still had once the consumer was told
@@ -291,8 +502,13 @@ impl LinkTask {
                         }
                         let Some(tag_link) = self.own.upgrade() else { break };
                         let (info, message) = delivery.into_parts();
-                        self.held.insert(info.delivery_id());
-                        let tag = Amqp10Tag { link: tag_link, info, generation: self.generation };
+                        self.settler.ledger().held.insert(info.delivery_id());
+                        let tag = Amqp10Tag {
+                            link: tag_link,
+                            settler: Some(Arc::clone(&self.settler)),
+                            info,
+                            generation: self.generation,
+                        };
                         let delivery = read_message(message, &self.queue, &self.profile, tag);
                         if out.send(Incoming::Delivery(Box::new(delivery))).await.is_err() {
                             break;
@@ -307,7 +523,7 @@ impl LinkTask {
                     }
                     Err(RecvError::MessageDecode(undecodable)) => {
                         // It used the credit; the link carries on.
-                        self.credit = self.credit.saturating_sub(1);
+                        self.used_one();
                         self.received += 1;
                         if self.cancelled.is_some() {
                             self.end_if_nothing_owed(&out);
@@ -347,36 +563,39 @@ impl LinkTask {
         info: DeliveryInfo,
         settlement: Settlement,
     ) -> Result<(), TransportError> {
-        if !self.held.remove(&info.delivery_id()) {
+        if !self.settler.ledger().held.remove(&info.delivery_id()) {
             return Err(already_settled(&info));
         }
         dispose(&self.receiver, &self.profile, info, settlement).await?;
         self.refill().await
     }
 
-    /// Grants `prefetch - held` once the previous grant is used up, never earlier.
-    ///
-    /// RabbitMQ 3.10 applies a flow's link-credit as new credit without subtracting transfers
-    /// already on the way, and fe2o3 tears the link down (`TransferLimitExceeded`) on a
-    /// transfer beyond the credit it granted. Once this side has counted the whole grant in,
-    /// nothing can be on the way, so a new grant cannot be overrun.
+    /// A transfer came in on the credit.
+    fn used_one(&self) {
+        let mut ledger = self.settler.ledger();
+        ledger.credit = ledger.credit.saturating_sub(1);
+    }
+
+    /// Grants `prefetch - held` once the previous grant is used up, never earlier (see
+    /// [`Ledger::due`]). The ledger counts the grant before it is sent, so that a settlement
+    /// meanwhile does not ask for another.
     async fn refill(&mut self) -> Result<(), TransportError> {
-        if self.cancelled.is_some() || self.credit > 0 {
-            return Ok(());
-        }
-        let held = u32::try_from(self.held.len()).unwrap_or(u32::MAX);
-        let target = self.prefetch.saturating_sub(held);
-        if target > 0 {
-            self.granted_at = self.flows.borrow().seq;
-            timeout(self.settle_timeout, self.receiver.set_credit(target))
-                .await
-                .map_err(|_| TransportError::Timeout {
-                    operation: "granting credit",
-                    after: self.settle_timeout,
-                })?
-                .map_err(|e| TransportError::connection_failed("granting credit", e))?;
-            self.credit = target;
-        }
+        let target = {
+            let mut ledger = self.settler.ledger();
+            let Some(target) = ledger.due() else {
+                return Ok(());
+            };
+            ledger.credit = target;
+            target
+        };
+        self.granted_at = self.flows.borrow().seq;
+        timeout(self.settle_timeout, self.receiver.set_credit(target))
+            .await
+            .map_err(|_| TransportError::Timeout {
+                operation: "granting credit",
+                after: self.settle_timeout,
+            })?
+            .map_err(|e| TransportError::connection_failed("granting credit", e))?;
         Ok(())
     }
 
@@ -388,6 +607,7 @@ impl LinkTask {
     /// a released message redelivered); only then is the consumer told it has everything.
     fn cancel(&mut self) {
         self.cancelled = Some(Instant::now() + self.settle_timeout);
+        self.settler.ledger().cancelled = true;
     }
 
     /// How many transfers the broker is still to send on the credit it has: as many as its
@@ -425,10 +645,13 @@ impl LinkTask {
             mut connection,
             mut session,
             receiver,
+            settler,
             settle_timeout,
             ..
         } = self;
         let _ = timeout(settle_timeout, async {
+            // Settlements under way reach the session first; later ones are stale.
+            *settler.attached.write().await = false;
             let _ = receiver.detach().await;
             end_session(&mut session).await;
             let _ = connection.close().await;
@@ -529,12 +752,22 @@ pub(crate) fn stale(info: &DeliveryInfo) -> TransportError {
     ))
 }
 
-/// Settles through the link task that received the delivery.
+/// Settles a delivery: a subscription's accept or release from this task, through its link's
+/// [`Settler`]; anything else through the link task that received the delivery.
 pub(crate) async fn settle(
     tag: &Amqp10Tag,
     settlement: Settlement,
     after: Duration,
 ) -> Result<(), TransportError> {
+    if let Some(settler) = tag.settler.as_ref().filter(|s| s.settles(settlement)) {
+        return match timeout(after, settler.settle(&tag.info, settlement)).await {
+            Ok(result) => result,
+            Err(_) => Err(TransportError::Timeout {
+                operation: "settling a delivery",
+                after,
+            }),
+        };
+    }
     let (done, answer) = oneshot::channel();
     let gone = || {
         TransportError::connection_lost(format!(
@@ -559,5 +792,33 @@ pub(crate) async fn settle(
             operation: "settling a delivery",
             after,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ledger(prefetch: u32, credit: u32, held: &[u32]) -> Ledger {
+        Ledger {
+            prefetch,
+            credit,
+            held: held.iter().copied().collect(),
+            cancelled: false,
+        }
+    }
+
+    #[test]
+    fn a_grant_is_due_only_once_the_last_is_used_up_and_never_beyond_the_prefetch() {
+        // Credit left: transfers may be on their way, so nothing is granted.
+        assert_eq!(ledger(4, 1, &[]).due(), None);
+        // Used up: what the held deliveries leave of the prefetch.
+        assert_eq!(ledger(4, 0, &[]).due(), Some(4));
+        assert_eq!(ledger(4, 0, &[7, 9]).due(), Some(2));
+        // Everything held: nothing until a settlement.
+        assert_eq!(ledger(2, 0, &[1, 2]).due(), None);
+        let mut cancelled = ledger(4, 0, &[]);
+        cancelled.cancelled = true;
+        assert_eq!(cancelled.due(), None, "no grants after a cancel");
     }
 }

@@ -108,6 +108,7 @@ impl Amqp10Subscription {
             &self.queue,
             self.prefetch,
             generation,
+            self.shared.take_ahead(&self.queue),
         )
         .await?;
         if !self.shared.register(&commands) {
@@ -169,7 +170,8 @@ impl Subscription for Amqp10Subscription {
             }
         }
         if incoming.is_none() {
-            *incoming = Some(self.attach().await?);
+            // Boxed, as a rare path: the future of every receive would carry it otherwise.
+            *incoming = Some(Box::pin(self.attach()).await?);
         }
         let Some(rx) = incoming.as_mut() else {
             return Err(TransportError::Closed);

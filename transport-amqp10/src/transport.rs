@@ -6,6 +6,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::StreamExt;
 use retry_core::{
     Capabilities, CascadePlan, Delivery, Message, Publish, PublishResult, QueueRole, QueueWalk,
     Route, Settlement, TopologyPlan, Transport, TransportError,
@@ -23,6 +24,11 @@ use crate::receiver::{self, Amqp10Tag, Command};
 use crate::shared::Shared;
 use crate::subscription::Amqp10Subscription;
 use crate::walk::LinkWalk;
+
+/// How many addresses [`Amqp10Transport::missing`] probes at once: a plan of a few delay
+/// levels is verified in about the time of its slowest probe, and a plan of many does not
+/// open dozens of sessions at once.
+const PROBES_AT_ONCE: usize = 8;
 
 /// A [`Transport`] over AMQP 1.0, through fe2o3-amqp.
 ///
@@ -219,6 +225,8 @@ impl Amqp10Transport {
                 links: std::sync::Mutex::new(Vec::new()),
                 fetchers: std::sync::Mutex::new(HashMap::new()),
                 closed: AtomicBool::new(false),
+                ahead: std::sync::Mutex::new(HashMap::new()),
+                aheads: std::sync::atomic::AtomicU64::new(0),
             }),
             routes: RwLock::new(Routes::default()),
         })
@@ -320,9 +328,20 @@ impl Amqp10Transport {
         if let Some(refused) = unsupported(plan, &profile) {
             return Err(refused);
         }
+        // The probes run side by side, a few at a time (each is a session of its own on
+        // the publishing connection), and are answered in the plan's order.
+        let checks = checks(plan, &profile);
+        let mut probes = Vec::with_capacity(checks.len());
+        for (_, address, probe) in &checks {
+            probes.push(self.shared.publisher.verify(address, *probe));
+        }
+        let answers: Vec<_> = futures::stream::iter(probes)
+            .buffered(PROBES_AT_ONCE)
+            .collect()
+            .await;
         let mut missing = Vec::new();
-        for (what, address, probe) in checks(plan, &profile) {
-            match self.shared.publisher.verify(&address, probe).await {
+        for ((what, address, _), answer) in checks.into_iter().zip(answers) {
+            match answer {
                 Ok(_) => debug!(%address, "verified"),
                 Err(ProbeError::Missing(why)) => {
                     debug!(%address, %why, "missing");
@@ -357,7 +376,31 @@ impl Amqp10Transport {
             }
         });
         futures::future::join_all(closing).await;
+        // Links opened ahead and never consumed from close with their connections.
+        if let Ok(mut ahead) = self.shared.ahead.lock() {
+            ahead.clear();
+        }
         self.shared.publisher.close().await;
+    }
+
+    /// [`verify`](Self::verify) for a consumer about to start, which then fetches from the
+    /// plan's isolation queue (the suspects a previous run left run before any work) and,
+    /// once that is empty, consumes its work queue. While the plan's addresses are probed,
+    /// the isolation queue's fetch link is attached and a consuming link on the work queue is
+    /// opened, both granting nothing (nothing is taken from either queue before a fetch or
+    /// a `consume` asks): connecting and attaching are then off the path to the first
+    /// delivery. Neither is done for a plan that cannot be served at all. The consuming link
+    /// waits for the next [`consume`](Transport::consume) of the work queue, for the
+    /// operation timeout at most (then it is closed); a failure to open either is reported by
+    /// the fetch or `consume` that would have used it, which tries again.
+    async fn verify_to_consume(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        if unsupported(plan, &self.profile()).is_none() && !self.shared.is_closed() {
+            if let Ok(link) = self.fetcher(plan.isolation_queue()) {
+                fetch::attach_ahead(&link);
+            }
+            self.shared.open_ahead(plan.work_queue());
+        }
+        Amqp10Transport::verify(self, plan).await
     }
 
     /// The fetch link task of `queue`, started if there is none (or it ended).
@@ -490,16 +533,21 @@ impl Transport for Amqp10Transport {
     }
 
     /// Verifies the plan (see [`verify`](Amqp10Transport::verify)): neither profile declares
-    /// topology over AMQP 1.0.
+    /// topology over AMQP 1.0. Attaches the isolation queue's fetch link meanwhile, as
+    /// [`Transport::verify`] does.
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        Amqp10Transport::verify(self, plan).await
+        self.verify_to_consume(plan).await
     }
 
     /// Verifies the plan (see [`verify`](Amqp10Transport::verify)). A
     /// [`Consumer`](retry_core::Consumer) with provisioning off calls this before
     /// consuming: without it no route of the plan is known, and nothing can be sent.
+    ///
+    /// A consumer's first step after it is to fetch from the plan's isolation queue (the
+    /// suspects a previous run left are run before any work), so that queue's fetch link
+    /// is attached meanwhile, granting nothing: the first fetch then only counts the queue.
     async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        Amqp10Transport::verify(self, plan).await
+        self.verify_to_consume(plan).await
     }
 
     /// Attaches a new link on a connection of its own, with a credit of `prefetch`. A missing
