@@ -8,12 +8,15 @@
 //!   steady rate;
 //! * [`queue`]: how many messages a queue holds;
 //! * [`proc`]: readings from `/proc`: CPU time of this process and of the local broker, the
-//!   load average, peak resident memory;
-//! * [`stats`]: min, median, max and percentiles of a run's figures.
+//!   load average, peak resident memory and its growth over a measurement;
+//! * [`stats`]: min, median, max and percentiles of a run's figures;
+//! * `plot` (feature `plot`): SVG pictures of them, rates against a setting.
 //!
 //! It is a dev-dependency of those crates only and is not published.
 
 pub mod args;
+#[cfg(feature = "plot")]
+pub mod plot;
 pub mod proc;
 pub mod publish;
 pub mod queue;

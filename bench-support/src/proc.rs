@@ -1,6 +1,6 @@
 //! Readings from Linux's `/proc`: CPU time of a process and of the local broker, the load
-//! average, and this process's peak resident memory. Each is `None` (or does nothing) where
-//! `/proc` cannot be read.
+//! average, and this process's resident memory (its peak, and its growth over a
+//! measurement). Each is `None` (or does nothing) where `/proc` cannot be read.
 
 use std::time::{Duration, Instant};
 
@@ -131,15 +131,64 @@ pub fn load_average_shown() -> String {
 
 /// The peak resident memory of this process so far (`VmHWM`), in bytes; 0 if unknown.
 pub fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    status_kib("VmHWM:").map_or(0, |kib| kib * 1024)
+}
+
+/// The resident memory of this process now (`VmRSS`), in bytes; `None` if unknown.
+pub fn rss() -> Option<u64> {
+    status_kib("VmRSS:").map(|kib| kib * 1024)
+}
+
+/// A field of `/proc/self/status` given in kB, such as `VmHWM:`.
+fn status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with(field))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+}
+
+/// How far this process's resident memory rises above where it was at
+/// [`RssGrowth::start`]: the peak (`VmHWM`) at [`RssGrowth::peak`] minus the resident memory
+/// (`VmRSS`) at the start.
+///
+/// Starting resets the peak to the current resident memory (`5` written to
+/// `/proc/self/clear_refs`, Linux 4.0 on), so that what the process did before (prefilling a
+/// queue, say) does not count; without that reset the growth is unknown. Memory freed before
+/// the start and kept by the allocator is reused without showing as growth, so a figure is
+/// only comparable with another taken in a fresh process doing the same setup.
+///
+/// ```
+/// let growth = bench_support::proc::RssGrowth::start();
+/// let buffer = vec![1u8; 8 << 20];
+/// # #[cfg(target_os = "linux")]
+/// assert!(growth.peak().unwrap() >= 4 << 20);
+/// drop(buffer);
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct RssGrowth {
+    start: Option<u64>,
+}
+
+impl RssGrowth {
+    /// Resets the process's peak resident memory and reads the current one.
+    pub fn start() -> Self {
+        let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+        RssGrowth {
+            start: reset.then(rss).flatten(),
+        }
+    }
+
+    /// The peak resident memory since [`RssGrowth::start`] minus the resident memory then,
+    /// in bytes (0 if it never rose); `None` if unknown.
+    pub fn peak(&self) -> Option<u64> {
+        let start = self.start?;
+        let peak = status_kib("VmHWM:")? * 1024;
+        Some(peak.saturating_sub(start))
+    }
 }
 
 /// The wall time and [`CpuClock`] of one measurement, started together.
