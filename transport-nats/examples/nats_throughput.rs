@@ -25,7 +25,7 @@
 //! | `plain-stream` | success: async-nats's continuous pull (`consumer.stream().max_messages_per_batch(100)`, which asks for the next batch before the current one is used up), `ack` each |
 //! | `ours-success` | success: `retry_core::Consumer` over `NatsTransport`, prefetch 100, a handler that succeeds |
 //! | `plain-retry` | retry: the continuous pull of `plain-stream`; per message a clone (the body, `x-retry-attempts` and `x-retry-delay` headers, the delay stream as the expected stream) is published to the delay stream's subject, and the original acked once the clone's PubAck is in; up to 100 at once (many PubAck futures in flight, each original acked as its PubAck resolves) |
-//! | `ours-retry` | retry: the consumer with a handler that fails transiently on the first run; the engine's clone (its nine headers, a due time and a `Nats-Msg-Id`) goes to the delay stream with its PubAck awaited, then the original is acked. The transport's delay mover runs as it does in production: it pulls each clone and naks it with the 10 min it has left |
+//! | `ours-retry` | retry: the consumer with a handler that fails transiently on the first run; the engine's clone (its five headers, a due time and a `Nats-Msg-Id`) goes to the delay stream with its PubAck awaited, then the original is acked. The transport's delay mover runs as it does in production: it pulls each clone and naks it with the 10 min it has left |
 //!
 //! The ratios compare ours with the stronger plain loop of the same round (`plain-fetch` or
 //! `plain-stream` on the success path, `plain-retry` on the retry path).
