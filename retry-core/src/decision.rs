@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::facts::DeliveryFacts;
-use crate::headers::{DeadLetterReason, truncate_error};
+use crate::headers::{DeadLetterReason, MAX_ERROR_LEN, truncate_error};
 use crate::policy::{Exhausted, Retry, RetryPolicy};
 use crate::time::Timestamp;
 
@@ -242,7 +242,17 @@ fn exhausted(policy: &RetryPolicy, reason: DeadLetterReason) -> Decision {
 pub(crate) const CRASH_CAUSE: &str =
     "crashed: its consumer went away while it ran alone, before it was settled";
 
-/// The cause text of a failure, cut for the last-error header.
-pub(crate) fn recorded_cause(outcome: &Outcome) -> Option<String> {
-    outcome.cause().map(truncate_error)
+/// The cause text of a failure, cut for the last-error header. The outcome is spent: a
+/// cause short enough is kept as it is, not copied.
+pub(crate) fn recorded_cause(outcome: Outcome) -> Option<String> {
+    match outcome {
+        Outcome::Success => None,
+        Outcome::Transient(c) | Outcome::Permanent(c) | Outcome::RetryAfter(_, c) => {
+            Some(if c.len() <= MAX_ERROR_LEN {
+                c
+            } else {
+                truncate_error(&c)
+            })
+        }
+    }
 }

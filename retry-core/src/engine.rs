@@ -696,7 +696,7 @@ impl<D> Engine<D> {
             state,
             decision,
             state.attempt,
-            recorded_cause(&outcome),
+            recorded_cause(outcome),
         );
         Ok(())
     }
@@ -846,13 +846,14 @@ impl<D> Engine<D> {
         runs: u32,
         last_error: Option<String>,
     ) {
-        // A failure or a crash is dated now; an isolated suspect keeps its dates.
-        let failed = |reason, delay| EngineHeaders {
+        // A failure or a crash is dated now; an isolated suspect keeps its dates. At most one
+        // decision is made, so the cause moves into its headers rather than being copied.
+        let failed = move |reason, delay| EngineHeaders {
             attempts: runs,
             crashes: state.crashes,
             first_failure: Some(state.first_failure.unwrap_or(now)),
             last_failure: Some(now),
-            last_error: last_error.clone(),
+            last_error,
             reason,
             delay,
             suspect: None,

@@ -9,6 +9,7 @@
 //! asking runs its suspects, and when it is done the others resume (or the next one asking
 //! takes its turn, first come first served).
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll, Waker};
 
@@ -35,6 +36,10 @@ use crate::excuses::Excuses;
 #[derive(Clone, Debug, Default)]
 pub struct SoloGate {
     state: Arc<Mutex<State>>,
+    /// How many members ask for the gate or hold it (`State::queue`'s length), written
+    /// under the lock: a consumer checks on every turn whether another one asks, and almost
+    /// always none does, which this answers without taking the lock.
+    asking: Arc<AtomicUsize>,
     excuses: Excuses,
 }
 
@@ -102,6 +107,7 @@ impl SoloGate {
             gate: self.clone(),
             id,
             seen: u64::MAX,
+            quiet: AtomicBool::new(true),
         }
     }
 
@@ -133,6 +139,9 @@ pub(super) struct GateMember {
     id: u64,
     /// The gate's version when this member last looked.
     seen: u64,
+    /// What this member last said of itself (`Member::quiet`, which only it writes): a
+    /// consumer says it on every turn, and the lock is taken only when it changes.
+    quiet: AtomicBool,
 }
 
 impl GateMember {
@@ -141,14 +150,19 @@ impl GateMember {
         let mut s = self.gate.lock();
         if !s.queue.contains(&self.id) {
             s.queue.push(self.id);
+            self.gate.asking.store(s.queue.len(), Ordering::Release);
             s.changed();
         }
     }
 
     /// Says whether this member is quiet: it starts no work and holds nothing.
     pub(super) fn set_quiet(&self, quiet: bool) {
+        if self.quiet.load(Ordering::Relaxed) == quiet {
+            return;
+        }
         let mut s = self.gate.lock();
         let Some(m) = s.member(self.id) else { return };
+        self.quiet.store(quiet, Ordering::Relaxed);
         if m.quiet != quiet {
             m.quiet = quiet;
             s.changed();
@@ -158,6 +172,9 @@ impl GateMember {
     /// Whether another member is asking to run suspects alone, or running them: this one
     /// must stay quiet.
     pub(super) fn others_asking(&self) -> bool {
+        if self.gate.asking.load(Ordering::Acquire) == 0 {
+            return false;
+        }
         let s = self.gate.lock();
         s.queue.iter().any(|&id| id != self.id)
     }
@@ -186,6 +203,7 @@ impl GateMember {
             s.holder = None;
         }
         s.queue.retain(|&id| id != self.id);
+        self.gate.asking.store(s.queue.len(), Ordering::Release);
         if before != (s.holder, s.queue.len()) {
             s.changed();
         }
@@ -215,6 +233,7 @@ impl Drop for GateMember {
         let mut s = self.gate.lock();
         s.members.retain(|m| m.id != self.id);
         s.queue.retain(|&id| id != self.id);
+        self.gate.asking.store(s.queue.len(), Ordering::Release);
         if s.holder == Some(self.id) {
             s.holder = None;
         }

@@ -1,5 +1,7 @@
 //! The `Transport` trait: what a broker binding implements so the driver can run on it.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -546,12 +548,34 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
         (**self).ready(queue, poll).await
     }
 
-    async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
-        (**self).publish(original, publish).await
+    // The two calls of every delivery hand back the inner transport's future as it is,
+    // rather than boxing a second future around it: written as `async_trait` expands an
+    // `async fn`, so the trait sees the same methods.
+    fn publish<'life0, 'life1, 'life2, 'async_trait>(
+        &'life0 self,
+        original: &'life1 Message,
+        publish: &'life2 Publish,
+    ) -> Pin<Box<dyn Future<Output = PublishResult> + Send + 'async_trait>>
+    where
+        'life0: 'async_trait,
+        'life1: 'async_trait,
+        'life2: 'async_trait,
+        Self: 'async_trait,
+    {
+        (**self).publish(original, publish)
     }
 
-    async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError> {
-        (**self).settle(tag, settlement).await
+    fn settle<'life0, 'life1, 'async_trait>(
+        &'life0 self,
+        tag: &'life1 Self::Tag,
+        settlement: Settlement,
+    ) -> Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send + 'async_trait>>
+    where
+        'life0: 'async_trait,
+        'life1: 'async_trait,
+        Self: 'async_trait,
+    {
+        (**self).settle(tag, settlement)
     }
 
     async fn walk<'a>(

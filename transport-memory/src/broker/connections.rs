@@ -1,7 +1,7 @@
 //! Client connections: their consumers with prefetch, and the deliveries the broker waits to
 //! hear about.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::task::Waker;
 use std::time::Duration;
@@ -9,6 +9,7 @@ use std::time::Duration;
 use retry_core::{Headers, Properties, Timestamp};
 
 use crate::broker::error::BrokerError;
+use crate::broker::hash::FastMap;
 use crate::broker::message::{Handout, Held, MessageKey, Stored};
 use crate::broker::queues::QueueIndex;
 
@@ -25,7 +26,7 @@ pub(crate) struct Connections {
     deliveries: u64,
     /// The connection and tag of each delivery a client holds, by [`Held::address`]: a
     /// clone's publish looks its original up here, however many deliveries are unsettled.
-    held_at: HashMap<usize, (usize, u64)>,
+    held_at: FastMap<usize, (usize, u64)>,
 }
 
 /// A client connection with one channel.
@@ -33,7 +34,7 @@ pub(crate) struct Connections {
 struct Connection {
     closed: Option<Arc<str>>,
     consumers: Vec<ConsumerState>,
-    unacked: BTreeMap<u64, InFlight>,
+    unacked: InFlightWindow,
     next_tag: u64,
 }
 
@@ -123,6 +124,86 @@ impl std::fmt::Debug for ClientCopy {
     }
 }
 
+/// A connection's unacknowledged deliveries, by tag, oldest first.
+///
+/// Tags are handed out in increasing order and most deliveries are settled in about that
+/// order, so they are kept in a ring indexed by tag from the oldest still in flight, rather
+/// than in a tree: a tree's nodes, each with room for eleven deliveries, are large
+/// allocations that the allocator serves slowly, one for every few deliveries. The price:
+/// while one delivery stays unsettled, every tag handed out after it keeps a slot, settled
+/// or not, until it is settled (or its connection closes, or the consumer timeout closes
+/// it).
+#[derive(Debug, Default)]
+struct InFlightWindow {
+    /// The tag of `slots[0]`.
+    base: u64,
+    /// One slot per tag from `base`; the first, when there is one, is occupied.
+    slots: VecDeque<Option<InFlight>>,
+    /// Occupied slots.
+    len: usize,
+}
+
+impl InFlightWindow {
+    fn insert(&mut self, tag: u64, in_flight: InFlight) {
+        if self.len == 0 {
+            self.slots.clear();
+            self.base = tag;
+        }
+        while tag < self.base {
+            self.slots.push_front(None);
+            self.base -= 1;
+        }
+        let at = usize::try_from(tag - self.base).expect("a window of tags in memory");
+        if at >= self.slots.len() {
+            self.slots.resize_with(at + 1, || None);
+        }
+        if self.slots[at].replace(in_flight).is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn slot(&self, tag: u64) -> Option<usize> {
+        let at = usize::try_from(tag.checked_sub(self.base)?).ok()?;
+        (at < self.slots.len()).then_some(at)
+    }
+
+    fn get(&self, tag: u64) -> Option<&InFlight> {
+        self.slots[self.slot(tag)?].as_ref()
+    }
+
+    fn get_mut(&mut self, tag: u64) -> Option<&mut InFlight> {
+        let at = self.slot(tag)?;
+        self.slots[at].as_mut()
+    }
+
+    fn remove(&mut self, tag: u64) -> Option<InFlight> {
+        let at = self.slot(tag)?;
+        let in_flight = self.slots[at].take()?;
+        self.len -= 1;
+        // Settled slots at the front are dropped, so the oldest delivery is the first.
+        while let Some(None) = self.slots.front() {
+            self.slots.pop_front();
+            self.base += 1;
+        }
+        Some(in_flight)
+    }
+
+    /// The deliveries, oldest first.
+    fn values(&self) -> impl Iterator<Item = &InFlight> {
+        self.slots.iter().flatten()
+    }
+
+    /// The deliveries with their tags, oldest first, leaving the window empty.
+    fn drain(&mut self) -> impl Iterator<Item = (u64, InFlight)> + use<> {
+        let base = self.base;
+        self.len = 0;
+        std::mem::take(&mut self.slots)
+            .into_iter()
+            .zip(base..)
+            .filter_map(|(slot, tag)| Some((tag, slot?)))
+    }
+}
+
 /// A delivery taken off its connection to be settled.
 #[derive(Debug)]
 pub(crate) struct Taken {
@@ -163,7 +244,7 @@ impl Connections {
             open: BTreeSet::new(),
             consumer_timeout,
             deliveries: 0,
-            held_at: HashMap::new(),
+            held_at: FastMap::default(),
         }
     }
 
@@ -302,7 +383,7 @@ impl Connections {
                 let tag = handout.tag;
                 let (r, held) = receive(handout);
                 // A delivery settled before it was received is not in flight any more.
-                if let Some(in_flight) = connection.unacked.get_mut(&tag) {
+                if let Some(in_flight) = connection.unacked.get_mut(tag) {
                     self.held_at.insert(held.address(), (conn, tag));
                     in_flight.copy = ClientCopy::Held(held);
                 }
@@ -322,7 +403,7 @@ impl Connections {
     /// tag.
     pub(crate) fn take(&mut self, conn: usize, tag: u64) -> Option<Taken> {
         let connection = &mut self.all[conn];
-        let in_flight = connection.unacked.remove(&tag)?;
+        let in_flight = connection.unacked.remove(tag)?;
         if let Some(ci) = in_flight.unacked.consumer {
             connection.consumers[ci].unacked -= 1;
         }
@@ -363,14 +444,13 @@ impl Connections {
         }
         connection.closed = Some(reason);
         self.open.remove(&conn);
-        let unacked = std::mem::take(&mut connection.unacked);
+        let unacked = connection.unacked.drain();
         let mut waiting: BTreeMap<u64, Handout> = BTreeMap::new();
         for c in &mut connection.consumers {
             waiting.extend(c.inbox.drain(..).map(|h| (h.tag, h)));
         }
         let held_at = &mut self.held_at;
         let returned = unacked
-            .into_iter()
             .map(|(tag, InFlight { unacked, copy })| {
                 let q = unacked.queue;
                 let m = match copy {
@@ -431,7 +511,7 @@ impl Connections {
     /// whichever connection holds it.
     pub(crate) fn find_held(&self, address: usize) -> Option<(MessageKey, Arc<str>)> {
         let &(conn, tag) = self.held_at.get(&address)?;
-        let f = self.all.get(conn)?.unacked.get(&tag)?;
+        let f = self.all.get(conn)?.unacked.get(tag)?;
         Some((f.unacked.key, f.unacked.label.clone()))
     }
 }

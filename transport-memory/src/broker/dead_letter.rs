@@ -69,24 +69,25 @@ pub(crate) fn record_death(headers: &mut Headers, death: &Death<'_>) {
 }
 
 fn new_entry(death: &Death<'_>) -> Headers {
+    // In name order, so that each entry is appended rather than placed.
     let mut t = Headers::with_capacity(7);
     t.insert_static("count", HeaderValue::Int(1));
-    t.insert_static("reason", death.reason.as_str());
+    t.insert_static("exchange", death.exchange);
+    if let Some(e) = death.original_expiration {
+        t.insert_static("original-expiration", e.as_millis().to_string());
+    }
     t.insert_static("queue", death.queue);
+    t.insert_static("reason", death.reason.as_str());
+    t.insert_static(
+        "routing-keys",
+        HeaderValue::Array(vec![HeaderValue::Str(death.routing_key.to_owned())]),
+    );
     // AMQP timestamps have one-second resolution.
     let secs = death.time.as_millis() / 1000;
     t.insert_static(
         "time",
         HeaderValue::Timestamp(Timestamp::from_millis(secs * 1000)),
     );
-    t.insert_static("exchange", death.exchange);
-    t.insert_static(
-        "routing-keys",
-        HeaderValue::Array(vec![HeaderValue::Str(death.routing_key.to_owned())]),
-    );
-    if let Some(e) = death.original_expiration {
-        t.insert_static("original-expiration", e.as_millis().to_string());
-    }
     t
 }
 

@@ -1,6 +1,7 @@
 //! The handler every simulated consumer runs: the message's script, or the user's handler
 //! with scripted crashes.
 
+use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -93,9 +94,9 @@ impl Handler for SimHandler {
             _ => self.finished(key, id, run, &step),
         }
         match step {
-            Step::Fail(cause) => Err(HandlerError::transient(String::from(&*cause))),
-            Step::Permanent(cause) => Err(HandlerError::permanent(String::from(&*cause))),
-            Step::RetryAfter(d, cause) => Err(HandlerError::retry_after(d, String::from(&*cause))),
+            Step::Fail(cause) => Err(HandlerError::transient(Scripted(cause))),
+            Step::Permanent(cause) => Err(HandlerError::permanent(Scripted(cause))),
+            Step::RetryAfter(d, cause) => Err(HandlerError::retry_after(d, Scripted(cause))),
             // Unwinds without the panic hook: the driver catches it like any panic, and
             // scripted panics do not litter test output.
             Step::Panic(message) => std::panic::resume_unwind(Box::new(message.to_string())),
@@ -103,3 +104,22 @@ impl Handler for SimHandler {
         }
     }
 }
+
+/// A scripted failure's cause: the script's own text, shared rather than copied into a
+/// `String` for every run that fails. It reads as that text would (`Display` and `Debug`
+/// alike), so handler errors say the same as before.
+struct Scripted(Arc<str>);
+
+impl fmt::Display for Scripted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Debug for Scripted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for Scripted {}

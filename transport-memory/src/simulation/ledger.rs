@@ -53,13 +53,16 @@ struct Entry {
 
 impl Entry {
     fn new(published_at: Timestamp, script: Script) -> Self {
+        // Room for the runs the script plans, each with its end, so that following a message
+        // does not grow its lists run by run.
+        let runs = script.listed();
         Entry {
             key: MessageKey(0),
             published_at,
             script,
-            runs: Vec::new(),
-            terminals: Vec::new(),
-            order: Vec::new(),
+            runs: Vec::with_capacity(runs),
+            terminals: Vec::with_capacity(runs),
+            order: Vec::with_capacity(2 * runs),
         }
     }
 
@@ -209,9 +212,11 @@ impl Ledger {
             parked_by_id.entry(&m.label).or_default().push(m);
         }
         let ledger = self.lock();
-        ledger
-            .index
-            .iter()
+        // In id order already: the map's own sort then finds one sorted run, rather than
+        // moving whole reports about.
+        let mut ids: Vec<(&String, &usize)> = ledger.index.iter().collect();
+        ids.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        ids.into_iter()
             .map(|(id, &i)| {
                 let entry = &ledger.entries[i];
                 let parked = parked_by_id.get(id.as_str()).map_or(&[][..], Vec::as_slice);

@@ -146,4 +146,10 @@ impl Script {
     pub fn takes(&self) -> Duration {
         self.takes
     }
+
+    /// How many steps it lists: the runs a message following it makes when it goes as
+    /// written (the last step repeats, and a crash or a timeout adds runs).
+    pub(crate) fn listed(&self) -> usize {
+        self.steps.len()
+    }
 }
