@@ -51,7 +51,7 @@
 //! assert_eq!(matcher.poll_verdict(), None);
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 
 use crate::engine::Confirm;
 use crate::headers::{self, HeaderValue, Headers};
@@ -88,8 +88,12 @@ pub struct ReturnMatcher {
     next: u64,
     /// Registered and not answered yet.
     unanswered: BTreeSet<u64>,
-    /// Answered, verdict not given yet.
-    waiting: BTreeMap<u64, Waiting>,
+    /// Answered, verdict not given yet, in the order of their answers, so by watermark:
+    /// those whose wait is over are always a prefix, and deciding never looks past it
+    /// (a scan of them all made every answer cost as much as the publishes in flight).
+    waiting: VecDeque<(u64, Waiting)>,
+    /// The stamps of `waiting`.
+    waiting_stamps: BTreeSet<u64>,
     /// Undecided publishes some return named.
     returned: BTreeSet<u64>,
     /// Undecided publishes below this fail: a return named none of ours.
@@ -136,7 +140,9 @@ impl ReturnMatcher {
         }
         self.unanswered.remove(&stamp);
         let watermark = self.next;
-        self.waiting.insert(stamp, Waiting { answer, watermark });
+        self.waiting
+            .push_back((stamp, Waiting { answer, watermark }));
+        self.waiting_stamps.insert(stamp);
         self.decide();
     }
 
@@ -145,8 +151,9 @@ impl ReturnMatcher {
     /// closing the channel, so that no late confirm can carry a return).
     pub fn fail_all(&mut self) {
         let unanswered = std::mem::take(&mut self.unanswered);
-        let waiting = std::mem::take(&mut self.waiting);
-        let mut failed: Vec<u64> = unanswered.into_iter().chain(waiting.into_keys()).collect();
+        self.waiting.clear();
+        let waiting = std::mem::take(&mut self.waiting_stamps);
+        let mut failed: Vec<u64> = unanswered.into_iter().chain(waiting).collect();
         failed.sort_unstable();
         self.verdicts
             .extend(failed.into_iter().map(|s| (s, Confirm::Failed)));
@@ -171,22 +178,20 @@ impl ReturnMatcher {
     }
 
     fn undecided(&self, stamp: u64) -> bool {
-        self.unanswered.contains(&stamp) || self.waiting.contains_key(&stamp)
+        self.unanswered.contains(&stamp) || self.waiting_stamps.contains(&stamp)
     }
 
     /// Gives the verdict of every waiting publish whose earlier publishes are all answered.
     fn decide(&mut self) {
         let lowest_unanswered = self.unanswered.first().copied().unwrap_or(self.next);
-        let ready: Vec<u64> = self
+        let ready = self
             .waiting
             .iter()
-            .filter(|(_, w)| w.watermark <= lowest_unanswered)
-            .map(|(s, _)| *s)
-            .collect();
-        for stamp in ready {
-            let Some(waiting) = self.waiting.remove(&stamp) else {
-                continue;
-            };
+            .take_while(|(_, w)| w.watermark <= lowest_unanswered)
+            .count();
+        let first = self.verdicts.len();
+        for (stamp, waiting) in self.waiting.drain(..ready) {
+            self.waiting_stamps.remove(&stamp);
             let confirm = if self.returned.remove(&stamp) {
                 Confirm::Returned
             } else if stamp < self.fail_below {
@@ -199,6 +204,10 @@ impl ReturnMatcher {
                 }
             };
             self.verdicts.push_back((stamp, confirm));
+        }
+        // In stamp order, as they were given when every waiting publish was looked at.
+        if ready > 1 {
+            self.verdicts.make_contiguous()[first..].sort_unstable_by_key(|(stamp, _)| *stamp);
         }
     }
 }
@@ -220,6 +229,8 @@ pub fn stamp_of(headers: &Headers) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     fn drain(m: &mut ReturnMatcher) -> Vec<(u64, Confirm)> {
