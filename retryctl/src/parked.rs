@@ -694,7 +694,14 @@ pub(crate) fn record_json_of(id: Option<&str>, headers: &Headers) -> Value {
         }
     };
     let count = |name: &str, n: u32| {
-        f(name, if counter_known(headers, name) { json!(n) } else { Value::Null })
+        f(
+            name,
+            if counter_known(headers, name) {
+                json!(n)
+            } else {
+                Value::Null
+            },
+        )
     };
     json!({
         "id": id,

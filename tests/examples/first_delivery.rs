@@ -95,7 +95,9 @@ async fn first_call<T: Transport>(transport: T, queue: &str) -> Result<Duration,
         }
     });
     run.await?;
-    let at = seen_rx.await.map_err(|_| "the consumer stopped before a delivery")?;
+    let at = seen_rx
+        .await
+        .map_err(|_| "the consumer stopped before a delivery")?;
     Ok(at - start)
 }
 
@@ -127,7 +129,13 @@ async fn amqp091_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError>
     let publish_one = || async {
         let properties = BasicProperties::default().with_delivery_mode(2);
         channel
-            .basic_publish("".into(), name.into(), BasicPublishOptions::default(), b"m", properties)
+            .basic_publish(
+                "".into(),
+                name.into(),
+                BasicPublishOptions::default(),
+                b"m",
+                properties,
+            )
             .await?
             .await?;
         Ok::<(), BoxError>(())
@@ -135,8 +143,8 @@ async fn amqp091_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError>
     let result = async {
         publish_one().await?;
         let start = Instant::now();
-        let conn = lapin::Connection::connect(&env.amqp091_url, ConnectionProperties::default())
-            .await?;
+        let conn =
+            lapin::Connection::connect(&env.amqp091_url, ConnectionProperties::default()).await?;
         let ch = conn.create_channel().await?;
         ch.basic_qos(100, BasicQosOptions::default()).await?;
         let mut consumer = ch
@@ -196,7 +204,13 @@ async fn amqp10_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError> 
     let publish_one = || async {
         let properties = BasicProperties::default().with_delivery_mode(2);
         channel
-            .basic_publish("".into(), name.into(), BasicPublishOptions::default(), b"m", properties)
+            .basic_publish(
+                "".into(),
+                name.into(),
+                BasicPublishOptions::default(),
+                b"m",
+                properties,
+            )
             .await?
             .await?;
         Ok::<(), BoxError>(())
@@ -206,8 +220,8 @@ async fn amqp10_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError> 
         let start = Instant::now();
         let mut connection = amqp10_connection(&env.amqp10_url).await?;
         let mut session = Session::begin(&mut connection).await?;
-        let mut receiver = Receiver::attach(&mut session, "plain", format!("/amq/queue/{name}"))
-            .await?;
+        let mut receiver =
+            Receiver::attach(&mut session, "plain", format!("/amq/queue/{name}")).await?;
         let delivery = receiver.recv::<Body<Value>>().await?;
         let plain = start.elapsed();
         receiver.accept(&delivery).await?;
@@ -216,11 +230,8 @@ async fn amqp10_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError> 
         let _ = connection.close().await;
         publish_one().await?;
         let config = Amqp10Config::new(&env.amqp10_url);
-        let (total, from_run) = ours(
-            async { Ok(Amqp10Transport::connect(config).await?) },
-            name,
-        )
-        .await?;
+        let (total, from_run) =
+            ours(async { Ok(Amqp10Transport::connect(config).await?) }, name).await?;
         Ok::<_, BoxError>(Figures {
             ours_total: total,
             ours_from_run: from_run,
@@ -258,7 +269,11 @@ async fn nats_round(url: &str, name: &str) -> Result<Figures, BoxError> {
                 .await?
                 .get_consumer(CONSUMER)
                 .await?;
-        let mut messages = consumer.stream().max_messages_per_batch(100).messages().await?;
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(100)
+            .messages()
+            .await?;
         let message = messages.next().await.ok_or("no delivery")??;
         let plain = start.elapsed();
         message.ack().await?;
@@ -302,15 +317,16 @@ fn ms(d: Duration) -> f64 {
 
 fn main() -> Result<(), BoxError> {
     let rounds: usize = match std::env::args().nth(1) {
-        Some(n) => n.parse().map_err(|_| format!("ROUNDS must be a number, not {n:?}"))?,
+        Some(n) => n
+            .parse()
+            .map_err(|_| format!("ROUNDS must be a number, not {n:?}"))?,
         None => 5,
     };
     if rounds == 0 {
         return Err("ROUNDS must be at least 1".into());
     }
     let env = BrokerEnv::from_env();
-    let nats_url =
-        std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
     let transports = ["memory", "amqp091", "amqp10", "nats"];
     let mut results: Vec<(&str, Vec<Figures>)> = transports.iter().map(|t| (*t, vec![])).collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -353,7 +369,10 @@ fn main() -> Result<(), BoxError> {
         }
     }
     println!();
-    println!("time to first delivery, ms, min / median / max over {rounds} rounds (goal: ours <= {} ms)", GOAL.as_millis());
+    println!(
+        "time to first delivery, ms, min / median / max over {rounds} rounds (goal: ours <= {} ms)",
+        GOAL.as_millis()
+    );
     println!(
         "| transport | ours, total | ours, from run | plain client | ours / plain, same round |"
     );
@@ -375,7 +394,11 @@ fn main() -> Result<(), BoxError> {
             "| {transport} | {} | {} | {} | {} |",
             show(figures.iter().map(|f| ms(f.ours_total)).collect()),
             show(figures.iter().map(|f| ms(f.ours_from_run)).collect()),
-            if plain.is_empty() { "-".into() } else { show(plain) },
+            if plain.is_empty() {
+                "-".into()
+            } else {
+                show(plain)
+            },
             if ratios.is_empty() {
                 "-".into()
             } else {
