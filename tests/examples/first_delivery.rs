@@ -243,29 +243,29 @@ async fn amqp10_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError> 
     result
 }
 
+/// On NATS each measurement has a work queue of its own: the plain client's pull request
+/// outlives the client on the server, which would hand it the consumer's message (back only
+/// after the ack wait).
 async fn nats_round(url: &str, name: &str) -> Result<Figures, BoxError> {
     let setup = NatsTransport::connect(NatsConfig::new(url)).await?;
-    let plan = TopologyPlan::new(name, &policy())?;
-    setup.provision(&plan).await?;
+    let plain_queue = format!("{name}-plain");
+    let plans = [
+        TopologyPlan::new(&plain_queue, &policy())?,
+        TopologyPlan::new(name, &policy())?,
+    ];
     let js = async_nats::jetstream::new(setup.client().clone());
-    let publish_one = |id: &'static str| {
-        let js = js.clone();
-        async move {
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert("Nats-Msg-Id", id);
-            js.publish_with_headers(name.to_owned(), headers, "m".into())
+    let result = async {
+        for plan in &plans {
+            setup.provision(plan).await?;
+            js.publish(plan.work_queue().to_owned(), "m".into())
                 .await?
                 .await?;
-            Ok::<(), BoxError>(())
         }
-    };
-    let result = async {
-        publish_one("plain").await?;
         let start = Instant::now();
         let client = async_nats::connect(url).await?;
         let consumer: async_nats::jetstream::consumer::PullConsumer =
             async_nats::jetstream::new(client.clone())
-                .get_stream(stream_name(name))
+                .get_stream(stream_name(&plain_queue))
                 .await?
                 .get_consumer(CONSUMER)
                 .await?;
@@ -277,9 +277,7 @@ async fn nats_round(url: &str, name: &str) -> Result<Figures, BoxError> {
         let message = messages.next().await.ok_or("no delivery")??;
         let plain = start.elapsed();
         message.ack().await?;
-        drop(messages);
         client.flush().await?;
-        publish_one("ours").await?;
         let config = NatsConfig::new(url);
         let (total, from_run) =
             ours(async { Ok(NatsTransport::connect(config).await?) }, name).await?;
@@ -290,7 +288,9 @@ async fn nats_round(url: &str, name: &str) -> Result<Figures, BoxError> {
         })
     }
     .await;
-    transport_nats::testing::delete_plan(setup.client(), &plan).await;
+    for plan in &plans {
+        transport_nats::testing::delete_plan(setup.client(), plan).await;
+    }
     result
 }
 
