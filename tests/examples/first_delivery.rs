@@ -35,18 +35,18 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bench_support::publish::{confirm_channel, persistent};
 use bench_support::stats::min_median_max;
 use conformance::rabbitmq::BrokerEnv;
-use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::sasl_profile::SaslProfile;
 use fe2o3_amqp::types::messaging::Body;
 use fe2o3_amqp::types::primitives::Value;
 use fe2o3_amqp::{Connection, Receiver, Session};
 use futures::StreamExt;
 use futures::channel::oneshot;
+use lapin::ConnectionProperties;
 use lapin::options::{BasicConsumeOptions, BasicPublishOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, ConnectionProperties};
 use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan, Transport};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
@@ -119,52 +119,36 @@ where
         .map_err(|_| "no first delivery in time")?
 }
 
-async fn amqp091_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError> {
-    let config = AmqpConfig::new(&env.amqp091_url);
-    let setup = AmqpTransport::connect(config.clone()).await?;
+/// On RabbitMQ, over AMQP 0-9-1 or (`amqp10`) AMQP 1.0. RabbitMQ 3.x declares queues with
+/// arguments only over AMQP 0-9-1, so the topology is declared over it for both.
+async fn rabbitmq_round(env: &BrokerEnv, name: &str, amqp10: bool) -> Result<Figures, BoxError> {
+    let setup = AmqpTransport::connect(AmqpConfig::new(&env.amqp091_url)).await?;
     let plan = TopologyPlan::new(name, &policy())?;
     setup.provision(&plan).await?;
-    let channel = setup.connection().create_channel().await?;
-    channel.confirm_select(Default::default()).await?;
+    let channel = confirm_channel(&setup.connection()).await?;
     let publish_one = || async {
-        let properties = BasicProperties::default().with_delivery_mode(2);
+        let options = BasicPublishOptions::default();
         channel
-            .basic_publish(
-                "".into(),
-                name.into(),
-                BasicPublishOptions::default(),
-                b"m",
-                properties,
-            )
+            .basic_publish("".into(), name.into(), options, b"m", persistent())
             .await?
             .await?;
         Ok::<(), BoxError>(())
     };
     let result = async {
         publish_one().await?;
-        let start = Instant::now();
-        let conn =
-            lapin::Connection::connect(&env.amqp091_url, ConnectionProperties::default()).await?;
-        let ch = conn.create_channel().await?;
-        ch.basic_qos(100, BasicQosOptions::default()).await?;
-        let mut consumer = ch
-            .basic_consume(
-                name.into(),
-                "plain".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let delivery = consumer.next().await.ok_or("no delivery")??;
-        let plain = start.elapsed();
-        delivery.ack(Default::default()).await?;
-        conn.close(200, "done".into()).await?;
+        let plain = if amqp10 {
+            plain_amqp10(&env.amqp10_url, name).await?
+        } else {
+            plain_amqp091(&env.amqp091_url, name).await?
+        };
         publish_one().await?;
-        let (total, from_run) = ours(
-            async { Ok(AmqpTransport::connect(config.clone()).await?) },
-            name,
-        )
-        .await?;
+        let (total, from_run) = if amqp10 {
+            let config = Amqp10Config::new(&env.amqp10_url);
+            ours(async { Ok(Amqp10Transport::connect(config).await?) }, name).await?
+        } else {
+            let config = AmqpConfig::new(&env.amqp091_url);
+            ours(async { Ok(AmqpTransport::connect(config).await?) }, name).await?
+        };
         Ok::<_, BoxError>(Figures {
             ours_total: total,
             ours_from_run: from_run,
@@ -176,8 +160,27 @@ async fn amqp091_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError>
     result
 }
 
-/// A plain fe2o3 connection as a careful user opens it: with `TCP_NODELAY`.
-async fn amqp10_connection(url: &str) -> Result<ConnectionHandle<()>, BoxError> {
+/// Plain lapin: connection, channel, `basic.qos`, `basic.consume`, the first delivery.
+async fn plain_amqp091(url: &str, queue: &str) -> Result<Duration, BoxError> {
+    let start = Instant::now();
+    let conn = lapin::Connection::connect(url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(100, BasicQosOptions::default()).await?;
+    let options = BasicConsumeOptions::default();
+    let mut consumer = ch
+        .basic_consume(queue.into(), "plain".into(), options, FieldTable::default())
+        .await?;
+    let delivery = consumer.next().await.ok_or("no delivery")??;
+    let first = start.elapsed();
+    delivery.ack(Default::default()).await?;
+    conn.close(200, "done".into()).await?;
+    Ok(first)
+}
+
+/// Plain fe2o3-amqp as a careful user opens it (with `TCP_NODELAY`): connection, session,
+/// a receiver with credit on `/amq/queue/<queue>`, the first delivery.
+async fn plain_amqp10(url: &str, queue: &str) -> Result<Duration, BoxError> {
+    let start = Instant::now();
     let url = url::Url::parse(url)?;
     let host = url.host_str().ok_or("AMQP10_URL has no host")?.to_owned();
     let tcp = tokio::net::TcpStream::connect((host.as_str(), url.port().unwrap_or(5672))).await?;
@@ -186,61 +189,22 @@ async fn amqp10_connection(url: &str) -> Result<ConnectionHandle<()>, BoxError> 
         username: url.username().to_owned(),
         password: url.password().unwrap_or_default().to_owned(),
     };
-    Ok(Connection::builder()
+    let mut connection = Connection::builder()
         .container_id(format!("first-delivery-{}", std::process::id()))
         .hostname(host.as_str())
         .sasl_profile(sasl)
         .open_with_stream(tcp)
-        .await?)
-}
-
-async fn amqp10_round(env: &BrokerEnv, name: &str) -> Result<Figures, BoxError> {
-    // RabbitMQ 3.x declares queues with arguments only over AMQP 0-9-1.
-    let setup = AmqpTransport::connect(AmqpConfig::new(&env.amqp091_url)).await?;
-    let plan = TopologyPlan::new(name, &policy())?;
-    setup.provision(&plan).await?;
-    let channel = setup.connection().create_channel().await?;
-    channel.confirm_select(Default::default()).await?;
-    let publish_one = || async {
-        let properties = BasicProperties::default().with_delivery_mode(2);
-        channel
-            .basic_publish(
-                "".into(),
-                name.into(),
-                BasicPublishOptions::default(),
-                b"m",
-                properties,
-            )
-            .await?
-            .await?;
-        Ok::<(), BoxError>(())
-    };
-    let result = async {
-        publish_one().await?;
-        let start = Instant::now();
-        let mut connection = amqp10_connection(&env.amqp10_url).await?;
-        let mut session = Session::begin(&mut connection).await?;
-        let mut receiver =
-            Receiver::attach(&mut session, "plain", format!("/amq/queue/{name}")).await?;
-        let delivery = receiver.recv::<Body<Value>>().await?;
-        let plain = start.elapsed();
-        receiver.accept(&delivery).await?;
-        let _ = receiver.detach().await;
-        let _ = session.end().await;
-        let _ = connection.close().await;
-        publish_one().await?;
-        let config = Amqp10Config::new(&env.amqp10_url);
-        let (total, from_run) =
-            ours(async { Ok(Amqp10Transport::connect(config).await?) }, name).await?;
-        Ok::<_, BoxError>(Figures {
-            ours_total: total,
-            ours_from_run: from_run,
-            plain: Some(plain),
-        })
-    }
-    .await;
-    setup.teardown(&plan).await?;
-    result
+        .await?;
+    let mut session = Session::begin(&mut connection).await?;
+    let mut receiver =
+        Receiver::attach(&mut session, "plain", format!("/amq/queue/{queue}")).await?;
+    let delivery = receiver.recv::<Body<Value>>().await?;
+    let first = start.elapsed();
+    receiver.accept(&delivery).await?;
+    let _ = receiver.detach().await;
+    let _ = session.end().await;
+    let _ = connection.close().await;
+    Ok(first)
 }
 
 /// On NATS each measurement has a work queue of its own: the plain client's pull request
@@ -345,8 +309,8 @@ fn main() -> Result<(), BoxError> {
             let name = format!("first-{pid}-{round}-{transport}");
             let figures = match transport {
                 "memory" => memory_round(&name),
-                "amqp091" => runtime.block_on(amqp091_round(&env, &name)),
-                "amqp10" => runtime.block_on(amqp10_round(&env, &name)),
+                "amqp091" => runtime.block_on(rabbitmq_round(&env, &name, false)),
+                "amqp10" => runtime.block_on(rabbitmq_round(&env, &name, true)),
                 _ => runtime.block_on(nats_round(&nats_url, &name)),
             };
             match figures {
