@@ -290,7 +290,7 @@ fn main() -> Result<(), BoxError> {
         return Err("ROUNDS must be at least 1".into());
     }
     let env = BrokerEnv::from_env();
-    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let nats_url = transport_nats::testing::nats_url();
     let transports = ["memory", "amqp091", "amqp10", "nats"];
     let mut results: Vec<(&str, Vec<Figures>)> = transports.iter().map(|t| (*t, vec![])).collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
