@@ -10,7 +10,9 @@
 #   tests/nats-cluster.sh kill NODE   SIGKILL one node
 #   tests/nats-cluster.sh start NODE  start a stopped or killed node again on its own store; wait
 #                                     until it listens and, when another node runs, until its
-#                                     JetStream is current with the meta leader again
+#                                     JetStream is current with the meta leader again (whether
+#                                     it has caught up on each stream and consumer is for the
+#                                     caller to check: see META_ONLY)
 #   tests/nats-cluster.sh status      which nodes run, their ports and the meta leader
 #   tests/nats-cluster.sh urls        the client URLs, comma-separated, for NATS_CLUSTER_URLS
 #
@@ -18,6 +20,7 @@
 # 424N, for cluster routes on 624N and for HTTP monitoring (the readiness checks) on 824N. Its
 # config, pid file, log and JetStream store live in $NATS_CLUSTER_DIR/nN (default
 # /tmp/retry-nats-cluster); `up` after everything went down starts all three on their stores.
+# NATS_CLUSTER_DEBUG=true writes the servers' debug logs (Raft included) there too.
 # The machine's own server (127.0.0.1:4222, /var/lib/nats-server) is never touched: every
 # process here is found through its pid file and its own config file.
 set -euo pipefail
@@ -26,6 +29,14 @@ DIR="${NATS_CLUSTER_DIR:-/tmp/retry-nats-cluster}"
 NODES=(n1 n2 n3)
 NATS_SERVER="${NATS_SERVER:-$(command -v nats-server || echo /usr/sbin/nats-server)}"
 READY_TIMEOUT=60
+# META_ONLY: why `start` waits for the meta group only, not for the whole /healthz. On
+# nats-server 2.9.10 (Debian's) the first leader of a consumer's Raft group installs a
+# snapshot at once, before the group holds any entry. Killed before the group has another
+# entry, that node comes back at term 1, index 0, and the new leader's catch-up never
+# applies (the node truncates the first entry it is sent and cancels the catch-up, every
+# time): /healthz names that consumer as not current for as long as the consumer's state
+# does not change (more than eight minutes here), and a graceful restart of the node did
+# not always help. The two other replicas carry on meanwhile.
 
 die() { echo "nats-cluster.sh: $*" >&2; exit 1; }
 
@@ -61,6 +72,7 @@ prepare() {
     joined="$(IFS=,; echo "${routes[*]}")"
     cat >"$(conf "$node")" <<EOF
 server_name: $node
+debug: ${NATS_CLUSTER_DEBUG:-false}
 listen: 127.0.0.1:$(client_port "$node")
 http: 127.0.0.1:$(http_port "$node")
 pid_file: "$DIR/$node/pid"
@@ -175,14 +187,22 @@ wait_js_ready() {
     done
 }
 
-# After `start`: the node is current with the meta leader again (only possible, and only
-# waited for, when another node runs).
+# Whether a node's JetStream is current with the meta leader (/healthz without the streams
+# and consumers it holds, see META_ONLY).
+meta_current() {
+    curl -fsS --max-time 2 -o /dev/null \
+        "http://127.0.0.1:$(http_port "$1")/healthz?js-server-only=true" 2>/dev/null &&
+        [ -n "$(leader_of "$1")" ]
+}
+
+# After `start`: the node's JetStream is current with the meta leader again (only possible,
+# and only waited for, when another node runs).
 wait_node_current() {
     local node="$1" other
     for other in "${NODES[@]}"; do
         if [ "$other" != "$node" ] && running "$other"; then
             local deadline=$((SECONDS + READY_TIMEOUT))
-            until healthy "$node" && [ -n "$(leader_of "$node")" ]; do
+            until meta_current "$node"; do
                 [ "$SECONDS" -lt "$deadline" ] ||
                     die "$node listens, but its JetStream is not current with a meta leader after ${READY_TIMEOUT} s; see $DIR/$node/log"
                 sleep 0.5
