@@ -149,9 +149,10 @@ leader_of() {
 }
 
 # Whether a node's /healthz answers 200: its JetStream is current with the meta leader and
-# with every stream and consumer it holds.
+# with every stream and consumer it holds (with a second argument of `?js-server-only=true`,
+# with the meta leader only).
 healthy() {
-    curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$(http_port "$1")/healthz" 2>/dev/null
+    curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$(http_port "$1")/healthz${2:-}" 2>/dev/null
 }
 
 # JetStream is ready when every node is healthy and names the same leader, which is one of
@@ -187,12 +188,10 @@ wait_js_ready() {
     done
 }
 
-# Whether a node's JetStream is current with the meta leader (/healthz without the streams
-# and consumers it holds, see META_ONLY).
+# Whether a node's JetStream is current with the meta leader, whatever the streams and
+# consumers it holds (see META_ONLY).
 meta_current() {
-    curl -fsS --max-time 2 -o /dev/null \
-        "http://127.0.0.1:$(http_port "$1")/healthz?js-server-only=true" 2>/dev/null &&
-        [ -n "$(leader_of "$1")" ]
+    healthy "$1" '?js-server-only=true' && [ -n "$(leader_of "$1")" ]
 }
 
 # After `start`: the node's JetStream is current with the meta leader again (only possible,
