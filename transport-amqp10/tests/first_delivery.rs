@@ -23,14 +23,12 @@ fn plan(queue: &str) -> (RetryPolicy, TopologyPlan) {
     (policy, plan)
 }
 
-#[tokio::test]
-async fn verifying_takes_nothing_from_the_queues_it_prepares() {
-    let Some(b) = broker().await else { return };
-    let q = unique("ahead");
-    let (_, plan) = plan(&q);
-    let _cleanup = b.declare(&plan, &[], vec![]).await;
-    for body in [b"one".as_slice(), b"two", b"three"] {
-        b.publish(&q, body, BasicProperties::default()).await;
+/// Publishes `work` to the plan's work queue and one message, `suspect`, to its isolation
+/// queue.
+async fn seed(b: &common::Broker, plan: &TopologyPlan, work: &[&[u8]]) {
+    for body in work {
+        b.publish(plan.work_queue(), body, BasicProperties::default())
+            .await;
     }
     b.publish(
         plan.isolation_queue(),
@@ -38,6 +36,15 @@ async fn verifying_takes_nothing_from_the_queues_it_prepares() {
         BasicProperties::default(),
     )
     .await;
+}
+
+#[tokio::test]
+async fn verifying_takes_nothing_from_the_queues_it_prepares() {
+    let Some(b) = broker().await else { return };
+    let q = unique("ahead");
+    let (_, plan) = plan(&q);
+    let _cleanup = b.declare(&plan, &[], vec![]).await;
+    seed(&b, &plan, &[b"one", b"two", b"three"]).await;
 
     let t = transport().await;
     Transport::verify(&t, &plan).await.expect("verified");
@@ -109,15 +116,7 @@ async fn a_consumer_runs_the_suspects_left_before_its_first_work_delivery() {
     let q = unique("ahead-order");
     let (policy, plan) = plan(&q);
     let _cleanup = b.declare(&plan, &[], vec![]).await;
-    for body in [b"work-1".as_slice(), b"work-2"] {
-        b.publish(&q, body, BasicProperties::default()).await;
-    }
-    b.publish(
-        plan.isolation_queue(),
-        b"suspect",
-        BasicProperties::default(),
-    )
-    .await;
+    seed(&b, &plan, &[b"work-1", b"work-2"]).await;
 
     let t = Arc::new(transport().await);
     let runs = Arc::new(Mutex::new(Vec::new()));

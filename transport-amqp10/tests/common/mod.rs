@@ -14,7 +14,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 use retry_core::{
     Action, Delivery, Engine, Lane, Message, Outcome, Subscription, Terminal, TopologyPlan,
-    Transport,
+    Transport, TransportError,
 };
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 use transport_amqp091::testing::redeclare;
@@ -179,6 +179,23 @@ impl Broker {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Deletes `queue` over AMQP 0-9-1 under `sub`, which takes its link away, and waits
+    /// until `sub` reports the loss as a connection error.
+    pub async fn take_link_away<S: Subscription>(&self, queue: &str, sub: &S) {
+        self.channel
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await
+            .expect("delete");
+        let lost = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+            .await
+            .expect("reported in time");
+        assert!(
+            matches!(lost, Err(TransportError::Connection { .. })),
+            "{:?}",
+            lost.map(|d| d.is_some())
+        );
     }
 
     /// Takes one message from `queue` over AMQP 0-9-1: body and redelivered flag.
