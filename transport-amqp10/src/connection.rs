@@ -17,7 +17,7 @@ use tracing::warn;
 
 use crate::config::{Amqp10Config, Endpoint, Nodes};
 use crate::external;
-use crate::tap::Tap;
+use crate::tap::{self, Tap};
 use crate::tls;
 
 static LINK_NAMES: AtomicU64 = AtomicU64::new(0);
@@ -102,7 +102,9 @@ async fn open_inner(
         .container_id(container_id)
         .scheme("amqp")
         .hostname(endpoint.open_hostname.as_str())
-        .sasl_hostname(endpoint.host.as_str());
+        .sasl_hostname(endpoint.host.as_str())
+        // The tap bounds what it buffers by the same figure.
+        .max_frame_size(tap::MAX_FRAME_SIZE);
     // With EXTERNAL the SASL layer is done before fe2o3 gets the stream (see `external`).
     if !external {
         builder = builder.sasl_profile(match &endpoint.credentials {

@@ -19,8 +19,9 @@
 //! * **Transfers are counted** ([`Tap::transfers`]): fe2o3 drops a transfer that arrives
 //!   once it has sent a detach, unread; the count tells that one was lost that way.
 //!
-//! Anything that is not a well-formed frame is passed on untouched from there on: fe2o3
-//! reports it.
+//! A frame that is not well formed (shorter than its own header, a data offset past its
+//! end) or larger than the connection allows fails the stream, as it would fail fe2o3:
+//! nothing after it could be checked, and none of it is buffered.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -40,8 +41,10 @@ const REFUSED_PAYLOAD: &[u8] = &[0xff];
 /// How many refusals wait for their link at most; older ones are dropped first.
 const REFUSALS_KEPT: usize = 16;
 
-/// Frames larger than this are not taken for frames: the stream is passed on untouched.
-const LARGEST_FRAME: usize = 1 << 30;
+/// The largest frame a connection accepts: what it tells the broker in its `open`
+/// (`max-frame-size`; fe2o3's default). The broker never sends a larger one, so a frame
+/// that says it is larger fails the stream without being buffered, as fe2o3 would fail it.
+pub(crate) const MAX_FRAME_SIZE: u32 = 256 * 1024;
 
 const DESCRIBED: u8 = 0x00;
 const FLOW: u64 = 0x13;
@@ -186,7 +189,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Tapped<S> {
                         this.frames.finish();
                     } else {
                         this.shared.received.fetch_add(n as u64, Ordering::AcqRel);
-                        this.frames.feed(&this.scratch[..n], &this.shared);
+                        if let Err(e) = this.frames.feed(&this.scratch[..n], &this.shared) {
+                            return Poll::Ready(Err(e));
+                        }
                     }
                 }
             }
@@ -222,8 +227,6 @@ struct Frames {
     read: usize,
     /// Per session channel: frames held back behind a message not yet complete.
     held: HashMap<u16, Held>,
-    /// The stream stopped making sense as frames: everything passes untouched.
-    passthrough: bool,
 }
 
 #[derive(Default)]
@@ -296,18 +299,14 @@ impl Frames {
         self.output.append(&mut self.input);
     }
 
-    fn feed(&mut self, bytes: &[u8], shared: &Shared) {
+    fn feed(&mut self, bytes: &[u8], shared: &Shared) -> io::Result<()> {
         // Taken out for the loop, so that frames are read from it in place.
         let mut input = std::mem::take(&mut self.input);
         input.extend_from_slice(bytes);
         let mut at = 0;
+        let mut result = Ok(());
         loop {
             let rest = &input[at..];
-            if self.passthrough {
-                self.output.extend_from_slice(rest);
-                at = input.len();
-                break;
-            }
             if rest.len() < 8 {
                 break;
             }
@@ -318,9 +317,15 @@ impl Frames {
                 continue;
             }
             let size = u32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-            if !(8..=LARGEST_FRAME).contains(&size) {
-                self.passthrough = true;
-                continue;
+            let doff = usize::from(rest[4]) * 4;
+            if size > MAX_FRAME_SIZE as usize || size < 8 || !(8..=size).contains(&doff) {
+                result = Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "the broker sent a frame of {size} bytes with its body at {doff}: not an AMQP frame this connection takes (at most {MAX_FRAME_SIZE} bytes)"
+                    ),
+                ));
+                break;
             }
             if rest.len() < size {
                 break;
@@ -330,17 +335,13 @@ impl Frames {
         }
         input.drain(..at);
         self.input = input;
+        result
     }
 
     fn frame(&mut self, frame: &[u8], shared: &Shared) {
         let body_at = usize::from(frame[4]) * 4;
         let amqp = frame[5] == 0;
         let channel = u16::from_be_bytes([frame[6], frame[7]]);
-        if body_at < 8 || body_at > frame.len() {
-            self.passthrough = true;
-            self.output.extend_from_slice(frame);
-            return;
-        }
         if !amqp || body_at == frame.len() {
             // SASL, or a heartbeat: nothing a message depends on.
             self.output.extend_from_slice(frame);
@@ -662,14 +663,22 @@ impl Fields<'_> {
         Some(field)
     }
 
-    /// A whole value (a descriptor).
+    /// A whole value (a descriptor), however many descriptors wrap it: read in a loop, not
+    /// by recursion, since each `0x00` of a hostile frame would cost a stack frame.
     fn skip_value(&mut self) -> Option<()> {
-        let mut code = self.byte()?;
-        while code == DESCRIBED {
-            self.skip_value()?;
-            code = self.byte()?;
+        // A descriptor byte stands for two values where there was one: its descriptor and
+        // the value it describes.
+        let mut owed = 1usize;
+        while owed > 0 {
+            match self.byte()? {
+                DESCRIBED => owed += 1,
+                code => {
+                    self.skip_data(code)?;
+                    owed -= 1;
+                }
+            }
         }
-        self.skip_data(code)
+        Some(())
     }
 
     fn skip_data(&mut self, code: u8) -> Option<()> {
@@ -768,7 +777,7 @@ mod tests {
         let s = shared();
         let mut f = Frames::default();
         for piece in frames.chunks(chunk) {
-            f.feed(piece, &s);
+            f.feed(piece, &s).expect("well-formed frames");
         }
         f.finish();
         (f.output, s)
@@ -844,17 +853,63 @@ mod tests {
     }
 
     #[test]
-    fn what_is_not_a_frame_is_passed_on_untouched() {
-        let mut stream = vec![0, 0, 0, 3, 1, 2, 3, 4, 5];
-        stream.extend(frame(0, &flow(1, 3), &[]));
-        stream.extend(frame(
-            0,
-            &transfer(1, Some(0), false),
-            &message(&nested(80)),
-        ));
-        let (out, s) = run(&stream, 4);
-        assert_eq!(out, stream);
-        assert_eq!(s.flows.borrow().seq, 0, "nothing read past the bad frame");
+    fn what_is_not_a_frame_fails_the_stream_and_nothing_after_it_passes() {
+        let s = shared();
+        for bad in [
+            vec![0, 0, 0, 3, 2, 0, 0, 0],  // shorter than a frame header
+            vec![0, 0, 0, 12, 1, 0, 0, 0], // its body before the end of its header
+            vec![0, 0, 0, 12, 9, 0, 0, 0], // its body past its end
+        ] {
+            let mut f = Frames::default();
+            let mut stream = frame(0, &flow(1, 3), &[]);
+            stream.extend(&bad);
+            stream.extend(frame(
+                0,
+                &transfer(1, Some(0), false),
+                &message(&nested(80)),
+            ));
+            let err = f.feed(&stream, &s).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+            assert_eq!(
+                f.output,
+                frame(0, &flow(1, 3), &[]),
+                "only what came before it"
+            );
+        }
+    }
+
+    #[test]
+    fn a_frame_over_the_connection_s_limit_fails_the_stream_unbuffered() {
+        let s = shared();
+        let mut f = Frames::default();
+        let mut head = (MAX_FRAME_SIZE + 1).to_be_bytes().to_vec();
+        head.extend_from_slice(&[2, 0, 0, 0]);
+        let err = f.feed(&head, &s).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("{}", MAX_FRAME_SIZE + 1)),
+            "{err}"
+        );
+        assert!(f.input.len() <= 8 && f.output.is_empty());
+    }
+
+    #[test]
+    fn a_performative_of_descriptors_only_is_read_without_recursion() {
+        // 100,000 descriptor bytes where a transfer's first field goes: each one a level of
+        // recursion once. On a thread with a small stack, so that recursion would show.
+        let mut performative = vec![0x00, 0x53, 0x14, 0xd0];
+        let zeros = 100_000usize;
+        performative.extend_from_slice(&u32::try_from(zeros + 5).unwrap().to_be_bytes());
+        performative.extend_from_slice(&1u32.to_be_bytes());
+        performative.extend(std::iter::repeat_n(0x00, zeros));
+        performative.push(0x40);
+        let stream = frame(0, &performative, &message(&[0x40]));
+        let out = std::thread::Builder::new()
+            .stack_size(64 * 1024)
+            .spawn(move || run(&stream, 4096).0)
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        assert!(!out.is_empty());
     }
 
     #[test]
