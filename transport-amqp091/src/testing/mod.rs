@@ -22,6 +22,10 @@
 //! }
 //! ```
 
+mod raw;
+
+pub use raw::{RawProperties, RawPublisher, RawTable};
+
 use std::fmt::Write as _;
 use std::io::Write;
 use std::sync::{Arc, Mutex, PoisonError};
