@@ -11,6 +11,8 @@ use crate::amqp10_sections::{
     APP_PROPERTIES_HEADER, PROPERTIES_HEADER, SectionError, decode_application_properties,
     decode_message_id, encode_application_properties,
 };
+use crate::tap::Refusals;
+use crate::undecodable::{self, Reading};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use retry_core::headers::{BROKER_OWNED, MAX_DEPTH};
@@ -343,31 +345,45 @@ pub(crate) fn lift_amqp10_sections(
 }
 
 /// A lapin delivery from `queue` as the engine reads it, settled through the tag `tag`
-/// makes of its delivery tag and acker.
+/// makes of its delivery tag and acker. A delivery the connection's tap kept from lapin
+/// (named in `refusals`) comes out marked with
+/// [`UNDECODABLE_HEADER`](crate::UNDECODABLE_HEADER); the headers only the transport sets
+/// are removed from every other.
 pub(crate) fn received<T>(
     delivery: lapin::message::Delivery,
     queue: &str,
+    refusals: Option<&Refusals>,
     tag: impl FnOnce(u64, lapin::Acker) -> T,
 ) -> retry_core::Delivery<T> {
-    let table = delivery.properties.headers().as_ref();
-    let mut headers = table.map(headers_from_table).unwrap_or_default();
-    let native = native_of(table);
-    let mut properties = properties_from_amqp(&delivery.properties);
-    lift_amqp10_sections(&mut headers, &mut properties, queue);
-    let parts = retry_core::MessageParts {
-        queue: queue.to_owned(),
-        exchange: delivery.exchange.as_str().to_owned(),
-        routing_key: delivery.routing_key.as_str().to_owned(),
-        properties,
-        body: delivery.data,
-        headers,
-        native,
-    };
     let signals = retry_core::BrokerSignals {
         redelivered: delivery.redelivered,
         delivery_count: None,
     };
-    retry_core::Delivery::new(tag(delivery.delivery_tag, delivery.acker), parts, signals)
+    let delivery_tag = delivery.delivery_tag;
+    let acker = delivery.acker.clone();
+    let parts = match undecodable::reading(&delivery, refusals) {
+        Reading::Undecodable { why, properties } => {
+            undecodable::parts(delivery, queue, why, properties)
+        }
+        Reading::Plain => {
+            let table = delivery.properties.headers().as_ref();
+            let mut headers = table.map(headers_from_table).unwrap_or_default();
+            undecodable::strip(&mut headers);
+            let native = native_of(table);
+            let mut properties = properties_from_amqp(&delivery.properties);
+            lift_amqp10_sections(&mut headers, &mut properties, queue);
+            retry_core::MessageParts {
+                queue: queue.to_owned(),
+                exchange: delivery.exchange.as_str().to_owned(),
+                routing_key: delivery.routing_key.as_str().to_owned(),
+                properties,
+                body: delivery.data,
+                headers,
+                native,
+            }
+        }
+    };
+    retry_core::Delivery::new(tag(delivery_tag, acker), parts, signals)
 }
 
 #[cfg(test)]

@@ -74,7 +74,7 @@ use crate::publisher::PublisherSlot;
 /// assert_eq!(delivery.message.body(), b"hello");
 /// ```
 pub fn delivery(delivery: lapin::message::Delivery, queue: &str) -> Delivery<u64> {
-    received(delivery, queue, |tag, _| tag)
+    received(delivery, queue, None, |tag, _| tag)
 }
 
 /// The properties to publish `original`'s clone with: its properties, the clone's headers

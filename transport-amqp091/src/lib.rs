@@ -63,16 +63,20 @@ mod convert;
 pub mod embed;
 mod error;
 mod handed;
+pub mod inspect;
+mod kit;
 mod link;
 mod nodes;
 mod provision;
 mod publisher;
 mod subscription;
 mod tag;
+mod tap;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tls;
 mod transport;
+mod undecodable;
 mod walk;
 
 pub use config::AmqpConfig;
@@ -83,3 +87,4 @@ pub use retry_core::NodeListError;
 pub use subscription::AmqpSubscription;
 pub use tag::AmqpTag;
 pub use transport::AmqpTransport;
+pub use undecodable::{RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};

@@ -39,7 +39,9 @@ use tracing::{debug, info, warn};
 use crate::config::AmqpConfig;
 use crate::error::{closes_only_a_channel, connection_error};
 use crate::handed::{Handed, refusal};
+use crate::kit::TapKit;
 use crate::nodes::{self, NodeOrder, Nodes};
+use crate::tap::{DEFAULT_FRAME_MAX, Refusals};
 use crate::tls::{self, Tls};
 
 /// How many rounds over the nodes a recovery makes before it gives up, each after a pause
@@ -64,6 +66,8 @@ pub(crate) struct Link {
     generation: watch::Sender<u64>,
     recoveries: AtomicU64,
     closed: AtomicBool,
+    /// What the connections' taps kept from lapin (see the `tap` module).
+    refusals: Arc<Refusals>,
 }
 
 impl Link {
@@ -117,7 +121,8 @@ impl Link {
                 source,
             ));
         }
-        let (connection, handed) = connect(&config, &nodes).await?;
+        let refusals = Arc::new(Refusals::new());
+        let (connection, handed) = connect(&config, &nodes, &refusals).await?;
         nodes.established();
         let link = Arc::new(Link {
             config,
@@ -127,6 +132,7 @@ impl Link {
             generation: watch::Sender::new(0),
             recoveries: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            refusals,
         });
         link.watch_events();
         spawn_watchdog(Arc::downgrade(&link));
@@ -151,6 +157,11 @@ impl Link {
     /// The settings it was opened with.
     pub(crate) fn config(&self) -> &AmqpConfig {
         &self.config
+    }
+
+    /// The messages the connections' taps kept from lapin.
+    pub(crate) fn refusals(&self) -> &Refusals {
+        &self.refusals
     }
 
     /// The node list.
@@ -218,7 +229,7 @@ impl Link {
     /// Opens a new connection and puts it in place of the stalled one, which is given up:
     /// its IO loop ends if it waits on its socket (see the `handed` module).
     async fn rebuild(self: &Arc<Self>) -> Result<(), TransportError> {
-        let (connection, handed) = connect(&self.config, &self.nodes).await?;
+        let (connection, handed) = connect(&self.config, &self.nodes, &self.refusals).await?;
         let (left, reached) = self.nodes.established();
         let old = std::mem::replace(
             &mut *self.current.write().unwrap_or_else(|e| e.into_inner()),
@@ -397,9 +408,14 @@ fn tls_settings(config: &AmqpConfig) -> Result<Option<Tls>, TransportError> {
 /// the node list, with the socket it was handed. Opening it (TCP, TLS and the AMQP
 /// handshake) takes at most the connect timeout; a connection not open by then, or that
 /// failed, is given up, so that its IO loop ends.
+///
+/// lapin reads every stream through a tap (see the `tap` module), which keeps the messages
+/// it cannot parse from it in `refusals`. The connection proposes the URL's `frame_max`, or
+/// [`DEFAULT_FRAME_MAX`], so that the tap knows the largest frame that can come.
 async fn connect(
     config: &AmqpConfig,
     nodes: &Arc<Nodes>,
+    refusals: &Arc<Refusals>,
 ) -> Result<(Connection, Arc<Handed>), TransportError> {
     let (min_delay, max_delay) = config.reconnect_delay();
     let mut properties = ConnectionProperties::default();
@@ -413,11 +429,20 @@ async fn connect(
     if let Some(name) = config.connection_name() {
         properties = properties.with_connection_name(name.into());
     }
-    let runtime = lapin::runtime::default_runtime().map_err(connection_error)?;
+    let sockets = lapin::runtime::default_runtime().map_err(connection_error)?;
     let mut uri = nodes.handshake_uri();
     if config.external_auth() {
         uri.query.auth_mechanism = Some(lapin::uri::SASLMechanism::External);
     }
+    let proposed = match uri.query.frame_max {
+        Some(n) if n > 0 => n,
+        _ => DEFAULT_FRAME_MAX,
+    };
+    uri.query.frame_max = Some(proposed);
+    // lapin raises a proposal below the protocol's minimum to it.
+    let frame_max = proposed.max(lapin::protocol::constants::FRAME_MIN_SIZE);
+    let kit = TapKit::current(frame_max, Arc::clone(refusals));
+    let runtime = async_rs::Runtime::new(kit.clone());
     let streams = Arc::clone(nodes);
     let handed = Handed::new();
     let keeper = Arc::clone(&handed);
@@ -428,7 +453,7 @@ async fn connect(
             if keeper.given_up() {
                 return Ok(refusal(&runtime).await?);
             }
-            let stream = streams.stream(&runtime).await?;
+            let stream = streams.stream(&sockets).await?;
             let socket = match &stream {
                 AsyncTcpStream::Plain(plain) => plain.get_ref().as_fd().try_clone_to_owned(),
                 AsyncTcpStream::Rustls(tls) => {
@@ -437,7 +462,7 @@ async fn connect(
                 _ => Err(std::io::Error::other("a stream of another kind")),
             };
             keeper.keep(socket.ok().map(std::net::TcpStream::from));
-            Ok(stream)
+            Ok(AsyncTcpStream::Plain(kit.tap(stream)))
         },
         properties,
     );

@@ -13,11 +13,13 @@ use retry_core::{Delivery, Subscription, TransportError};
 use tokio::sync::{Mutex, watch};
 use tracing::{info, warn};
 
+use crate::UNDECODABLE_HEADER;
 use crate::acks::Acks;
 use crate::convert::received;
 use crate::error::{connection_error, queue_error, short};
 use crate::link::Link;
 use crate::tag::AmqpTag;
+use crate::undecodable;
 
 /// Opens a channel on `connection` with `prefetch` and consumes `queue` on it, within
 /// `timeout` (channel, `basic.qos` and `basic.consume`).
@@ -104,6 +106,9 @@ pub struct AmqpSubscription {
     cancelled: AtomicBool,
     /// The consumer's stream has ended: after a cancel, or the broker cancelled it.
     ended: AtomicBool,
+    /// Whether the queue dead-letters into a parking queue: a delivery the tap kept from
+    /// lapin is then rejected here, not handed out (see the `undecodable` module).
+    dead_letters_undecodable: bool,
 }
 
 /// What `recv` reads from: the consumer, and the connection replacements it follows.
@@ -123,6 +128,7 @@ impl std::fmt::Debug for AmqpSubscription {
 }
 
 impl AmqpSubscription {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         queue: String,
         prefetch: u16,
@@ -131,6 +137,7 @@ impl AmqpSubscription {
         consumer: Consumer,
         acks: Arc<Acks>,
         link: Arc<Link>,
+        dead_letters_undecodable: bool,
     ) -> Self {
         let mut replacements = link.replacements();
         replacements.mark_unchanged();
@@ -147,6 +154,7 @@ impl AmqpSubscription {
             link,
             cancelled: AtomicBool::new(false),
             ended: AtomicBool::new(false),
+            dead_letters_undecodable,
         }
     }
 
@@ -245,14 +253,22 @@ impl Subscription for AmqpSubscription {
                 }
                 Some(Ok(d)) => d,
             };
-            return Ok(Some(received(
+            let delivery = received(
                 delivery,
                 &self.queue,
+                Some(self.link.refusals()),
                 |delivery_tag, acker| {
                     let epoch = self.acks.received(delivery_tag, acker);
                     AmqpTag::batched(Arc::clone(&self.acks), epoch, delivery_tag)
                 },
-            )));
+            );
+            if self.dead_letters_undecodable
+                && let Some(why) = delivery.message.headers().get(UNDECODABLE_HEADER)
+            {
+                undecodable::reject(&self.queue, &delivery.tag, why).await;
+                continue;
+            }
+            return Ok(Some(delivery));
         }
     }
 

@@ -1,5 +1,6 @@
 //! `AmqpTransport`: retry-core's `Transport` over one lapin connection.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex as StdMutex, Weak};
 use std::time::Duration;
 
@@ -23,7 +24,9 @@ use crate::provision::{self, ProvisionReport};
 use crate::publisher::{Publisher, PublisherSlot};
 use crate::subscription::{self, AmqpSubscription};
 use crate::tag::AmqpTag;
+use crate::undecodable;
 use crate::walk::ChannelWalk;
+use crate::{RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};
 
 /// A RabbitMQ (AMQP 0-9-1) transport: one connection, a publishing channel in confirm mode,
 /// a channel per subscription, one for fetching and one for looking at queues.
@@ -66,6 +69,9 @@ pub struct AmqpTransport {
     /// The batchers of the subscriptions still alive, for `close` and `flush_acks`.
     subscriptions: StdMutex<Vec<Weak<Acks>>>,
     last_report: StdMutex<Option<ProvisionReport>>,
+    /// The work and isolation queues of the plans provisioned or verified: they dead-letter
+    /// into their parking queue, so a delivery the tap kept from lapin is rejected there.
+    dead_lettering: StdMutex<HashSet<String>>,
 }
 
 impl std::fmt::Debug for AmqpTransport {
@@ -108,6 +114,7 @@ impl AmqpTransport {
             inspect_channel: Mutex::new(None),
             subscriptions: StdMutex::new(Vec::new()),
             last_report: StdMutex::new(None),
+            dead_lettering: StdMutex::new(HashSet::new()),
         })
     }
 
@@ -176,7 +183,30 @@ impl AmqpTransport {
     ) -> Result<ProvisionReport, TransportError> {
         let report = provision::provision(&self.link.get(), plan, inspect).await?;
         *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+        self.learn(plan);
         Ok(report)
+    }
+
+    /// Remembers which of `plan`'s queues dead-letter into its parking queue.
+    fn learn(&self, plan: &TopologyPlan) {
+        let mut known = self
+            .dead_lettering
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for queue in [plan.work_queue(), plan.isolation_queue()] {
+            let spec = plan.queues().iter().find(|q| q.name == queue);
+            if spec.is_some_and(|q| q.arguments.dead_letter_exchange.is_some()) {
+                known.insert(queue.to_owned());
+            }
+        }
+    }
+
+    /// Whether `queue` dead-letters into a parking queue, as far as this transport knows.
+    fn dead_letters(&self, queue: &str) -> bool {
+        self.dead_lettering
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(queue)
     }
 
     /// What the latest [`provision`](Transport::provision) or
@@ -351,31 +381,50 @@ impl Transport for AmqpTransport {
             consumer,
             acks,
             Arc::clone(&self.link),
+            self.dead_letters(queue),
         ))
     }
 
     /// `basic.get` on a channel used only for it, within the request timeout (opening the
-    /// channel included).
+    /// channel included). A message that cannot be read as it came is rejected, from a
+    /// queue that dead-letters into its parking queue, and the next one is fetched.
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
         let timeout = self.config.request_timeout();
-        let getting = async {
-            let channel = self.channel_in(&self.get_channel).await?;
-            channel
-                .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
-                .await
-                .map_err(|e| queue_error(queue, e))
-        };
-        let got = tokio::time::timeout(timeout, getting).await.map_err(|_| {
-            TransportError::Timeout {
-                operation: "basic.get",
-                after: timeout,
+        loop {
+            let getting = async {
+                let channel = self.channel_in(&self.get_channel).await?;
+                channel
+                    .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
+                    .await
+                    .map_err(|e| queue_error(queue, e))
+            };
+            let got = tokio::time::timeout(timeout, getting).await.map_err(|_| {
+                TransportError::Timeout {
+                    operation: "basic.get",
+                    after: timeout,
+                }
+            })??;
+            let Some(got) = got else { return Ok(None) };
+            let delivery = received(
+                got.delivery,
+                queue,
+                Some(self.link.refusals()),
+                |delivery_tag, acker| AmqpTag::fetched(acker, delivery_tag, timeout),
+            );
+            match delivery.message.headers().get(UNDECODABLE_HEADER) {
+                Some(why) if self.dead_letters(queue) => {
+                    undecodable::reject(queue, &delivery.tag, why).await;
+                }
+                _ => return Ok(Some(delivery)),
             }
-        })??;
-        Ok(got.map(|got| {
-            received(got.delivery, queue, |delivery_tag, acker| {
-                AmqpTag::fetched(acker, delivery_tag, timeout)
-            })
-        }))
+        }
+    }
+
+    /// Remembers which of `plan`'s queues dead-letter into its parking queue; checks
+    /// nothing on the broker, since an unroutable publish comes back `Returned`.
+    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
+        self.learn(plan);
+        Ok(())
     }
 
     /// Counts `queue`'s ready messages with a passive declare every `poll`, until there is
@@ -417,7 +466,21 @@ impl Transport for AmqpTransport {
     /// [`ReturnMatcher`](retry_core::ReturnMatcher)). A confirm that does not come within
     /// the confirm timeout fails every publish in flight on the channel, which is closed
     /// and replaced by the next publish.
+    ///
+    /// A copy of a message that could not be read as it came (marked
+    /// [`UNDECODABLE_HEADER`](crate::UNDECODABLE_HEADER)) is refused with
+    /// [`TransportError::Unsupported`]: its properties are known only as bytes, which lapin
+    /// cannot write.
     async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
+        if let Some(why) = original.headers().get(UNDECODABLE_HEADER) {
+            return PublishResult::Failed(TransportError::Unsupported {
+                what: "a copy of a message that could not be read as it came".to_owned(),
+                why: format!(
+                    "{}; its properties are known only as bytes ({RAW_PROPERTIES_HEADER}): purge it, or publish a repaired one",
+                    why.as_str().unwrap_or("no reason given")
+                ),
+            });
+        }
         let connection = self.link.get();
         let timeout = self.config.confirm_timeout();
         self.publisher

@@ -91,6 +91,7 @@ impl QueueWalk<AmqpTag> for ChannelWalk {
         Ok(Some(received(
             got.delivery,
             &self.queue,
+            Some(self.link.refusals()),
             |delivery_tag, acker| {
                 AmqpTag::fetched(acker, delivery_tag, self.link.config().request_timeout())
             },

@@ -1,0 +1,618 @@
+//! `Tapped`: the byte stream between a connection's socket (or its TLS session) and lapin,
+//! which checks every frame that carries a message before lapin parses it.
+//!
+//! lapin fails the whole connection on a message it cannot parse, and aborts the process on
+//! one nested too deeply (see the `inspect` module); the broker then hands the same message
+//! to the next consumer, which dies on it too. So each frame coming in is read here first:
+//!
+//! * a content header that lapin would refuse, or that nests deeper than
+//!   [`MAX_NESTING`](crate::inspect::MAX_NESTING), reaches lapin replaced by one it reads:
+//!   the same class and body size, and one header, [`MARK`], which holds a token. Why it
+//!   was refused and the properties as they came wait in the [`Refusals`] under that token
+//!   for the transport, which settles the delivery (see `convert::received`);
+//! * a `basic.deliver`, `basic.get-ok` or `basic.return` whose exchange, routing key or
+//!   other short string is not UTF-8 reaches lapin with those strings made readable, and its
+//!   message's content header is replaced as above, whatever it holds.
+//!
+//! Everything else passes as it came, body frames included. Frames are bounded by the
+//! `frame_max` the connection proposes (lapin never agrees to more): a larger one fails the
+//! stream, as it would fail lapin. A protocol header from the broker (a version it refuses)
+//! passes untouched, and so does everything after it.
+//!
+//! The token is the tap's secret followed by a counter: a publisher that writes [`MARK`]
+//! itself cannot name a refusal, and its header is dropped as any other forged mark.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasher, Hasher};
+use std::io;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+
+use futures::{AsyncRead, AsyncWrite};
+
+use crate::inspect::{self, Refusal};
+
+/// The header a replaced content header carries: a token naming its [`Refused`] entry.
+pub(crate) const MARK: &str = "x-amqp091-tap";
+
+/// `frame_max` when the URL sets none: RabbitMQ's default, proposed to the broker so that
+/// the tap knows the largest frame that can come.
+pub(crate) const DEFAULT_FRAME_MAX: u32 = 128 * 1024;
+
+/// How many refusals wait for the transport at most, and how many of their bytes: a
+/// delivery lapin drops unread (its channel closed) never takes its entry.
+const REFUSALS_KEPT: usize = 256;
+const REFUSED_BYTES_KEPT: usize = 8 << 20;
+
+const FRAME_METHOD: u8 = 1;
+const FRAME_HEADER: u8 = 2;
+const FRAME_END: u8 = 0xCE;
+/// A frame's type, channel and size.
+const FRAME_HEAD: usize = 7;
+/// The `channel` class: a channel opened or closed starts its frames afresh.
+const CHANNEL_CLASS: u16 = 20;
+
+/// A message the tap kept from lapin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Refused {
+    pub(crate) refusal: Refusal,
+    /// The content header's properties (property flags, then the property list) as they
+    /// came.
+    pub(crate) properties: Vec<u8>,
+}
+
+/// What a mark names.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    /// A message the tap refused.
+    Refused(Refused),
+    /// A message the tap refused, whose entry was dropped to bound memory.
+    Forgotten,
+    /// Not a mark of this tap: the header came from a publisher.
+    Forged,
+}
+
+/// The refused messages of one transport's connections, by token.
+#[derive(Debug)]
+pub(crate) struct Refusals {
+    secret: u64,
+    state: Mutex<Kept>,
+}
+
+#[derive(Debug, Default)]
+struct Kept {
+    next: u64,
+    entries: BTreeMap<u64, Refused>,
+    bytes: usize,
+}
+
+impl Refusals {
+    pub(crate) fn new() -> Self {
+        // The process's random hasher keys: no random-number crate for one secret.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(0x5eed);
+        Refusals {
+            secret: h.finish(),
+            state: Mutex::new(Kept::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `refused` and returns the token that names it.
+    fn keep(&self, refused: Refused) -> String {
+        let mut kept = self.lock();
+        let id = kept.next;
+        kept.next += 1;
+        kept.bytes += refused.properties.len();
+        kept.entries.insert(id, refused);
+        while kept.entries.len() > REFUSALS_KEPT || kept.bytes > REFUSED_BYTES_KEPT {
+            let Some((_, oldest)) = kept.entries.pop_first() else {
+                break;
+            };
+            kept.bytes -= oldest.properties.len();
+        }
+        format!("{:016x}{id:016x}", self.secret)
+    }
+
+    /// Takes the refusal `token` names.
+    pub(crate) fn take(&self, token: &[u8]) -> Lookup {
+        let parsed = std::str::from_utf8(token)
+            .ok()
+            .filter(|t| t.len() == 32)
+            .and_then(|t| {
+                Some((
+                    u64::from_str_radix(&t[..16], 16).ok()?,
+                    u64::from_str_radix(&t[16..], 16).ok()?,
+                ))
+            });
+        match parsed {
+            Some((secret, id)) if secret == self.secret => {
+                let mut kept = self.lock();
+                match kept.entries.remove(&id) {
+                    Some(refused) => {
+                        kept.bytes -= refused.properties.len();
+                        Lookup::Refused(refused)
+                    }
+                    None => Lookup::Forgotten,
+                }
+            }
+            _ => Lookup::Forged,
+        }
+    }
+}
+
+/// The incoming side, without IO: bytes in, checked frames out.
+#[derive(Debug)]
+pub(crate) struct Frames {
+    /// Bytes not yet framed.
+    input: Vec<u8>,
+    /// Bytes for lapin, from `read`.
+    output: Vec<u8>,
+    read: usize,
+    /// The largest frame that may come.
+    frame_max: usize,
+    /// Per channel: a refusal of the method frame whose content header comes next.
+    announced: HashMap<u16, Refusal>,
+    /// The broker refused the protocol version: everything passes untouched.
+    passthrough: bool,
+}
+
+impl Frames {
+    pub(crate) fn new(frame_max: u32) -> Self {
+        Frames {
+            input: Vec::new(),
+            output: Vec::new(),
+            read: 0,
+            frame_max: frame_max as usize,
+            announced: HashMap::new(),
+            passthrough: false,
+        }
+    }
+
+    pub(crate) fn has_output(&self) -> bool {
+        self.read < self.output.len()
+    }
+
+    /// Copies what is ready into `buf`; returns how much.
+    pub(crate) fn read_into(&mut self, buf: &mut [u8]) -> usize {
+        let n = buf.len().min(self.output.len() - self.read);
+        buf[..n].copy_from_slice(&self.output[self.read..self.read + n]);
+        self.read += n;
+        if self.read == self.output.len() {
+            self.output.clear();
+            self.read = 0;
+        }
+        n
+    }
+
+    /// The stream ended: an unfinished frame goes out as it came, for lapin to report.
+    pub(crate) fn finish(&mut self) {
+        self.output.append(&mut self.input);
+    }
+
+    /// Takes `bytes` from the socket. A frame larger than `frame_max` is an error: lapin
+    /// would refuse it too, and it is not buffered.
+    pub(crate) fn feed(&mut self, bytes: &[u8], refusals: &Refusals) -> io::Result<()> {
+        if self.passthrough {
+            self.output.extend_from_slice(bytes);
+            return Ok(());
+        }
+        // Complete frames are read in place from `bytes` when nothing is pending, which is
+        // nearly always; only a frame cut by the read is copied into `input`.
+        let pending = std::mem::take(&mut self.input);
+        let mut joined;
+        let data: &[u8] = if pending.is_empty() {
+            bytes
+        } else {
+            joined = pending;
+            joined.extend_from_slice(bytes);
+            &joined
+        };
+        let mut at = 0;
+        while at < data.len() {
+            let rest = &data[at..];
+            if rest.starts_with(b"AMQP") || (rest.len() < 4 && b"AMQP".starts_with(rest)) {
+                if rest.len() < 4 {
+                    break;
+                }
+                self.passthrough = true;
+                self.output.extend_from_slice(rest);
+                at = data.len();
+                break;
+            }
+            if rest.len() < FRAME_HEAD {
+                break;
+            }
+            let size = u32::from_be_bytes([rest[3], rest[4], rest[5], rest[6]]) as usize;
+            if size > self.frame_max {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "the broker sent a frame of {size} bytes, over the {} this connection allows",
+                        self.frame_max
+                    ),
+                ));
+            }
+            let whole = FRAME_HEAD + size + 1;
+            if rest.len() < whole {
+                break;
+            }
+            self.frame(&rest[..whole], refusals);
+            at += whole;
+        }
+        self.input = data[at..].to_vec();
+        Ok(())
+    }
+
+    fn frame(&mut self, frame: &[u8], refusals: &Refusals) {
+        let kind = frame[0];
+        let channel = u16::from_be_bytes([frame[1], frame[2]]);
+        let payload = &frame[FRAME_HEAD..frame.len() - 1];
+        if frame[frame.len() - 1] != FRAME_END {
+            // Not a frame lapin reads: it reports it.
+            self.output.extend_from_slice(frame);
+            return;
+        }
+        match kind {
+            FRAME_METHOD => {
+                if payload.get(..2) == Some(&CHANNEL_CLASS.to_be_bytes()) {
+                    self.announced.remove(&channel);
+                }
+                if !inspect::announces_content(payload) {
+                    self.output.extend_from_slice(frame);
+                    return;
+                }
+                match inspect::check_delivery_method(payload) {
+                    None => {
+                        self.announced.remove(&channel);
+                        self.output.extend_from_slice(frame);
+                    }
+                    Some(rewritten) => {
+                        self.announced.insert(channel, rewritten.refusal);
+                        self.put_frame(FRAME_METHOD, channel, &rewritten.payload);
+                    }
+                }
+            }
+            FRAME_HEADER => {
+                let announced = self.announced.remove(&channel);
+                let verdict = inspect::check_content_header(payload);
+                let refusal = match (announced, verdict) {
+                    (Some(refusal), _) | (None, Err(refusal)) => refusal,
+                    (None, Ok(())) => {
+                        self.output.extend_from_slice(frame);
+                        return;
+                    }
+                };
+                if payload.len() < inspect::FIXED {
+                    // No body size to keep: nothing lapin could read in its place.
+                    self.output.extend_from_slice(frame);
+                    return;
+                }
+                let token = refusals.keep(Refused {
+                    refusal,
+                    properties: payload[inspect::FIXED - 2..].to_vec(),
+                });
+                let replaced = marked_header(&payload[..inspect::FIXED - 2], &token);
+                self.put_frame(FRAME_HEADER, channel, &replaced);
+            }
+            _ => self.output.extend_from_slice(frame),
+        }
+    }
+
+    fn put_frame(&mut self, kind: u8, channel: u16, payload: &[u8]) {
+        self.output.push(kind);
+        self.output.extend_from_slice(&channel.to_be_bytes());
+        self.output.extend_from_slice(
+            &u32::try_from(payload.len())
+                .unwrap_or(u32::MAX)
+                .to_be_bytes(),
+        );
+        self.output.extend_from_slice(payload);
+        self.output.push(FRAME_END);
+    }
+}
+
+/// A content header payload with `head` (class, weight, body size) and, as its only
+/// property, a header table holding [`MARK`] = `token`.
+fn marked_header(head: &[u8], token: &str) -> Vec<u8> {
+    let mut table = Vec::with_capacity(MARK.len() + token.len() + 6);
+    table.push(MARK.len() as u8);
+    table.extend_from_slice(MARK.as_bytes());
+    table.push(b'S');
+    table.extend_from_slice(&(token.len() as u32).to_be_bytes());
+    table.extend_from_slice(token.as_bytes());
+    let mut out = Vec::with_capacity(head.len() + 6 + table.len());
+    out.extend_from_slice(head);
+    out.extend_from_slice(&(1u16 << 13).to_be_bytes());
+    out.extend_from_slice(&(table.len() as u32).to_be_bytes());
+    out.extend_from_slice(&table);
+    out
+}
+
+/// A stream whose incoming bytes go through [`Frames`]; see the [module](self) docs.
+pub(crate) struct Tapped<S> {
+    inner: S,
+    frames: Frames,
+    refusals: std::sync::Arc<Refusals>,
+    scratch: Box<[u8]>,
+    eof: bool,
+}
+
+impl<S> std::fmt::Debug for Tapped<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tapped").finish_non_exhaustive()
+    }
+}
+
+impl<S> Tapped<S> {
+    pub(crate) fn new(inner: S, frame_max: u32, refusals: std::sync::Arc<Refusals>) -> Self {
+        Tapped {
+            inner,
+            frames: Frames::new(frame_max),
+            refusals,
+            scratch: vec![0; 64 * 1024].into_boxed_slice(),
+            eof: false,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tapped<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        loop {
+            if this.frames.has_output() {
+                return Poll::Ready(Ok(this.frames.read_into(buf)));
+            }
+            if this.eof || buf.is_empty() {
+                return Poll::Ready(Ok(0));
+            }
+            match Pin::new(&mut this.inner).poll_read(cx, &mut this.scratch) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(0)) => {
+                    this.eof = true;
+                    this.frames.finish();
+                }
+                Poll::Ready(Ok(n)) => {
+                    if let Err(e) = this.frames.feed(&this.scratch[..n], &this.refusals) {
+                        return Poll::Ready(Err(e));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tapped<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_close(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{RawProperties, RawTable};
+    use lapin::protocol::basic::parse_properties;
+    use lapin::types::AMQPValue;
+
+    fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
+        let mut out = vec![kind];
+        out.extend_from_slice(&channel.to_be_bytes());
+        out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        out.extend_from_slice(payload);
+        out.push(FRAME_END);
+        out
+    }
+
+    fn deliver(channel: u16, routing_key: &[u8]) -> Vec<u8> {
+        let mut p = vec![0, 60, 0, 60, 4];
+        p.extend_from_slice(b"ctag");
+        p.extend_from_slice(&9u64.to_be_bytes());
+        p.push(0);
+        p.push(0);
+        p.push(routing_key.len() as u8);
+        p.extend_from_slice(routing_key);
+        frame(FRAME_METHOD, channel, &p)
+    }
+
+    fn header(channel: u16, properties: &RawProperties) -> Vec<u8> {
+        let mut p = vec![0, 60, 0, 0];
+        p.extend_from_slice(&3u64.to_be_bytes());
+        p.extend_from_slice(&properties.encode());
+        frame(FRAME_HEADER, channel, &p)
+    }
+
+    fn body(channel: u16) -> Vec<u8> {
+        frame(3, channel, b"abc")
+    }
+
+    /// Feeds `bytes` in pieces of `step` and returns what lapin reads.
+    fn through(frames: &mut Frames, refusals: &Refusals, bytes: &[u8], step: usize) -> Vec<u8> {
+        for piece in bytes.chunks(step) {
+            frames.feed(piece, refusals).unwrap();
+        }
+        let mut out = vec![0; bytes.len() * 2 + 256];
+        let n = frames.read_into(&mut out);
+        out.truncate(n);
+        out
+    }
+
+    /// The mark in a content header frame lapin reads, and its body size.
+    fn mark_of(frame_bytes: &[u8]) -> (Vec<u8>, u64) {
+        assert_eq!(frame_bytes[0], FRAME_HEADER);
+        let payload = &frame_bytes[FRAME_HEAD..frame_bytes.len() - 1];
+        let size = u64::from_be_bytes(payload[4..12].try_into().unwrap());
+        let (rest, properties) = parse_properties(&payload[12..]).expect("lapin parses it");
+        assert!(rest.is_empty());
+        let headers = properties.headers().clone().expect("headers");
+        let Some(AMQPValue::LongString(token)) = headers.inner().get(MARK) else {
+            panic!("no mark in {headers:?}");
+        };
+        (token.as_bytes().to_vec(), size)
+    }
+
+    #[test]
+    fn good_frames_pass_unchanged_however_the_reads_cut_them() {
+        let props = RawProperties::new()
+            .message_id(b"id")
+            .headers(&RawTable::new().entry(b"deep", &RawTable::nested_tables(20)));
+        let stream = [
+            deliver(1, b"q"),
+            header(1, &props),
+            body(1),
+            frame(8, 0, b""),
+        ]
+        .concat();
+        for step in 1..stream.len() {
+            let refusals = Refusals::new();
+            let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+            assert_eq!(
+                through(&mut frames, &refusals, &stream, step),
+                stream,
+                "reads of {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_header_lapin_cannot_read_is_replaced_by_a_mark_naming_it() {
+        let refusals = Refusals::new();
+        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let bad = RawProperties::new().message_id(b"bad-\xff");
+        let stream = [deliver(1, b"q"), header(1, &bad), body(1)].concat();
+        let out = through(&mut frames, &refusals, &stream, 5);
+        let deliver_len = deliver(1, b"q").len();
+        assert_eq!(out[..deliver_len], stream[..deliver_len]);
+        let header_len = FRAME_HEAD
+            + u32::from_be_bytes(out[deliver_len + 3..deliver_len + 7].try_into().unwrap())
+                as usize
+            + 1;
+        let (token, size) = mark_of(&out[deliver_len..deliver_len + header_len]);
+        assert_eq!(size, 3, "the body size is kept");
+        assert_eq!(out[deliver_len + header_len..], body(1)[..]);
+        let Lookup::Refused(refused) = refusals.take(&token) else {
+            panic!("the mark names nothing")
+        };
+        assert_eq!(refused.refusal.field, "message-id");
+        assert_eq!(refused.properties, bad.encode());
+        assert_eq!(refusals.take(&token), Lookup::Forgotten, "taken once");
+        // Another tap's token, or anything else, is a forgery.
+        assert_eq!(Refusals::new().take(&token), Lookup::Forged);
+        assert_eq!(refusals.take(b"x-retry"), Lookup::Forged);
+    }
+
+    #[test]
+    fn a_routing_key_lapin_cannot_read_marks_its_message() {
+        let refusals = Refusals::new();
+        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let good = RawProperties::new().message_id(b"fine");
+        let stream = [
+            deliver(2, b"k\xff"),
+            header(2, &good),
+            body(2),
+            deliver(2, b"q"),
+            header(2, &good),
+        ]
+        .concat();
+        let out = through(&mut frames, &refusals, &stream, stream.len());
+        let rewritten = deliver(2, "k\u{fffd}".as_bytes());
+        assert_eq!(out[..rewritten.len()], rewritten[..]);
+        let rest = &out[rewritten.len()..];
+        let header_len =
+            FRAME_HEAD + u32::from_be_bytes(rest[3..7].try_into().unwrap()) as usize + 1;
+        let (token, _) = mark_of(&rest[..header_len]);
+        let Lookup::Refused(refused) = refusals.take(&token) else {
+            panic!("the mark names nothing")
+        };
+        assert_eq!(refused.refusal.field, "routing-key");
+        assert_eq!(refused.properties, good.encode());
+        // The next message on the channel is read as it came.
+        let tail = [body(2), deliver(2, b"q"), header(2, &good)].concat();
+        assert_eq!(rest[header_len..], tail[..]);
+    }
+
+    #[test]
+    fn a_channel_closed_between_method_and_header_forgets_the_method() {
+        let refusals = Refusals::new();
+        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let close_ok = frame(FRAME_METHOD, 3, &[0, 20, 0, 41]);
+        let good = RawProperties::new();
+        let stream = [deliver(3, b"\xff"), close_ok, header(3, &good)].concat();
+        let out = through(&mut frames, &refusals, &stream, stream.len());
+        assert!(
+            out.ends_with(&header(3, &good)),
+            "the header passes as it came"
+        );
+    }
+
+    #[test]
+    fn a_frame_over_the_limit_fails_the_stream_without_being_buffered() {
+        let refusals = Refusals::new();
+        let mut frames = Frames::new(4096);
+        let head = [FRAME_HEADER, 0, 1, 0, 1, 0, 0];
+        let err = frames.feed(&head, &refusals).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(
+            err.to_string().contains("65536 bytes, over the 4096"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_protocol_header_from_the_broker_passes_with_all_after_it() {
+        let refusals = Refusals::new();
+        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let stream = b"AMQP\x00\x00\x09\x01\x02\xff\xff\xff\xff\xff";
+        assert_eq!(through(&mut frames, &refusals, stream, 3), stream);
+    }
+
+    #[test]
+    fn refusals_kept_are_bounded_oldest_first() {
+        let refusals = Refusals::new();
+        let refused = |n: usize| Refused {
+            refusal: Refusal {
+                field: "message-id".into(),
+                problem: inspect::Problem::Trailing(n),
+            },
+            properties: vec![0; 64 * 1024],
+        };
+        let tokens: Vec<String> = (0..200).map(|n| refusals.keep(refused(n))).collect();
+        // 200 × 64 KiB is over the byte bound: the oldest went first.
+        assert_eq!(refusals.take(tokens[0].as_bytes()), Lookup::Forgotten);
+        assert!(matches!(
+            refusals.take(tokens[199].as_bytes()),
+            Lookup::Refused(_)
+        ));
+        let kept = refusals.lock();
+        assert!(kept.bytes <= REFUSED_BYTES_KEPT && kept.entries.len() <= REFUSALS_KEPT);
+    }
+}

@@ -1,0 +1,227 @@
+//! Deliveries the connection's tap kept from lapin (see the `tap` module), as the transport
+//! hands them on: never to a handler.
+//!
+//! A delivery from a plan's work or isolation queue is settled `basic.reject` without
+//! requeue where it arrives, so the queue dead-letters it into the plan's parking queue with
+//! its bytes exactly as they came. From any other queue (a walk of a parking queue, a queue
+//! of no plan this transport provisioned or verified, whose dead-lettering it cannot know)
+//! it is handed out as a message with no properties, its body, and two headers:
+//! [`UNDECODABLE_HEADER`] (why) and [`RAW_PROPERTIES_HEADER`] (its properties as they came).
+//! Neither header is ever taken from the network: a publisher that writes them has them
+//! removed.
+
+use lapin::types::AMQPValue;
+use retry_core::{HeaderValue, Headers, MessageParts, NativeParts, Properties, Settlement};
+use tracing::warn;
+
+use crate::tag::AmqpTag;
+use crate::tap::{Lookup, MARK, Refusals};
+
+/// Why a message could not be read as it came: set on a delivery the transport hands out
+/// in place of a message lapin cannot parse (see the crate docs). A publisher cannot set
+/// it: the header is removed from every message read from the broker.
+///
+/// ```
+/// use retry_core::Headers;
+/// use transport_amqp091::UNDECODABLE_HEADER;
+///
+/// fn undecodable(headers: &Headers) -> Option<&str> {
+///     headers.get(UNDECODABLE_HEADER).and_then(|why| why.as_str())
+/// }
+/// assert_eq!(undecodable(&Headers::new()), None);
+/// ```
+pub const UNDECODABLE_HEADER: &str = "x-amqp091-undecodable";
+
+/// The properties of a message that could not be read, as they came (the content header's
+/// property flags, then its property list): bytes, beside [`UNDECODABLE_HEADER`]. Absent
+/// when the transport had to drop them to bound its memory.
+///
+/// ```
+/// use retry_core::{HeaderValue, Headers};
+/// use transport_amqp091::RAW_PROPERTIES_HEADER;
+///
+/// fn raw_properties(headers: &Headers) -> Option<&[u8]> {
+///     match headers.get(RAW_PROPERTIES_HEADER) {
+///         Some(HeaderValue::Bytes(raw)) => Some(raw),
+///         _ => None,
+///     }
+/// }
+/// assert_eq!(raw_properties(&Headers::new()), None);
+/// ```
+pub const RAW_PROPERTIES_HEADER: &str = "x-amqp091-raw-properties";
+
+/// What a delivery's content header says of the tap.
+pub(crate) enum Reading {
+    /// Read as it came.
+    Plain,
+    /// Kept from lapin: why, and its properties as they came when still known.
+    Undecodable {
+        why: String,
+        properties: Option<Vec<u8>>,
+    },
+}
+
+/// Whether `delivery` is one the tap kept from lapin, by the mark it carries. A mark that
+/// names nothing of `refusals` came from a publisher and is left for [`strip`] to remove.
+pub(crate) fn reading(delivery: &lapin::message::Delivery, refusals: Option<&Refusals>) -> Reading {
+    let Some(table) = delivery.properties.headers() else {
+        return Reading::Plain;
+    };
+    let Some(mark) = table.inner().get(MARK) else {
+        return Reading::Plain;
+    };
+    let token = match mark {
+        AMQPValue::LongString(s) => s.as_bytes(),
+        _ => return Reading::Plain,
+    };
+    match refusals.map(|r| r.take(token)) {
+        Some(Lookup::Refused(refused)) => Reading::Undecodable {
+            why: refused.refusal.to_string(),
+            properties: Some(refused.properties),
+        },
+        Some(Lookup::Forgotten) => Reading::Undecodable {
+            why: "it could not be read as it came; what was wrong was not kept".into(),
+            properties: None,
+        },
+        Some(Lookup::Forged) | None => Reading::Plain,
+    }
+}
+
+/// Removes the headers only the transport may set from headers read off the network.
+pub(crate) fn strip(headers: &mut Headers) {
+    for name in [MARK, UNDECODABLE_HEADER, RAW_PROPERTIES_HEADER] {
+        headers.remove(name);
+    }
+}
+
+/// The parts of a delivery kept from lapin: its body, no properties, why and its properties
+/// as they came in headers.
+pub(crate) fn parts(
+    delivery: lapin::message::Delivery,
+    queue: &str,
+    why: String,
+    properties: Option<Vec<u8>>,
+) -> MessageParts {
+    let mut headers = Headers::new();
+    headers.insert(UNDECODABLE_HEADER, HeaderValue::Str(why));
+    if let Some(raw) = properties {
+        headers.insert(RAW_PROPERTIES_HEADER, HeaderValue::Bytes(raw));
+    }
+    MessageParts {
+        queue: queue.to_owned(),
+        exchange: delivery.exchange.as_str().to_owned(),
+        routing_key: delivery.routing_key.as_str().to_owned(),
+        body: delivery.data,
+        properties: Properties::default(),
+        headers,
+        native: NativeParts::default(),
+    }
+}
+
+/// Settles a delivery the tap kept from lapin with `basic.reject`, without requeue: `queue`
+/// dead-letters it into its parking queue, as it came. A reject that fails (the channel is
+/// gone) is logged and left: the broker has the delivery back and hands it out again.
+pub(crate) async fn reject(queue: &str, tag: &AmqpTag, why: &HeaderValue) {
+    let why = why.as_str().unwrap_or_default();
+    warn!(
+        queue,
+        delivery_tag = tag.delivery_tag(),
+        why,
+        "rejecting a message that cannot be read as it came: the queue dead-letters it into its parking queue"
+    );
+    if let Err(e) = tag.settle(Settlement::Reject).await {
+        warn!(queue, error = %e, "the reject of a message that cannot be read failed; the broker hands it out again");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::convert::received;
+    use crate::tap::Frames;
+    use crate::testing::RawProperties;
+    use lapin::BasicProperties;
+    use lapin::message::Delivery;
+    use lapin::types::FieldTable;
+
+    fn delivery(headers: FieldTable) -> Delivery {
+        let mut d = Delivery::mock(4, "".into(), "q".into(), true, b"body".to_vec());
+        d.properties = BasicProperties::default()
+            .with_message_id("id".into())
+            .with_headers(headers);
+        d
+    }
+
+    /// The token the tap puts in a message it keeps from lapin, with `properties`.
+    fn refused(refusals: &Refusals, properties: &RawProperties) -> String {
+        let mut payload = vec![0, 60, 0, 0];
+        payload.extend_from_slice(&4u64.to_be_bytes());
+        payload.extend_from_slice(&properties.encode());
+        let mut frame = vec![2, 0, 1];
+        frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&payload);
+        frame.push(0xCE);
+        let mut frames = Frames::new(crate::tap::DEFAULT_FRAME_MAX);
+        frames.feed(&frame, refusals).unwrap();
+        let mut out = vec![0; 512];
+        let n = frames.read_into(&mut out);
+        let text = String::from_utf8_lossy(&out[..n]).into_owned();
+        let at = text.find(MARK).expect("marked") + MARK.len() + 5;
+        text[at..at + 32].to_owned()
+    }
+
+    #[test]
+    fn a_delivery_the_tap_kept_comes_out_marked_with_its_properties() {
+        let refusals = Refusals::new();
+        let bad = RawProperties::new().message_id(b"bad-\xff");
+        let token = refused(&refusals, &bad);
+        let mut headers = FieldTable::default();
+        headers.insert(MARK.into(), AMQPValue::LongString(token.as_str().into()));
+        let d = received(delivery(headers), "q", Some(&refusals), |tag, _| tag);
+        let h = d.message.headers();
+        assert_eq!(
+            h.get(UNDECODABLE_HEADER).and_then(HeaderValue::as_str),
+            Some("message-id is not UTF-8 (62 61 64 2d ff)")
+        );
+        assert_eq!(
+            h.get(RAW_PROPERTIES_HEADER),
+            Some(&HeaderValue::Bytes(bad.encode()))
+        );
+        assert_eq!(
+            d.message.properties().message_id,
+            None,
+            "no property of it is trusted"
+        );
+        assert_eq!(d.message.body(), b"body");
+        assert!(d.facts.redelivered);
+        assert_eq!(d.tag, 4);
+    }
+
+    #[test]
+    fn marks_from_a_publisher_are_removed_and_the_message_read_as_it_came() {
+        let refusals = Refusals::new();
+        let mut headers = FieldTable::default();
+        headers.insert(
+            MARK.into(),
+            AMQPValue::LongString(format!("{:032x}", 7).into()),
+        );
+        headers.insert(
+            UNDECODABLE_HEADER.into(),
+            AMQPValue::LongString("forged".into()),
+        );
+        headers.insert(
+            RAW_PROPERTIES_HEADER.into(),
+            AMQPValue::LongString("forged".into()),
+        );
+        headers.insert("user".into(), AMQPValue::LongString("kept".into()));
+        for refusals in [Some(&refusals), None] {
+            let d = received(delivery(headers.clone()), "q", refusals, |tag, _| tag);
+            let h = d.message.headers();
+            assert_eq!(h.get(MARK), None);
+            assert_eq!(h.get(UNDECODABLE_HEADER), None);
+            assert_eq!(h.get(RAW_PROPERTIES_HEADER), None);
+            assert_eq!(h.get("user").and_then(HeaderValue::as_str), Some("kept"));
+            assert_eq!(d.message.properties().message_id.as_deref(), Some("id"));
+        }
+    }
+}
