@@ -33,6 +33,13 @@
 //!   when the deliveries still in progress (clones waiting for their confirms) leave the
 //!   broker no free place in the window, coalesced with whatever finishes while it is being
 //!   written. That is what makes the consumer faster than a naive one.
+//! * **No message can stop a consumer.** lapin fails a connection on a short string that is
+//!   not UTF-8 and overflows its stack on deeply nested headers, both of which RabbitMQ
+//!   delivers. Every connection reaches lapin through a tap that reads each message's
+//!   frames first ([`inspect`]): a message lapin could not read is rejected from a plan's
+//!   work or isolation queue, which dead-letters it into the parking queue as it came, and
+//!   handed out anywhere else (a walk) with no properties, [`UNDECODABLE_HEADER`] and
+//!   [`RAW_PROPERTIES_HEADER`]. A copy of such a message is refused.
 //! * Automatic recovery: consuming resumes after a dropped connection, each recovery is
 //!   logged, and a delivery tag from before the drop is never acknowledged on the new
 //!   channel. A recovery that stalls in lapin is replaced by a new connection.

@@ -30,6 +30,9 @@ struct Case {
     /// Sent through a fanout exchange bound to the work queue with this routing key, rather
     /// than through the default exchange.
     routing_key: Option<&'static [u8]>,
+    /// Sent to the isolation queue, where the consumer fetches it as a suspect, rather than
+    /// to the work queue.
+    to_isolation: bool,
     /// Whether it is parked; otherwise it is handled.
     parked: bool,
     /// Bytes its properties hold that the parked copy must still hold.
@@ -58,6 +61,7 @@ impl Case {
         Case {
             properties,
             routing_key: None,
+            to_isolation: false,
             parked: true,
             kept: kept.to_vec(),
         }
@@ -67,6 +71,7 @@ impl Case {
         Case {
             properties,
             routing_key: None,
+            to_isolation: false,
             parked: false,
             kept: Vec::new(),
         }
@@ -130,6 +135,10 @@ async fn run(name: &str, case: Case) {
     let raw = case.properties.encode();
     let at = address(&config);
     let queue_name = queue.clone();
+    let hostile_queue = match case.to_isolation {
+        true => plan.isolation_queue().to_owned(),
+        false => queue.clone(),
+    };
     let fanout_name = fanout.clone();
     let routing_key = case.routing_key;
     tokio::task::spawn_blocking(move || {
@@ -138,7 +147,7 @@ async fn run(name: &str, case: Case) {
             if i == HOSTILE_AT {
                 match routing_key {
                     Some(key) => p.publish(fanout_name.as_bytes(), key, &raw, HOSTILE_BODY),
-                    None => p.publish(b"", queue_name.as_bytes(), &raw, HOSTILE_BODY),
+                    None => p.publish(b"", hostile_queue.as_bytes(), &raw, HOSTILE_BODY),
                 }
                 .unwrap();
             }
@@ -204,11 +213,13 @@ async fn run(name: &str, case: Case) {
     let _ = stop.send(());
     let report = running.await.unwrap().unwrap();
     assert_eq!(report.receive_errors, 0, "{name}: {report:?}");
-    assert_eq!(
-        ready_and_unacked_settled(&queue).await,
-        (0, 0),
-        "{name}: the work queue is not empty"
-    );
+    for q in [queue.as_str(), plan.isolation_queue()] {
+        assert_eq!(
+            ready_and_unacked_settled(q).await,
+            (0, 0),
+            "{name}: {q} is not empty"
+        );
+    }
 
     let parking = plan.parking_queue().to_owned();
     let mut walk = transport.walk(&parking).await.unwrap();
@@ -271,6 +282,13 @@ fn short_string_case(property: &str) -> Case {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_id_that_is_not_utf8_is_parked() {
     run("hostile-message-id", short_string_case("message-id")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_that_cannot_be_read_is_parked_from_the_isolation_queue() {
+    let mut case = short_string_case("message-id");
+    case.to_isolation = true;
+    run("hostile-suspect", case).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
