@@ -98,7 +98,7 @@ impl fmt::Display for Refusal {
 impl std::error::Error for Refusal {}
 
 /// The properties of a `basic` content header, in the order their flags say.
-const PROPERTIES: [&str; 14] = [
+pub(crate) const PROPERTIES: [&str; 14] = [
     "content-type",
     "content-encoding",
     "headers",

@@ -278,7 +278,11 @@ impl Frames {
                 }
             }
             FRAME_HEADER => {
-                let announced = self.announced.remove(&channel);
+                // Nearly always empty: no lookup then.
+                let announced = match self.announced.is_empty() {
+                    true => None,
+                    false => self.announced.remove(&channel),
+                };
                 let verdict = inspect::check_content_header(payload);
                 let refusal = match (announced, verdict) {
                     (Some(refusal), _) | (None, Err(refusal)) => refusal,

@@ -7,6 +7,8 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
+use crate::inspect::PROPERTIES;
+
 const FRAME_METHOD: u8 = 1;
 const FRAME_HEADER: u8 = 2;
 const FRAME_BODY: u8 = 3;
@@ -252,24 +254,6 @@ pub struct RawProperties {
     trailing: Vec<u8>,
 }
 
-/// Which property each index is, in the order AMQP 0-9-1 lists them.
-const NAMES: [&str; 14] = [
-    "content-type",
-    "content-encoding",
-    "headers",
-    "delivery-mode",
-    "priority",
-    "correlation-id",
-    "reply-to",
-    "expiration",
-    "message-id",
-    "timestamp",
-    "type",
-    "user-id",
-    "app-id",
-    "cluster-id",
-];
-
 impl RawProperties {
     /// No properties.
     pub fn new() -> Self {
@@ -280,7 +264,7 @@ impl RawProperties {
     /// `value`, any bytes (at most 255). Panics on a name that is not a short-string
     /// property.
     pub fn short_string(mut self, name: &str, value: &[u8]) -> Self {
-        let i = NAMES
+        let i = PROPERTIES
             .iter()
             .position(|n| *n == name)
             .filter(|&i| !matches!(i, 2 | 3 | 4 | 9))
