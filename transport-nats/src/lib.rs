@@ -50,6 +50,7 @@
 mod codec;
 mod config;
 mod delivery;
+mod header_block;
 mod mover;
 mod names;
 mod provision;
@@ -61,6 +62,7 @@ mod transport;
 
 pub use codec::{decode_value, encode_value};
 pub use config::{ConfigError, DEFAULT_DUPLICATE_WINDOW, NatsConfig};
+pub use header_block::{ClientFailure, HeaderBlockError, HeaderBlockProblem, check_header_block};
 pub use names::{CONSUMER, check_queue_name, stream_name};
 pub use subscription::NatsSubscription;
 pub use tag::NatsTag;
