@@ -1,6 +1,7 @@
 //! Helpers for tests against a real NATS server (feature `testing`): finding it or skipping
-//! loudly (`REQUIRE_NATS`), publishing test messages as a NATS application does, deleting a
-//! plan's streams. Not for production code.
+//! loudly (`REQUIRE_NATS`), publishing test messages as a NATS application does, publishing
+//! header bytes no well-behaved client writes ([`RawPublisher`]), deleting a plan's streams.
+//! Not for production code.
 //!
 //! ```no_run
 //! # async fn demo() {
@@ -22,6 +23,10 @@ use async_nats::jetstream::message::PublishMessage;
 use retry_core::TopologyPlan;
 
 use crate::{NatsConfig, NatsTransport, stream_name};
+
+mod raw;
+
+pub use raw::{PubAck, RawPublishError, RawPublisher, header_block};
 
 /// Makes the NATS tests fail, instead of skip, without a server: CI sets it.
 pub const REQUIRE_NATS: &str = "REQUIRE_NATS";
