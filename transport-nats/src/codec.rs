@@ -25,6 +25,49 @@ pub const COPY_ID_PREFIX: &str = "retry-engine:";
 pub fn copy_id(stream: &str, sequence: u64, stored_ns: i128, to: &str) -> String {
     format!("{COPY_ID_PREFIX}{stream}:{sequence}:{stored_ns}:{to}")
 }
+/// On a message the transport parked because async-nats cannot read its header block: why,
+/// naming the line, byte and header at fault (a string).
+///
+/// ```
+/// use retry_core::Headers;
+/// use transport_nats::UNDECODABLE_HEADER;
+///
+/// fn why_parked(headers: &Headers) -> Option<&str> {
+///     headers.get(UNDECODABLE_HEADER).and_then(|why| why.as_str())
+/// }
+/// assert_eq!(why_parked(&Headers::new()), None);
+/// ```
+pub const UNDECODABLE_HEADER: &str = "x-nats-undecodable";
+/// On a message parked with [`UNDECODABLE_HEADER`]: its header block as it was stored, byte
+/// for byte (bytes: `~x:` and hex on the wire, [`HeaderValue::Bytes`] once read).
+///
+/// ```
+/// use retry_core::{HeaderValue, Headers};
+/// use transport_nats::HEADER_BLOCK_HEADER;
+///
+/// fn original_block(headers: &Headers) -> Option<&[u8]> {
+///     match headers.get(HEADER_BLOCK_HEADER) {
+///         Some(HeaderValue::Bytes(bytes)) => Some(bytes),
+///         _ => None,
+///     }
+/// }
+/// assert_eq!(original_block(&Headers::new()), None);
+/// ```
+pub const HEADER_BLOCK_HEADER: &str = "x-nats-header-block";
+/// On a message parked with [`UNDECODABLE_HEADER`] whose header block was too long to keep
+/// whole beside its payload in one message (the block kept as hex takes twice its length):
+/// the block's length in bytes (unsigned); [`HEADER_BLOCK_HEADER`] then holds its beginning.
+///
+/// ```
+/// use retry_core::Headers;
+/// use transport_nats::HEADER_BLOCK_LENGTH_HEADER;
+///
+/// fn cut(headers: &Headers) -> bool {
+///     headers.get(HEADER_BLOCK_LENGTH_HEADER).is_some()
+/// }
+/// assert!(!cut(&Headers::new()));
+/// ```
+pub const HEADER_BLOCK_LENGTH_HEADER: &str = "x-nats-header-block-length";
 /// When a clone in a delay stream is due, in ms since the epoch.
 pub const DUE: &str = "x-retry-nats-due";
 

@@ -54,13 +54,16 @@ mod header_block;
 mod mover;
 mod names;
 mod provision;
+mod quarantine;
 mod subscription;
 mod tag;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod transport;
 
-pub use codec::{decode_value, encode_value};
+pub use codec::{
+    HEADER_BLOCK_HEADER, HEADER_BLOCK_LENGTH_HEADER, UNDECODABLE_HEADER, decode_value, encode_value,
+};
 pub use config::{ConfigError, DEFAULT_DUPLICATE_WINDOW, NatsConfig};
 pub use header_block::{ClientFailure, HeaderBlockError, HeaderBlockProblem, check_header_block};
 pub use names::{CONSUMER, check_queue_name, stream_name};

@@ -1,7 +1,8 @@
 //! [`NatsTransport`]: the [`Transport`] on NATS JetStream.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::Client;
@@ -18,7 +19,7 @@ use retry_core::{
     TransportError,
 };
 use tokio::task::AbortHandle;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::codec::{COPY_ID_PREFIX, DUE, MSG_ID, copy_id, read_headers, write_headers};
 use crate::config::NatsConfig;
@@ -26,6 +27,7 @@ use crate::delivery::{Origin, delivery_of, now_millis};
 use crate::mover::Mover;
 use crate::names::{CONSUMER, stream_name};
 use crate::provision::{self, bounded};
+use crate::quarantine::{Quarantine, SweepTarget, Swept, Trigger};
 use crate::subscription::{NatsSubscription, Pulling};
 use crate::tag::{NatsTag, TagKind};
 
@@ -67,6 +69,10 @@ struct Inner {
     tasks: Mutex<Vec<AbortHandle>>,
     /// How many times the connection was (re)established.
     reconnects: tokio::sync::watch::Sender<u64>,
+    /// How many times it was lost.
+    losses: Arc<AtomicU64>,
+    /// The queues this transport reads, for the sweep that parks what async-nats cannot read.
+    quarantine: Quarantine,
 }
 
 impl Drop for Inner {
@@ -91,6 +97,18 @@ impl Routes {
         if !self.plans.contains(plan) {
             self.plans.push(plan.clone());
         }
+    }
+
+    /// The parking queue of the plan `queue` belongs to.
+    fn parking_of(&self, queue: &str) -> Option<String> {
+        self.plans
+            .iter()
+            .find(|p| {
+                p.queues()
+                    .iter()
+                    .any(|q| q.name == queue && !matches!(q.role, QueueRole::Parking))
+            })
+            .map(|p| p.parking_queue().to_owned())
     }
 
     /// The queue `route` leads to, and its level if it is a delay queue.
@@ -148,13 +166,15 @@ impl NatsTransport {
         // Each reconnection bumps a counter that pulls in flight watch: a pull made on the
         // lost connection can never be answered, and waiting out its expiry would stall.
         let (reconnects, _) = tokio::sync::watch::channel(0u64);
+        let losses = Arc::new(AtomicU64::new(0));
         let bump = reconnects.clone();
+        let lost = Arc::clone(&losses);
         let shown = config.url();
         let mut options = async_nats::ConnectOptions::new()
             .connection_timeout(config.operation_timeout())
             .request_timeout(Some(config.operation_timeout()))
             .event_callback(move |event| {
-                let (bump, shown) = (bump.clone(), shown.clone());
+                let (bump, lost, shown) = (bump.clone(), Arc::clone(&lost), shown.clone());
                 async move {
                     match event {
                         async_nats::Event::Connected => {
@@ -162,6 +182,7 @@ impl NatsTransport {
                             info!(url = %shown, "NATS connection (re)established");
                         }
                         async_nats::Event::Disconnected => {
+                            lost.fetch_add(1, Ordering::Relaxed);
                             warn!(url = %shown, "NATS connection lost; reconnecting");
                         }
                         _ => {}
@@ -215,7 +236,7 @@ impl NatsTransport {
             });
         }
         info!(url = %url, version = %server.version, "connected to NATS JetStream");
-        Ok(NatsTransport {
+        let transport = NatsTransport {
             inner: Arc::new(Inner {
                 config,
                 client,
@@ -225,13 +246,36 @@ impl NatsTransport {
                 movers: Mutex::new(HashSet::new()),
                 tasks: Mutex::new(Vec::new()),
                 reconnects,
+                losses,
+                quarantine: Quarantine::default(),
             }),
-        })
+        };
+        let sweeper = tokio::spawn(sweep_after_reconnections(
+            Arc::downgrade(&transport.inner),
+            transport.inner.reconnects.subscribe(),
+        ));
+        transport.spawned(sweeper.abort_handle());
+        Ok(transport)
     }
 
     /// The configuration it was made with.
     pub fn config(&self) -> &NatsConfig {
         &self.inner.config
+    }
+
+    /// How many times this transport's connection was lost since it connected; the client
+    /// reconnects after each. Counted when async-nats reports the loss, a moment after it.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), retry_core::TransportError> {
+    /// use transport_nats::{NatsConfig, NatsTransport};
+    ///
+    /// let transport = NatsTransport::connect(NatsConfig::new("nats://127.0.0.1:4222")).await?;
+    /// assert_eq!(transport.connection_losses(), 0);
+    /// # Ok(()) }
+    /// ```
+    pub fn connection_losses(&self) -> u64 {
+        self.inner.losses.load(Ordering::Relaxed)
     }
 
     /// The async-nats client, for what this transport does not do itself.
@@ -351,6 +395,12 @@ impl NatsTransport {
                     return Err(e);
                 }
             };
+            // In the background: a delay stream's handed-out range holds every clone waiting
+            // for its time, and the mover need not wait for them all to be read.
+            let first = self.clone();
+            let sweep_queue = queue.clone();
+            let sweep = tokio::spawn(async move { first.sweep_first_read(&sweep_queue).await });
+            self.spawned(sweep.abort_handle());
             let mover = Mover {
                 js: self.inner.js.clone(),
                 consumer,
@@ -391,6 +441,37 @@ impl NatsTransport {
         Ok(info.num_pending == 0 && info.num_ack_pending == 0)
     }
 
+    /// Parks every message of `queue` that async-nats cannot read among those its consumer
+    /// has handed out and not had acked (see the `quarantine` module).
+    async fn sweep(&self, queue: &str, trigger: Trigger) -> Result<Swept, TransportError> {
+        let parking = self
+            .inner
+            .routes
+            .read()
+            .map_err(|_| TransportError::Other("route table poisoned".into()))?
+            .parking_of(queue);
+        let config = &self.inner.config;
+        let target = SweepTarget {
+            client: &self.inner.client,
+            js: &self.inner.js,
+            queue,
+            parking,
+            timeout: config.operation_timeout(),
+            publish_timeout: config.publish_timeout(),
+        };
+        self.inner.quarantine.sweep(target, trigger).await
+    }
+
+    /// The sweep of a queue about to be read for the first time: a message that killed the
+    /// connection of a process before this one is handed out still, and is parked before
+    /// it comes back. A sweep that fails is logged, and reading goes on: the sweep after
+    /// the next reconnection catches what this one missed.
+    async fn sweep_first_read(&self, queue: &str) {
+        if let Err(e) = self.sweep(queue, Trigger::FirstRead).await {
+            warn!(queue = %queue, error = &e as &dyn std::error::Error, "quarantine sweep before the first read failed; reading anyway");
+        }
+    }
+
     /// A handle on `queue`'s stream, without reading its info.
     async fn stream(&self, queue: &str) -> Result<Stream<()>, TransportError> {
         bounded(
@@ -400,6 +481,31 @@ impl NatsTransport {
         )
         .await?
         .map_err(|e| missing_or_failed(queue, e))
+    }
+}
+
+/// After each reconnection, sweeps every queue the transport reads, all at once: a message
+/// that failed the connection is handed out still, and comes back (and fails the next
+/// connection) once its ack wait has passed.
+async fn sweep_after_reconnections(
+    inner: Weak<Inner>,
+    mut reconnects: tokio::sync::watch::Receiver<u64>,
+) {
+    while reconnects.changed().await.is_ok() {
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let transport = NatsTransport { inner };
+        let queues = transport.inner.quarantine.queues();
+        let sweeps = queues.iter().map(|queue| {
+            let transport = &transport;
+            async move {
+                if let Err(e) = transport.sweep(queue, Trigger::Reconnected).await {
+                    error!(queue = %queue, error = &e as &dyn std::error::Error, "quarantine sweep after a reconnection failed; a message that failed the connection may fail it again");
+                }
+            }
+        });
+        futures::future::join_all(sweeps).await;
     }
 }
 
@@ -469,6 +575,7 @@ impl Transport for NatsTransport {
         prefetch: u16,
     ) -> Result<NatsSubscription, TransportError> {
         let consumer = self.consumer(queue).await?;
+        self.sweep_first_read(queue).await;
         let config = &self.inner.config;
         let (subscription, task) = NatsSubscription::start(Pulling {
             client: self.inner.client.clone(),
@@ -486,6 +593,7 @@ impl Transport for NatsTransport {
 
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<NatsTag>>, TransportError> {
         let consumer = self.consumer(queue).await?;
+        self.sweep_first_read(queue).await;
         let config = &self.inner.config;
         // A queue with nothing to hand out and nothing handed out answers at once, rather
         // than after the fetch wait: the consumer's first look at its isolation queue, which

@@ -1,0 +1,301 @@
+//! One message with a header block async-nats cannot take, among 240 good ones, must not stop
+//! a consumer: it is parked `malformed` with its bytes, every good message is handled, and it
+//! costs at most one lost connection. Odd blocks that async-nats does take are handled like
+//! any other message. Published with [`RawPublisher`], since async-nats cannot write them;
+//! against the local NATS server (`NATS_URL`), skipped loudly without one unless
+//! `REQUIRE_NATS` is set.
+
+use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::FutureExt as _;
+use retry_core::{
+    Consumer, HandlerError, HeaderValue, Message, RetryPolicy, TopologyPlan, Transport, headers,
+};
+use transport_nats::testing::{self, RawPublisher, header_block, nats_url};
+use transport_nats::{HEADER_BLOCK_HEADER, NatsTransport, UNDECODABLE_HEADER};
+
+const GOOD: usize = 240;
+/// Long enough for every wait here on a loaded machine; a passing run takes seconds.
+const DEADLINE: Duration = Duration::from_secs(90);
+
+fn unique(what: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("tn-hostile-{what}-{}-{nanos:x}", std::process::id())
+}
+
+/// What the odd message is expected to become.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Expect {
+    /// Handled like the good ones; no connection lost.
+    Handled,
+    /// Handled, or parked by the engine's decision: either way not lost.
+    HandledOrParkedByTheEngine,
+    /// Parked `malformed` by the transport with its bytes, at the cost of at most one
+    /// connection.
+    Quarantined,
+}
+
+async fn wait_until(
+    what: &str,
+    mut done: impl AsyncFnMut() -> bool,
+    explain: impl AsyncFn() -> String,
+) {
+    let started = Instant::now();
+    while !done().await {
+        if started.elapsed() > DEADLINE {
+            panic!("{what}: not after {DEADLINE:?}; {}", explain().await);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn row(name: &str, odd_block: Vec<u8>, expect: Expect) {
+    let Some(admin) = testing::connect_or_skip(
+        "transport-nats' hostile-message tests",
+        testing::test_config(&nats_url()),
+    )
+    .await
+    else {
+        return;
+    };
+    let queue = unique(name);
+    let policy = RetryPolicy::delays([Duration::from_millis(300)])
+        .build()
+        .expect("a policy");
+    let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
+    // Not spawned: the waits borrow; a panic is caught so that the streams go either way.
+    let outcome = AssertUnwindSafe(consume_past(
+        admin.clone(),
+        queue.clone(),
+        plan.clone(),
+        policy,
+        odd_block,
+        expect,
+    ))
+    .catch_unwind()
+    .await;
+    testing::delete_plan(admin.client(), &plan).await;
+    admin.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+async fn consume_past(
+    admin: NatsTransport,
+    queue: String,
+    plan: TopologyPlan,
+    policy: RetryPolicy,
+    odd_block: Vec<u8>,
+    expect: Expect,
+) {
+    admin.provision(&plan).await.expect("provision");
+    let odd_body = format!("the odd one of {queue}").into_bytes();
+    for i in 0..GOOD / 2 {
+        let id = format!("good-{i:03}");
+        testing::publish(admin.client(), &queue, &id, &id, &[]).await;
+    }
+    let url = nats_url();
+    let (subject, block, body) = (queue.clone(), odd_block.clone(), odd_body.clone());
+    tokio::task::spawn_blocking(move || {
+        RawPublisher::connect(&url)
+            .and_then(|mut raw| raw.publish(&subject, &block, &body))
+            .expect("the server stores the odd message")
+    })
+    .await
+    .expect("the raw publish");
+    for i in GOOD / 2..GOOD {
+        let id = format!("good-{i:03}");
+        testing::publish(admin.client(), &queue, &id, &id, &[]).await;
+    }
+
+    let transport = NatsTransport::connect(testing::test_config(&nats_url()))
+        .await
+        .expect("the consumer's connection");
+    let handled: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let seen = Arc::clone(&handled);
+    let handler = move |m: Message| {
+        let id = m.properties().message_id.clone().unwrap_or_default();
+        seen.lock().expect("handled").insert(id);
+        async { Ok::<(), HandlerError>(()) }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = Consumer::builder(transport.clone(), queue.clone(), policy, handler)
+        .with_prefetch(20)
+        .with_suspect_poll(Duration::from_millis(500))
+        .build()
+        .expect("a consumer");
+    let running = tokio::spawn(consumer.run(async {
+        let _ = stopped.await;
+    }));
+
+    let good: HashSet<String> = (0..GOOD).map(|i| format!("good-{i:03}")).collect();
+    let state = async || {
+        let handled = handled.lock().expect("handled").clone();
+        let missing = good.difference(&handled).count();
+        format!(
+            "{} of {GOOD} good messages handled ({missing} missing), {} connections lost, consumer {}, work stream holds {:?}, parking stream {:?}",
+            GOOD - missing,
+            transport.connection_losses(),
+            if running.is_finished() {
+                "ended"
+            } else {
+                "running"
+            },
+            admin.count(&queue).await.ok(),
+            admin.count(plan.parking_queue()).await.ok(),
+        )
+    };
+    wait_until(
+        "every good message handled",
+        async || {
+            assert!(
+                !running.is_finished(),
+                "the consumer ended: {}",
+                state().await
+            );
+            handled.lock().expect("handled").is_superset(&good)
+        },
+        &state,
+    )
+    .await;
+    assert!(!running.is_finished(), "the consumer is still running");
+
+    let parking = plan.parking_queue();
+    match expect {
+        Expect::Quarantined => {
+            wait_until(
+                "the odd message parked and the work stream empty",
+                async || {
+                    admin.count(&queue).await.ok() == Some(0)
+                        && admin.count(parking).await.ok() == Some(1)
+                },
+                &state,
+            )
+            .await;
+            let mut walk = admin.walk(parking).await.expect("walk the parking stream");
+            let parked = walk
+                .next()
+                .await
+                .expect("read the parked message")
+                .expect("one parked message");
+            let h = parked.message.headers();
+            assert_eq!(parked.message.body(), odd_body.as_slice(), "its payload");
+            assert_eq!(
+                h.get(HEADER_BLOCK_HEADER),
+                Some(&HeaderValue::Bytes(odd_block.clone())),
+                "its header block, byte for byte"
+            );
+            assert_eq!(
+                h.get(headers::REASON).and_then(HeaderValue::as_str),
+                Some("malformed")
+            );
+            assert_eq!(
+                h.get(headers::ORIGIN_QUEUE).and_then(HeaderValue::as_str),
+                Some(queue.as_str())
+            );
+            let why = h
+                .get(UNDECODABLE_HEADER)
+                .and_then(HeaderValue::as_str)
+                .unwrap_or_default();
+            assert!(why.contains("line"), "why it was parked: {why:?}");
+            walk.leave(parked.tag);
+            walk.end().await.expect("end the walk");
+            let losses = transport.connection_losses();
+            assert!(
+                losses <= 1,
+                "a hostile message costs at most one connection, not {losses}"
+            );
+        }
+        Expect::Handled | Expect::HandledOrParkedByTheEngine => {
+            wait_until(
+                "the odd message handled",
+                async || {
+                    let handled = handled.lock().expect("handled").contains("odd");
+                    let parked = admin.count(parking).await.ok() == Some(1);
+                    handled || (expect == Expect::HandledOrParkedByTheEngine && parked)
+                },
+                &state,
+            )
+            .await;
+            wait_until(
+                "the work stream empty",
+                async || admin.count(&queue).await.ok() == Some(0),
+                &state,
+            )
+            .await;
+            assert_eq!(transport.connection_losses(), 0, "no connection lost");
+        }
+    }
+
+    let _ = stop.send(());
+    let report = tokio::time::timeout(DEADLINE, running)
+        .await
+        .expect("the consumer stops")
+        .expect("its task")
+        .expect("the consumer ran to its end without error");
+    println!("{queue}: {report:?}");
+    transport.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_value_that_is_not_utf8_is_parked_and_costs_one_connection() {
+    let block = header_block(&[b"Nats-Msg-Id: odd", b"tenant: ac\xffme"]);
+    row("value", block, Expect::Quarantined).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_name_that_is_not_utf8_is_parked_and_costs_one_connection() {
+    let block = header_block(&[b"Nats-Msg-Id: odd", b"ten\xfeant: acme"]);
+    row("name", block, Expect::Quarantined).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_id_that_is_not_utf8_is_parked_and_costs_one_connection() {
+    let block = header_block(&[b"Nats-Msg-Id: bad-\xff\xfe-id"]);
+    row("msgid", block, Expect::Quarantined).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_line_without_a_colon_is_parked_and_costs_one_connection() {
+    let block = header_block(&[b"Nats-Msg-Id: odd", b"no colon here"]);
+    row("colon", block, Expect::Quarantined).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_60_kb_header_value_is_handled() {
+    let big = [b"big: ".as_slice(), &[b'v'; 60 * 1024]].concat();
+    let block = header_block(&[b"Nats-Msg-Id: odd", &big]);
+    row("big", block, Expect::Handled).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_thousand_headers_are_handled() {
+    let lines: Vec<Vec<u8>> = std::iter::once(b"Nats-Msg-Id: odd".to_vec())
+        .chain((0..3000).map(|i| format!("h{i}: {i}").into_bytes()))
+        .collect();
+    let lines: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
+    row("many", header_block(&lines), Expect::Handled).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_characters_in_a_header_value_are_handled() {
+    let block = header_block(&[b"Nats-Msg-Id: odd", b"c: a\x01\x07\x1b\x7fb\tc\x00d"]);
+    row("control", block, Expect::Handled).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_headers_holding_garbage_are_the_engines_to_decide() {
+    let block = header_block(&[
+        b"Nats-Msg-Id: odd",
+        b"x-retry-attempts: ~i:notanumber",
+        b"x-retry-crashes: ~j:{\"a\":[",
+        b"x-retry-first-failure: ~t:-1",
+    ]);
+    row("garbage", block, Expect::HandledOrParkedByTheEngine).await;
+}
