@@ -54,6 +54,7 @@ mod header_block;
 mod mover;
 mod names;
 mod provision;
+mod pull;
 mod quarantine;
 mod subscription;
 mod tag;

@@ -21,15 +21,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::Client;
 use async_nats::jetstream::{AckKind, Context};
-use futures::StreamExt;
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
 use crate::codec::{DUE, MSG_ID, copy_id};
 use crate::delivery::now_millis;
 use crate::names::stream_name;
+use crate::pull::{Pull, Pulled};
 
 /// How many due-or-not clones one pull takes.
 const BATCH: usize = 256;
@@ -38,8 +38,8 @@ const BATCH: usize = 256;
 const MAX_HORIZON: Duration = Duration::from_secs(5);
 
 pub(crate) struct Mover {
+    pub client: Client,
     pub js: Context,
-    pub consumer: PullConsumer,
     /// The delay queue's name, for logs.
     pub queue: String,
     /// Where due clones go.
@@ -50,8 +50,11 @@ pub(crate) struct Mover {
     pub pull_wait: Duration,
     /// The consumers' ack wait: a clone held longer would be handed out again.
     pub ack_wait: Duration,
+    pub operation_timeout: Duration,
     /// Bumped at each reconnection.
     pub reconnects: tokio::sync::watch::Receiver<u64>,
+    /// Where a queue is named for a quarantine sweep.
+    pub sweeps: tokio::sync::mpsc::UnboundedSender<String>,
 }
 
 impl Mover {
@@ -64,15 +67,17 @@ impl Mover {
         loop {
             while moving.try_join_next().is_some() {}
             reconnects.borrow_and_update();
-            let batch = mover
-                .consumer
-                .batch()
-                .max_messages(BATCH)
-                .expires(mover.pull_wait)
-                .messages()
-                .await;
-            let mut batch = match batch {
-                Ok(b) => b,
+            let pulled = Pull::start(
+                &mover.client,
+                &mover.js,
+                &mover.queue,
+                BATCH,
+                mover.pull_wait,
+                mover.operation_timeout,
+            )
+            .await;
+            let mut pull = match pulled {
+                Ok(pull) => pull,
                 Err(e) => {
                     debug!(queue = %mover.queue, error = %e, "delay mover: pull failed; trying again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -80,26 +85,27 @@ impl Mover {
                 }
             };
             loop {
-                let message = tokio::select! {
-                    message = batch.next() => match message {
-                        Some(message) => message,
-                        None => break,
-                    },
+                let pulled = tokio::select! {
+                    pulled = pull.next() => pulled,
                     // The pull was made on a connection that is gone.
                     changed = reconnects.changed() => {
-                    if changed.is_err() {
-                        return;
+                        if changed.is_err() {
+                            return;
+                        }
+                        break;
                     }
-                    break;
-                }
                 };
-                match message {
-                    Ok(m) => {
+                match pulled {
+                    Pulled::Message(m) => {
                         if let Some(wait) = mover.hold_for(&m).await {
                             moving.spawn(Arc::clone(&mover).move_when_due(m, wait));
                         }
                     }
-                    Err(e) => {
+                    Pulled::Misread => {
+                        let _ = mover.sweeps.send(mover.queue.clone());
+                    }
+                    Pulled::End | Pulled::Lost => break,
+                    Pulled::Failed(e) => {
                         debug!(queue = %mover.queue, error = %e, "delay mover: pull ended");
                         break;
                     }

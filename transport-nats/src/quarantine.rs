@@ -55,6 +55,8 @@ pub(crate) enum Trigger {
     Reconnected,
     /// The queue is read for the first time by this transport.
     FirstRead,
+    /// A pull of the queue brought a message async-nats read as a status.
+    Misread,
 }
 
 /// What one sweep of a queue did.

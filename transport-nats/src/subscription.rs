@@ -4,13 +4,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::Client;
-use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::Context;
 use async_trait::async_trait;
-use futures::StreamExt;
 use retry_core::{Delivery, Subscription, TransportError};
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 
 use crate::delivery::delivery_of;
+use crate::pull::{Pull, Pulled};
 use crate::tag::{Keeper, NatsTag};
 
 /// A running subscription to one queue's durable consumer, made by
@@ -38,7 +38,8 @@ impl std::fmt::Debug for NatsSubscription {
 
 pub(crate) struct Pulling {
     pub client: Client,
-    pub consumer: PullConsumer,
+    /// What the deliveries' acks go through.
+    pub js: Context,
     pub queue: String,
     pub prefetch: u16,
     pub pull_wait: Duration,
@@ -46,6 +47,8 @@ pub(crate) struct Pulling {
     pub operation_timeout: Duration,
     /// Bumped at each reconnection.
     pub reconnects: watch::Receiver<u64>,
+    /// Where a queue is named for a quarantine sweep.
+    pub sweeps: mpsc::UnboundedSender<String>,
 }
 
 impl NatsSubscription {
@@ -88,25 +91,18 @@ async fn pull(
         while let Ok(permit) = Arc::clone(&slots).try_acquire_owned() {
             permits.push(permit);
         }
-        let batch = p
-            .consumer
-            .batch()
-            .max_messages(permits.len())
-            .expires(p.pull_wait)
-            .messages();
-        let mut batch = match tokio::time::timeout(p.operation_timeout, batch).await {
-            Ok(Ok(batch)) => batch,
-            other => {
-                let why = match other {
-                    Ok(Err(e)) => TransportError::connection_failed(
-                        format!("pulling from queue {}", p.queue),
-                        e,
-                    ),
-                    _ => TransportError::Timeout {
-                        operation: "a pull request",
-                        after: p.operation_timeout,
-                    },
-                };
+        let pulled = Pull::start(
+            &p.client,
+            &p.js,
+            &p.queue,
+            permits.len(),
+            p.pull_wait,
+            p.operation_timeout,
+        )
+        .await;
+        let mut pull = match pulled {
+            Ok(pull) => pull,
+            Err(why) => {
                 if tx.send(Err(why)).await.is_err() {
                     return;
                 }
@@ -118,10 +114,7 @@ async fn pull(
         failures = 0;
         loop {
             let item = tokio::select! {
-                item = batch.next() => match item {
-                    Some(item) => item,
-                    None => break,
-                },
+                item = pull.next() => item,
                 // The pull was made on a connection that is gone: pull again on the new one.
                 changed = p.reconnects.changed() => {
                     if changed.is_err() {
@@ -131,12 +124,13 @@ async fn pull(
                 }
             };
             let message = match item {
-                Ok(m) => m,
-                Err(e) => {
-                    let why = TransportError::Connection {
-                        context: format!("pulling from queue {}", p.queue),
-                        source: Some(e),
-                    };
+                Pulled::Message(m) => m,
+                Pulled::Misread => {
+                    let _ = p.sweeps.send(p.queue.clone());
+                    continue;
+                }
+                Pulled::End | Pulled::Lost => break,
+                Pulled::Failed(why) => {
                     if tx.send(Err(why)).await.is_err() {
                         return;
                     }

@@ -12,7 +12,6 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
 use async_nats::jetstream::{self, Context, ErrorCode};
 use async_trait::async_trait;
-use futures::StreamExt;
 use retry_core::{
     BrokerSignals, Capabilities, Delivery, Message, MessageParts, NativeParts, Publish,
     PublishResult, QueueRole, QueueSpec, QueueWalk, Route, Settlement, TopologyPlan, Transport,
@@ -27,6 +26,7 @@ use crate::delivery::{Origin, delivery_of, now_millis};
 use crate::mover::Mover;
 use crate::names::{CONSUMER, stream_name};
 use crate::provision::{self, bounded};
+use crate::pull::{Pull, Pulled};
 use crate::quarantine::{Quarantine, SweepTarget, Swept, Trigger};
 use crate::subscription::{NatsSubscription, Pulling};
 use crate::tag::{NatsTag, TagKind};
@@ -73,6 +73,8 @@ struct Inner {
     losses: Arc<AtomicU64>,
     /// The queues this transport reads, for the sweep that parks what async-nats cannot read.
     quarantine: Quarantine,
+    /// Queues a pull found a message async-nats misreads in, for a sweep.
+    sweeps: tokio::sync::mpsc::UnboundedSender<String>,
 }
 
 impl Drop for Inner {
@@ -236,6 +238,7 @@ impl NatsTransport {
             });
         }
         info!(url = %url, version = %server.version, "connected to NATS JetStream");
+        let (sweeps, sweep_requests) = tokio::sync::mpsc::unbounded_channel();
         let transport = NatsTransport {
             inner: Arc::new(Inner {
                 config,
@@ -248,11 +251,13 @@ impl NatsTransport {
                 reconnects,
                 losses,
                 quarantine: Quarantine::default(),
+                sweeps,
             }),
         };
-        let sweeper = tokio::spawn(sweep_after_reconnections(
+        let sweeper = tokio::spawn(sweep_when_asked(
             Arc::downgrade(&transport.inner),
             transport.inner.reconnects.subscribe(),
+            sweep_requests,
         ));
         transport.spawned(sweeper.abort_handle());
         Ok(transport)
@@ -386,15 +391,13 @@ impl NatsTransport {
             if !fresh {
                 continue;
             }
-            let consumer = match self.consumer(&queue).await {
-                Ok(c) => c,
-                Err(e) => {
-                    if let Ok(mut m) = self.inner.movers.lock() {
-                        m.remove(&queue);
-                    }
-                    return Err(e);
+            // The delay queue's consumer must be there before its mover pulls.
+            if let Err(e) = self.consumer(&queue).await {
+                if let Ok(mut m) = self.inner.movers.lock() {
+                    m.remove(&queue);
                 }
-            };
+                return Err(e);
+            }
             // In the background: a delay stream's handed-out range holds every clone waiting
             // for its time, and the mover need not wait for them all to be read.
             let first = self.clone();
@@ -402,14 +405,16 @@ impl NatsTransport {
             let sweep = tokio::spawn(async move { first.sweep_first_read(&sweep_queue).await });
             self.spawned(sweep.abort_handle());
             let mover = Mover {
+                client: self.inner.client.clone(),
                 js: self.inner.js.clone(),
-                consumer,
                 queue,
                 destination,
                 level,
                 pull_wait: self.inner.config.pull_wait(),
                 ack_wait: self.inner.config.ack_wait(),
+                operation_timeout: self.inner.config.operation_timeout(),
                 reconnects: self.inner.reconnects.subscribe(),
+                sweeps: self.inner.sweeps.clone(),
             };
             let task = tokio::spawn(mover.run());
             self.spawned(task.abort_handle());
@@ -484,24 +489,48 @@ impl NatsTransport {
     }
 }
 
-/// After each reconnection, sweeps every queue the transport reads, all at once: a message
-/// that failed the connection is handed out still, and comes back (and fails the next
-/// connection) once its ack wait has passed.
-async fn sweep_after_reconnections(
+/// Sweeps every queue the transport reads after each reconnection, all at once (a message
+/// that failed the connection is handed out still, and comes back and fails the next
+/// connection once its ack wait has passed), and a queue a pull found a misread message in.
+async fn sweep_when_asked(
     inner: Weak<Inner>,
     mut reconnects: tokio::sync::watch::Receiver<u64>,
+    mut requests: tokio::sync::mpsc::UnboundedReceiver<String>,
 ) {
-    while reconnects.changed().await.is_ok() {
+    loop {
+        let (queues, trigger) = tokio::select! {
+            changed = reconnects.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let Some(inner) = inner.upgrade() else {
+                    return;
+                };
+                (inner.quarantine.queues(), Trigger::Reconnected)
+            }
+            queue = requests.recv() => match queue {
+                Some(queue) => {
+                    // Every request made meanwhile is served by the same sweeps.
+                    let mut queues = vec![queue];
+                    while let Ok(more) = requests.try_recv() {
+                        if !queues.contains(&more) {
+                            queues.push(more);
+                        }
+                    }
+                    (queues, Trigger::Misread)
+                }
+                None => return,
+            },
+        };
         let Some(inner) = inner.upgrade() else {
             return;
         };
         let transport = NatsTransport { inner };
-        let queues = transport.inner.quarantine.queues();
         let sweeps = queues.iter().map(|queue| {
             let transport = &transport;
             async move {
-                if let Err(e) = transport.sweep(queue, Trigger::Reconnected).await {
-                    error!(queue = %queue, error = &e as &dyn std::error::Error, "quarantine sweep after a reconnection failed; a message that failed the connection may fail it again");
+                if let Err(e) = transport.sweep(queue, trigger).await {
+                    error!(queue = %queue, ?trigger, error = &e as &dyn std::error::Error, "quarantine sweep failed; a message async-nats cannot read may come back");
                 }
             }
         });
@@ -574,18 +603,20 @@ impl Transport for NatsTransport {
         queue: &str,
         prefetch: u16,
     ) -> Result<NatsSubscription, TransportError> {
-        let consumer = self.consumer(queue).await?;
+        // Fail now, by name, on a queue without its consumer.
+        self.consumer(queue).await?;
         self.sweep_first_read(queue).await;
         let config = &self.inner.config;
         let (subscription, task) = NatsSubscription::start(Pulling {
             client: self.inner.client.clone(),
-            consumer,
+            js: self.inner.js.clone(),
             queue: queue.to_owned(),
             prefetch,
             pull_wait: config.pull_wait(),
             ack_wait: config.ack_wait(),
             operation_timeout: config.operation_timeout(),
             reconnects: self.inner.reconnects.subscribe(),
+            sweeps: self.inner.sweeps.clone(),
         });
         self.spawned(task);
         Ok(subscription)
@@ -601,28 +632,28 @@ impl Transport for NatsTransport {
         if self.idle(&consumer, queue).await? {
             return Ok(None);
         }
-        let batch = consumer
-            .batch()
-            .max_messages(1)
-            .expires(config.fetch_wait())
-            .messages();
-        let mut batch = bounded(config.operation_timeout(), "a fetch", batch)
-            .await?
-            .map_err(|e| TransportError::connection_failed(format!("fetching from {queue}"), e))?;
-        let message = match bounded(
-            config.fetch_wait() + config.operation_timeout(),
-            "a fetch",
-            batch.next(),
+        let mut pull = Pull::start(
+            &self.inner.client,
+            &self.inner.js,
+            queue,
+            1,
+            config.fetch_wait(),
+            config.operation_timeout(),
         )
-        .await?
-        {
-            None => return Ok(None),
-            Some(Ok(m)) => m,
-            Some(Err(e)) => {
-                return Err(TransportError::Connection {
-                    context: format!("fetching from {queue}"),
-                    source: Some(e),
-                });
+        .await?;
+        let message = match pull.next().await {
+            Pulled::Message(m) => m,
+            Pulled::End => return Ok(None),
+            Pulled::Misread => {
+                let _ = self.inner.sweeps.send(queue.to_owned());
+                return Ok(None);
+            }
+            Pulled::Failed(why) => return Err(why),
+            Pulled::Lost => {
+                return Err(TransportError::connection_failed(
+                    format!("fetching from {queue}"),
+                    "the pull's subscription ended with its connection",
+                ));
             }
         };
         let delivery = delivery_of(

@@ -12,10 +12,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt as _;
 use retry_core::{
-    Consumer, HandlerError, HeaderValue, Message, RetryPolicy, TopologyPlan, Transport, headers,
+    Consumer, HandlerError, HeaderValue, Message, RetryPolicy, SoloGate, TopologyPlan, Transport,
+    headers,
 };
 use transport_nats::testing::{self, RawPublisher, header_block, nats_url};
-use transport_nats::{HEADER_BLOCK_HEADER, NatsTransport, UNDECODABLE_HEADER};
+use transport_nats::{HEADER_BLOCK_HEADER, NatsTransport, UNDECODABLE_HEADER, stream_name};
 
 const GOOD: usize = 240;
 /// Long enough for every wait here on a loaded machine; a passing run takes seconds.
@@ -128,6 +129,9 @@ async fn consume_past(
     let consumer = Consumer::builder(transport.clone(), queue.clone(), policy, handler)
         .with_prefetch(20)
         .with_suspect_poll(Duration::from_millis(500))
+        // Each test stands for a process of its own: one test's consumer waiting to run a
+        // suspect alone must not hold another's back.
+        .with_solo_gate(SoloGate::new())
         .build()
         .expect("a consumer");
     let running = tokio::spawn(consumer.run(async {
@@ -135,11 +139,33 @@ async fn consume_past(
     }));
 
     let good: HashSet<String> = (0..GOOD).map(|i| format!("good-{i:03}")).collect();
+    let js = async_nats::jetstream::new(admin.client().clone());
     let state = async || {
         let handled = handled.lock().expect("handled").clone();
         let missing = good.difference(&handled).count();
+        let mut streams = String::new();
+        for q in [queue.as_str(), plan.isolation_queue()] {
+            let consumer = match js.get_stream(stream_name(q)).await {
+                Ok(stream) => match stream.consumer_info(transport_nats::CONSUMER).await {
+                    Ok(i) => format!(
+                        "delivered {}, ack floor {}, {} pending, {} handed out, {} pulls waiting",
+                        i.delivered.stream_sequence,
+                        i.ack_floor.stream_sequence,
+                        i.num_pending,
+                        i.num_ack_pending,
+                        i.num_waiting
+                    ),
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => e.to_string(),
+            };
+            streams += &format!(
+                "; {q} holds {:?} (its consumer: {consumer})",
+                admin.count(q).await.ok()
+            );
+        }
         format!(
-            "{} of {GOOD} good messages handled ({missing} missing), {} connections lost, consumer {}, work stream holds {:?}, parking stream {:?}",
+            "{} of {GOOD} good messages handled ({missing} missing), {} connections lost, consumer {}{streams}; parking stream {:?}",
             GOOD - missing,
             transport.connection_losses(),
             if running.is_finished() {
@@ -147,7 +173,6 @@ async fn consume_past(
             } else {
                 "running"
             },
-            admin.count(&queue).await.ok(),
             admin.count(plan.parking_queue()).await.ok(),
         )
     };
@@ -298,4 +323,16 @@ async fn engine_headers_holding_garbage_are_the_engines_to_decide() {
         b"x-retry-first-failure: ~t:-1",
     ]);
     row("garbage", block, Expect::HandledOrParkedByTheEngine).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_408_status_is_parked() {
+    let block = b"NATS/1.0 408 Request Timeout\r\nNats-Msg-Id: odd\r\n\r\n".to_vec();
+    row("status408", block, Expect::Quarantined).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_100_status_is_parked() {
+    let block = b"NATS/1.0 100 Idle Heartbeat\r\nNats-Msg-Id: odd\r\n\r\n".to_vec();
+    row("status100", block, Expect::Quarantined).await;
 }
