@@ -49,6 +49,7 @@
 
 mod codec;
 mod config;
+mod connection;
 mod delivery;
 mod header_block;
 mod mover;

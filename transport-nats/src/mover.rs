@@ -21,12 +21,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::Client;
 use async_nats::jetstream::{AckKind, Context};
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
 use crate::codec::{DUE, MSG_ID, copy_id};
+use crate::connection::Receiver;
 use crate::delivery::now_millis;
 use crate::names::stream_name;
 use crate::pull::{Pull, Pulled};
@@ -38,7 +38,9 @@ const BATCH: usize = 256;
 const MAX_HORIZON: Duration = Duration::from_secs(5);
 
 pub(crate) struct Mover {
-    pub client: Client,
+    /// What pulls are made on.
+    pub receiver: Arc<Receiver>,
+    /// What moved clones are published and acked through.
     pub js: Context,
     /// The delay queue's name, for logs.
     pub queue: String,
@@ -67,8 +69,9 @@ impl Mover {
         loop {
             while moving.try_join_next().is_some() {}
             reconnects.borrow_and_update();
+            let (generation, receiver) = mover.receiver.client();
             let pulled = Pull::start(
-                &mover.client,
+                &receiver,
                 &mover.js,
                 &mover.queue,
                 BATCH,
@@ -80,6 +83,7 @@ impl Mover {
                 Ok(pull) => pull,
                 Err(e) => {
                     debug!(queue = %mover.queue, error = %e, "delay mover: pull failed; trying again");
+                    mover.receiver.revive(generation).await;
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     continue;
                 }
@@ -104,7 +108,11 @@ impl Mover {
                     Pulled::Misread => {
                         let _ = mover.sweeps.send(mover.queue.clone());
                     }
-                    Pulled::End | Pulled::Lost => break,
+                    Pulled::End => break,
+                    Pulled::Lost => {
+                        mover.receiver.revive(generation).await;
+                        break;
+                    }
                     Pulled::Failed(e) => {
                         debug!(queue = %mover.queue, error = %e, "delay mover: pull ended");
                         break;

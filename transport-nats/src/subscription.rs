@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use retry_core::{Delivery, Subscription, TransportError};
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 
+use crate::connection::Receiver;
 use crate::delivery::delivery_of;
 use crate::pull::{Pull, Pulled};
 use crate::tag::{Keeper, NatsTag};
@@ -37,7 +38,10 @@ impl std::fmt::Debug for NatsSubscription {
 }
 
 pub(crate) struct Pulling {
+    /// What the deliveries are settled and kept alive through.
     pub client: Client,
+    /// What pulls are made on.
+    pub receiver: Arc<Receiver>,
     /// What the deliveries' acks go through.
     pub js: Context,
     pub queue: String,
@@ -91,8 +95,9 @@ async fn pull(
         while let Ok(permit) = Arc::clone(&slots).try_acquire_owned() {
             permits.push(permit);
         }
+        let (generation, receiver) = p.receiver.client();
         let pulled = Pull::start(
-            &p.client,
+            &receiver,
             &p.js,
             &p.queue,
             permits.len(),
@@ -103,6 +108,7 @@ async fn pull(
         let mut pull = match pulled {
             Ok(pull) => pull,
             Err(why) => {
+                p.receiver.revive(generation).await;
                 if tx.send(Err(why)).await.is_err() {
                     return;
                 }
@@ -129,7 +135,11 @@ async fn pull(
                     let _ = p.sweeps.send(p.queue.clone());
                     continue;
                 }
-                Pulled::End | Pulled::Lost => break,
+                Pulled::End => break,
+                Pulled::Lost => {
+                    p.receiver.revive(generation).await;
+                    break;
+                }
                 Pulled::Failed(why) => {
                     if tx.send(Err(why)).await.is_err() {
                         return;

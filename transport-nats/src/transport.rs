@@ -22,6 +22,7 @@ use tracing::{error, info, warn};
 
 use crate::codec::{COPY_ID_PREFIX, DUE, MSG_ID, copy_id, read_headers, write_headers};
 use crate::config::NatsConfig;
+use crate::connection::{self, Events, Receiver, Role};
 use crate::delivery::{Origin, delivery_of, now_millis};
 use crate::mover::Mover;
 use crate::names::{CONSUMER, stream_name};
@@ -67,9 +68,11 @@ struct Inner {
     /// Movers by delay queue, and every subscription's pulling task.
     movers: Mutex<HashSet<String>>,
     tasks: Mutex<Vec<AbortHandle>>,
-    /// How many times the connection was (re)established.
+    /// The connection pulls are made on; `client` is for everything else.
+    receiver: Arc<Receiver>,
+    /// How many times the receiving connection was (re)established.
     reconnects: tokio::sync::watch::Sender<u64>,
-    /// How many times it was lost.
+    /// How many times either connection was lost.
     losses: Arc<AtomicU64>,
     /// The queues this transport reads, for the sweep that parks what async-nats cannot read.
     quarantine: Quarantine,
@@ -165,43 +168,12 @@ impl NatsTransport {
         let nodes = config
             .check()
             .map_err(|e| TransportError::Other(Box::new(e)))?;
-        // Each reconnection bumps a counter that pulls in flight watch: a pull made on the
-        // lost connection can never be answered, and waiting out its expiry would stall.
-        let (reconnects, _) = tokio::sync::watch::channel(0u64);
-        let losses = Arc::new(AtomicU64::new(0));
-        let bump = reconnects.clone();
-        let lost = Arc::clone(&losses);
-        let shown = config.url();
-        let mut options = async_nats::ConnectOptions::new()
-            .connection_timeout(config.operation_timeout())
-            .request_timeout(Some(config.operation_timeout()))
-            .event_callback(move |event| {
-                let (bump, lost, shown) = (bump.clone(), Arc::clone(&lost), shown.clone());
-                async move {
-                    match event {
-                        async_nats::Event::Connected => {
-                            bump.send_modify(|n| *n += 1);
-                            info!(url = %shown, "NATS connection (re)established");
-                        }
-                        async_nats::Event::Disconnected => {
-                            lost.fetch_add(1, Ordering::Relaxed);
-                            warn!(url = %shown, "NATS connection lost; reconnecting");
-                        }
-                        _ => {}
-                    }
-                }
-            });
-        if let Some(name) = config.name() {
-            options = options.name(name);
-        }
+        let events = Events {
+            reconnects: tokio::sync::watch::channel(0u64).0,
+            losses: Arc::new(AtomicU64::new(0)),
+        };
         let url = config.url();
-        let client = bounded(
-            config.operation_timeout(),
-            "connecting to NATS",
-            options.connect(nodes),
-        )
-        .await?
-        .map_err(|e| TransportError::connection_failed(format!("connecting to {url}"), e))?;
+        let client = connection::connect(&config, nodes.clone(), Role::Control, &events).await?;
         let server = client.server_info();
         let found = version(&server.version);
         if found.is_none_or(|v| v < MIN_SERVER_VERSION) {
@@ -237,6 +209,7 @@ impl NatsTransport {
                 ),
             });
         }
+        let receiver = Arc::new(Receiver::connect(&config, nodes, events.clone()).await?);
         info!(url = %url, version = %server.version, "connected to NATS JetStream");
         let (sweeps, sweep_requests) = tokio::sync::mpsc::unbounded_channel();
         let transport = NatsTransport {
@@ -248,8 +221,9 @@ impl NatsTransport {
                 consumers: tokio::sync::Mutex::new(HashMap::new()),
                 movers: Mutex::new(HashSet::new()),
                 tasks: Mutex::new(Vec::new()),
-                reconnects,
-                losses,
+                receiver,
+                reconnects: events.reconnects,
+                losses: events.losses,
                 quarantine: Quarantine::default(),
                 sweeps,
             }),
@@ -268,8 +242,10 @@ impl NatsTransport {
         &self.inner.config
     }
 
-    /// How many times this transport's connection was lost since it connected; the client
-    /// reconnects after each. Counted when async-nats reports the loss, a moment after it.
+    /// How many times one of this transport's two connections (the one its pulls are made
+    /// on, and the one for everything else) was lost since it connected: the client
+    /// reconnects after each, and a pulling connection whose client died is replaced.
+    /// Counted when async-nats reports the loss, a moment after it.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), retry_core::TransportError> {
@@ -310,6 +286,7 @@ impl NatsTransport {
                 task.abort();
             }
         }
+        self.inner.receiver.close().await;
         let _ = tokio::time::timeout(Duration::from_secs(5), self.inner.client.drain()).await;
     }
 
@@ -405,7 +382,7 @@ impl NatsTransport {
             let sweep = tokio::spawn(async move { first.sweep_first_read(&sweep_queue).await });
             self.spawned(sweep.abort_handle());
             let mover = Mover {
-                client: self.inner.client.clone(),
+                receiver: Arc::clone(&self.inner.receiver),
                 js: self.inner.js.clone(),
                 queue,
                 destination,
@@ -609,6 +586,7 @@ impl Transport for NatsTransport {
         let config = &self.inner.config;
         let (subscription, task) = NatsSubscription::start(Pulling {
             client: self.inner.client.clone(),
+            receiver: Arc::clone(&self.inner.receiver),
             js: self.inner.js.clone(),
             queue: queue.to_owned(),
             prefetch,
@@ -632,15 +610,23 @@ impl Transport for NatsTransport {
         if self.idle(&consumer, queue).await? {
             return Ok(None);
         }
-        let mut pull = Pull::start(
-            &self.inner.client,
+        let (generation, receiver) = self.inner.receiver.client();
+        let pulled = Pull::start(
+            &receiver,
             &self.inner.js,
             queue,
             1,
             config.fetch_wait(),
             config.operation_timeout(),
         )
-        .await?;
+        .await;
+        let mut pull = match pulled {
+            Ok(pull) => pull,
+            Err(e) => {
+                self.inner.receiver.revive(generation).await;
+                return Err(e);
+            }
+        };
         let message = match pull.next().await {
             Pulled::Message(m) => m,
             Pulled::End => return Ok(None),
@@ -650,6 +636,7 @@ impl Transport for NatsTransport {
             }
             Pulled::Failed(why) => return Err(why),
             Pulled::Lost => {
+                self.inner.receiver.revive(generation).await;
                 return Err(TransportError::connection_failed(
                     format!("fetching from {queue}"),
                     "the pull's subscription ended with its connection",

@@ -255,6 +255,14 @@ async fn consume_past(
             )
             .await;
             assert_eq!(transport.connection_losses(), 0, "no connection lost");
+            if expect == Expect::Handled {
+                assert_eq!(
+                    admin.count(parking).await.ok(),
+                    Some(0),
+                    "nothing parked: {}",
+                    state().await
+                );
+            }
         }
     }
 
@@ -326,6 +334,12 @@ async fn engine_headers_holding_garbage_are_the_engines_to_decide() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_carriage_return_inside_a_header_value_is_parked() {
+    let block = header_block(&[b"Nats-Msg-Id: odd", b"a: x\ry"]);
+    row("cr", block, Expect::Quarantined).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stored_408_status_is_parked() {
     let block = b"NATS/1.0 408 Request Timeout\r\nNats-Msg-Id: odd\r\n\r\n".to_vec();
     row("status408", block, Expect::Quarantined).await;
@@ -335,4 +349,154 @@ async fn a_stored_408_status_is_parked() {
 async fn a_stored_100_status_is_parked() {
     let block = b"NATS/1.0 100 Idle Heartbeat\r\nNats-Msg-Id: odd\r\n\r\n".to_vec();
     row("status100", block, Expect::Quarantined).await;
+}
+
+/// A consumer that starts while a process before it died holding a hostile message (its
+/// connection failed at it) parks the message before it comes back: it loses no connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_message_a_dead_process_held_is_parked_before_it_comes_back() {
+    // Long enough that the consumer below starts well before the dead process' deliveries
+    // come back.
+    let config = testing::test_config(&nats_url()).with_ack_wait(Duration::from_secs(10));
+    let Some(admin) =
+        testing::connect_or_skip("transport-nats' hostile-message tests", config.clone()).await
+    else {
+        return;
+    };
+    let queue = unique("dead");
+    let policy = RetryPolicy::delays([Duration::from_millis(300)])
+        .build()
+        .expect("a policy");
+    let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
+    let outcome = AssertUnwindSafe(start_after_a_death(
+        admin.clone(),
+        config,
+        queue,
+        plan.clone(),
+        policy,
+    ))
+    .catch_unwind()
+    .await;
+    testing::delete_plan(admin.client(), &plan).await;
+    admin.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+async fn start_after_a_death(
+    admin: NatsTransport,
+    config: transport_nats::NatsConfig,
+    queue: String,
+    plan: TopologyPlan,
+    policy: RetryPolicy,
+) {
+    const AROUND: usize = 10;
+    admin.provision(&plan).await.expect("provision");
+    for i in 0..AROUND {
+        testing::publish(admin.client(), &queue, &format!("good-{i}"), "x", &[]).await;
+    }
+    let block = header_block(&[b"Nats-Msg-Id: odd", b"tenant: ac\xffme"]);
+    let (url, subject, stored) = (nats_url(), queue.clone(), block.clone());
+    tokio::task::spawn_blocking(move || {
+        RawPublisher::connect(&url)
+            .and_then(|mut raw| raw.publish(&subject, &stored, b"hostile"))
+            .expect("the server stores the hostile message")
+    })
+    .await
+    .expect("the raw publish");
+    for i in AROUND..2 * AROUND {
+        testing::publish(admin.client(), &queue, &format!("good-{i}"), "x", &[]).await;
+    }
+
+    // The process that dies: a plain client pulls everything through the consumer, and its
+    // connection fails at the hostile message.
+    let (lost_tx, mut lost) = tokio::sync::mpsc::unbounded_channel();
+    let doomed = async_nats::ConnectOptions::new()
+        .event_callback(move |event| {
+            let lost_tx = lost_tx.clone();
+            async move {
+                if event == async_nats::Event::Disconnected {
+                    let _ = lost_tx.send(());
+                }
+            }
+        })
+        .connect(nats_url())
+        .await
+        .expect("the doomed process connects");
+    let stream = async_nats::jetstream::new(doomed.clone())
+        .get_stream(stream_name(&queue))
+        .await
+        .expect("the work stream");
+    let consumer: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(transport_nats::CONSUMER)
+        .await
+        .expect("its consumer");
+    let _batch = consumer
+        .batch()
+        .max_messages(3 * AROUND)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await
+        .expect("a pull");
+    tokio::time::timeout(DEADLINE, lost.recv())
+        .await
+        .expect("the doomed process loses its connection at the hostile message");
+    drop(_batch);
+    drop(doomed);
+
+    let transport = NatsTransport::connect(config)
+        .await
+        .expect("the new process connects");
+    let handled: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let seen = Arc::clone(&handled);
+    let handler = move |m: Message| {
+        let id = m.properties().message_id.clone().unwrap_or_default();
+        seen.lock().expect("handled").insert(id);
+        async { Ok::<(), HandlerError>(()) }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = Consumer::builder(transport.clone(), queue.clone(), policy, handler)
+        .with_prefetch(20)
+        .with_suspect_poll(Duration::from_millis(500))
+        .with_solo_gate(SoloGate::new())
+        .build()
+        .expect("a consumer");
+    let running = tokio::spawn(consumer.run(async {
+        let _ = stopped.await;
+    }));
+    let good: HashSet<String> = (0..2 * AROUND).map(|i| format!("good-{i}")).collect();
+    let explain = async || {
+        let done = handled.lock().expect("handled").intersection(&good).count();
+        format!(
+            "{done} of {} handled, {} connections lost, work stream {:?}, parking stream {:?}",
+            good.len(),
+            transport.connection_losses(),
+            admin.count(&queue).await.ok(),
+            admin.count(plan.parking_queue()).await.ok()
+        )
+    };
+    wait_until(
+        "every good message handled and the hostile one parked",
+        async || {
+            handled.lock().expect("handled").is_superset(&good)
+                && admin.count(&queue).await.ok() == Some(0)
+                && admin.count(plan.parking_queue()).await.ok() == Some(1)
+        },
+        &explain,
+    )
+    .await;
+    assert_eq!(
+        transport.connection_losses(),
+        0,
+        "parked before it came back: {}",
+        explain().await
+    );
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, running)
+        .await
+        .expect("the consumer stops")
+        .expect("its task")
+        .expect("the consumer ran to its end without error");
+    transport.close().await;
 }
