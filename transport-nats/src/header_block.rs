@@ -302,6 +302,37 @@ pub fn check_header_block(block: &[u8]) -> Result<(), HeaderBlockError> {
     }
 }
 
+/// The headers of a block [`check_header_block`] passes, or passes but for its status (the
+/// status is left out), read as async-nats reads them; otherwise why not.
+pub(crate) fn header_map(block: &[u8]) -> Result<async_nats::HeaderMap, HeaderBlockError> {
+    match check_header_block(block) {
+        Ok(()) => {}
+        Err(e) if e.failure() == ClientFailure::ReadAsStatus => {}
+        Err(e) => return Err(e),
+    }
+    let mut map = async_nats::HeaderMap::new();
+    // Checked: UTF-8, every name valid, no value with a CR.
+    let text = std::str::from_utf8(block).unwrap_or_default();
+    let mut lines = text.lines().skip(1).peekable();
+    while let Some(line) = lines.next() {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let mut value = value.trim_start().to_owned();
+        while let Some(more) = lines.next_if(|s| s.starts_with(char::is_whitespace)) {
+            value.push_str(more);
+        }
+        let (Ok(name), Ok(value)) = (
+            async_nats::HeaderName::from_str(name),
+            async_nats::HeaderValue::from_str(value.trim_end()),
+        ) else {
+            continue;
+        };
+        map.append(name, value);
+    }
+    Ok(map)
+}
+
 /// The error for a block whose first invalid UTF-8 byte is at `offset`.
 fn not_utf8(block: &[u8], offset: usize) -> HeaderBlockError {
     let before = block.get(..offset).unwrap_or(block);
@@ -606,6 +637,17 @@ mod tests {
         // Then lines in order.
         let err = problem(&block(&[b"bad name: x", b"no colon"]));
         assert!(matches!(err.problem, HeaderBlockProblem::BadName { .. }));
+    }
+
+    #[test]
+    fn a_passing_block_reads_as_async_nats_reads_it() {
+        let map =
+            header_map(b"NATS/1.0 408 Timeout\r\na: 1\r\nnote:  one\r\n two \r\na: 2\r\n\r\n")
+                .expect("readable");
+        let all: Vec<&str> = map.get_all("a").map(|v| v.as_str()).collect();
+        assert_eq!(all, ["1", "2"]);
+        assert_eq!(map.get("note").map(|v| v.as_str()), Some("one two"));
+        assert!(header_map(b"NATS/1.0\r\na: x\ry\r\n\r\n").is_err());
     }
 
     #[test]

@@ -57,6 +57,7 @@ mod names;
 mod provision;
 mod pull;
 mod quarantine;
+mod stored;
 mod subscription;
 mod tag;
 #[cfg(feature = "testing")]

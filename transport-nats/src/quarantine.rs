@@ -23,13 +23,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::Context;
-use async_nats::jetstream::consumer::Info as ConsumerInfo;
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::stream::RawMessage;
 use async_nats::{Client, HeaderMap};
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as BASE64;
-use bytes::Bytes;
 use retry_core::{HeaderValue, Timestamp, TransportError, headers};
 use tracing::{error, info, warn};
 
@@ -39,11 +34,9 @@ use crate::codec::{
 };
 use crate::delivery::now_millis;
 use crate::header_block::{HeaderBlockError, check_header_block};
-use crate::names::{CONSUMER, stream_name};
+use crate::names::stream_name;
 use crate::provision::bounded;
-
-/// JetStream's error code for "no message found".
-const NO_MESSAGE: u64 = 10037;
+use crate::stored::{StoredMessage, consumer_info, delete_stored, next_stored};
 
 /// Room kept in a parked copy for its other headers and the protocol's framing.
 const HEADROOM: usize = 4096;
@@ -140,71 +133,35 @@ impl Quarantine {
 /// Reads the consumer's handed-out range of `target.queue` and parks each message the client
 /// cannot read.
 async fn sweep(target: &SweepTarget<'_>) -> Result<Swept, TransportError> {
-    let stream = stream_name(target.queue);
-    let info: ConsumerInfo = api(
-        target,
-        format!("$JS.API.CONSUMER.INFO.{stream}.{CONSUMER}"),
-        Bytes::new(),
-        "reading a consumer",
-    )
-    .await?
-    .ok_or_else(|| missing(target, format!("consumer {CONSUMER} on stream {stream}")))
-    .and_then(|v| {
-        serde_json::from_value(v).map_err(|e| {
-            TransportError::connection_failed(
-                format!("reading the consumer of {}: its answer", target.queue),
-                e,
-            )
-        })
-    })?;
+    let info = consumer_info(target.client, target.timeout, target.queue).await?;
     let last = info.delivered.stream_sequence;
     let mut next = info.ack_floor.stream_sequence.saturating_add(1);
     let mut swept = Swept::default();
     // Acked messages are gone from a work-queue stream: asking for the next one on the
     // subject from `next` skips them, so the requests number the messages still handed out.
     while next <= last {
-        let request = serde_json::json!({ "seq": next, "next_by_subj": target.queue });
-        let Some(answer) = api(
-            target,
-            format!("$JS.API.STREAM.MSG.GET.{stream}"),
-            Bytes::from(request.to_string()),
-            "reading a stored message",
-        )
-        .await?
+        let Some(message) = next_stored(target.client, target.timeout, target.queue, next).await?
         else {
             break;
         };
-        let message: RawMessage = answer
-            .get("message")
-            .cloned()
-            .ok_or("no `message` in the answer")
-            .and_then(|m| serde_json::from_value(m).map_err(|_| "a `message` that does not parse"))
-            .map_err(|why| {
-                TransportError::connection_failed(
-                    format!("reading {} from sequence {next}", target.queue),
-                    why,
-                )
-            })?;
         if message.sequence > last || message.sequence < next {
             break;
         }
         next = message.sequence.saturating_add(1);
         swept.read += 1;
-        let Some(block) = decoded(target, &message, message.headers.as_deref())? else {
+        let Some(block) = &message.header_block else {
             continue;
         };
-        let Err(why) = check_header_block(&block) else {
+        let Err(why) = check_header_block(block) else {
             continue;
         };
         match &target.parking {
             Some(parking) => {
-                let payload =
-                    decoded(target, &message, Some(&message.payload))?.unwrap_or_default();
-                park(target, parking, &stream, &message, block, payload, &why).await?;
+                park(target, parking, &message, &why).await?;
                 swept.parked += 1;
             }
             None => {
-                error!(queue = %target.queue, stream = %stream, sequence = message.sequence, why = %why,
+                error!(queue = %target.queue, stream = %stream_name(target.queue), sequence = message.sequence, why = %why,
                     "a message async-nats cannot read is left in its stream: no plan this transport provisioned or verified names a parking queue for this queue; every consumer that pulls it loses its connection");
                 swept.left += 1;
             }
@@ -218,14 +175,11 @@ async fn sweep(target: &SweepTarget<'_>) -> Result<Swept, TransportError> {
 async fn park(
     target: &SweepTarget<'_>,
     parking: &str,
-    stream: &str,
-    message: &RawMessage,
-    block: Vec<u8>,
-    payload: Vec<u8>,
+    message: &StoredMessage,
     why: &HeaderBlockError,
 ) -> Result<(), TransportError> {
-    let stored_ns = message.time.unix_timestamp_nanos();
-    let id = copy_id(stream, message.sequence, stored_ns, parking);
+    let stream = stream_name(target.queue);
+    let id = copy_id(&stream, message.sequence, message.stored_ns, parking);
     let text = |s: &str| encode_value(&HeaderValue::Str(s.to_owned()));
     let now = Timestamp::from_millis(now_millis());
     let mut map = HeaderMap::new();
@@ -241,30 +195,31 @@ async fn park(
         headers::LAST_FAILURE,
         encode_value(&HeaderValue::Timestamp(now)).as_str(),
     );
+    let block = message.header_block.as_deref().unwrap_or_default();
     // A block kept whole (hex doubles it) must still fit the server's largest message with
     // the payload; a longer one is kept as far as it fits, and says how long it was.
     let room = target
         .client
         .server_info()
         .max_payload
-        .saturating_sub(payload.len() + HEADROOM)
+        .saturating_sub(message.payload.len() + HEADROOM)
         / 2;
-    let original_len = block.len();
-    let kept = if block.len() > room {
-        map.insert(
-            HEADER_BLOCK_LENGTH_HEADER,
-            encode_value(&HeaderValue::UInt(original_len as u64)).as_str(),
-        );
-        block.get(..room).unwrap_or_default().to_vec()
-    } else {
-        block
+    let kept = match block.get(..room) {
+        Some(start) if start.len() < block.len() => {
+            map.insert(
+                HEADER_BLOCK_LENGTH_HEADER,
+                encode_value(&HeaderValue::UInt(block.len() as u64)).as_str(),
+            );
+            start
+        }
+        _ => block,
     };
     map.insert(
         HEADER_BLOCK_HEADER,
-        encode_value(&HeaderValue::Bytes(kept)).as_str(),
+        encode_value(&HeaderValue::Bytes(kept.to_vec())).as_str(),
     );
     let publish = PublishMessage::build()
-        .payload(payload.into())
+        .payload(message.payload.clone().into())
         .headers(map)
         .expected_stream(stream_name(parking));
     let acked = bounded(
@@ -287,11 +242,11 @@ async fn park(
             e,
         )
     })?;
-    let deleted = api(
-        target,
-        format!("$JS.API.STREAM.MSG.DELETE.{stream}"),
-        Bytes::from(serde_json::json!({ "seq": message.sequence }).to_string()),
-        "deleting a parked message",
+    let deleted = delete_stored(
+        target.client,
+        target.timeout,
+        target.queue,
+        message.sequence,
     )
     .await?;
     warn!(
@@ -301,69 +256,8 @@ async fn park(
         parking = %parking,
         parked_as = acked.sequence,
         duplicate = acked.duplicate,
-        already_gone = deleted.is_none(),
+        already_gone = !deleted,
         "a message async-nats cannot read was parked `malformed` and removed from its queue"
     );
     Ok(())
-}
-
-/// `base64`, decoded; `None` for no text at all.
-fn decoded(
-    target: &SweepTarget<'_>,
-    message: &RawMessage,
-    base64: Option<&str>,
-) -> Result<Option<Vec<u8>>, TransportError> {
-    let Some(text) = base64.filter(|t| !t.is_empty()) else {
-        return Ok(None);
-    };
-    BASE64.decode(text).map(Some).map_err(|e| {
-        TransportError::connection_failed(
-            format!(
-                "reading {}#{}: the server's base64",
-                target.queue, message.sequence
-            ),
-            e,
-        )
-    })
-}
-
-fn missing(target: &SweepTarget<'_>, what: String) -> TransportError {
-    TransportError::MissingAddress {
-        address: format!("{what} (queue {})", target.queue),
-        hint: "provision the plan first".into(),
-    }
-}
-
-/// A JetStream API request made by hand: the answer's JSON, `None` for "no message found",
-/// or the server's error.
-async fn api(
-    target: &SweepTarget<'_>,
-    subject: String,
-    body: Bytes,
-    operation: &'static str,
-) -> Result<Option<serde_json::Value>, TransportError> {
-    let answer = bounded(
-        target.timeout,
-        operation,
-        target.client.request(subject.clone(), body),
-    )
-    .await?
-    .map_err(|e| TransportError::connection_failed(format!("{operation}: {subject}"), e))?;
-    let value: serde_json::Value = serde_json::from_slice(&answer.payload).map_err(|e| {
-        TransportError::connection_failed(format!("{operation}: {subject}: its answer"), e)
-    })?;
-    if let Some(err) = value.get("error") {
-        if err.get("err_code").and_then(serde_json::Value::as_u64) == Some(NO_MESSAGE) {
-            return Ok(None);
-        }
-        let server: Result<async_nats::jetstream::Error, _> = serde_json::from_value(err.clone());
-        return Err(match server {
-            Ok(e) => TransportError::connection_failed(format!("{operation}: {subject}"), e),
-            Err(_) => TransportError::connection_failed(
-                format!("{operation}: {subject}"),
-                err.to_string(),
-            ),
-        });
-    }
-    Ok(Some(value))
 }

@@ -9,26 +9,31 @@ use async_nats::Client;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::{GetStreamError, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
+use async_nats::jetstream::stream::Stream;
 use async_nats::jetstream::{self, Context, ErrorCode};
 use async_trait::async_trait;
 use retry_core::{
-    BrokerSignals, Capabilities, Delivery, Message, MessageParts, NativeParts, Publish,
-    PublishResult, QueueRole, QueueSpec, QueueWalk, Route, Settlement, TopologyPlan, Transport,
-    TransportError,
+    BrokerSignals, Capabilities, Delivery, HeaderValue, Headers, Message, MessageParts,
+    NativeParts, Publish, PublishResult, QueueRole, QueueSpec, QueueWalk, Route, Settlement,
+    TopologyPlan, Transport, TransportError,
 };
 use tokio::task::AbortHandle;
 use tracing::{error, info, warn};
 
-use crate::codec::{COPY_ID_PREFIX, DUE, MSG_ID, copy_id, read_headers, write_headers};
+use crate::codec::{
+    COPY_ID_PREFIX, DUE, HEADER_BLOCK_HEADER, MSG_ID, UNDECODABLE_HEADER, copy_id, read_headers,
+    write_headers,
+};
 use crate::config::NatsConfig;
 use crate::connection::{self, Events, Receiver, Role};
 use crate::delivery::{Origin, delivery_of, now_millis};
+use crate::header_block::header_map;
 use crate::mover::Mover;
 use crate::names::{CONSUMER, stream_name};
 use crate::provision::{self, bounded};
 use crate::pull::{Pull, Pulled};
 use crate::quarantine::{Quarantine, SweepTarget, Swept, Trigger};
+use crate::stored::next_stored;
 use crate::subscription::{NatsSubscription, Pulling};
 use crate::tag::{NatsTag, TagKind};
 
@@ -767,7 +772,6 @@ impl Transport for NatsTransport {
         Ok(Box::new(StoredWalk {
             transport: self,
             queue: queue.to_owned(),
-            stream: self.stream(queue).await?,
             next: 1,
         }))
     }
@@ -794,49 +798,51 @@ fn refused(e: &PublishError) -> bool {
 struct StoredWalk<'a> {
     transport: &'a NatsTransport,
     queue: String,
-    stream: Stream<()>,
     next: u64,
 }
 
 #[async_trait]
 impl QueueWalk<NatsTag> for StoredWalk<'_> {
+    /// Reads the next stored message by hand (see the `stored` module): one whose header
+    /// block async-nats cannot read is handed out with why ([`UNDECODABLE_HEADER`]) and its
+    /// block ([`HEADER_BLOCK_HEADER`]) as its only headers, rather than failing the walk.
     async fn next(&mut self) -> Result<Option<Delivery<NatsTag>>, TransportError> {
-        let read = self
-            .stream
-            .raw_message_builder()
-            .sequence(self.next)
-            .next_by_subject(self.queue.clone())
-            .send();
-        let message = match bounded(
+        let Some(message) = next_stored(
+            &self.transport.inner.client,
             self.transport.inner.config.operation_timeout(),
-            "reading a stored message",
-            read,
+            &self.queue,
+            self.next,
         )
         .await?
-        {
-            Ok(m) => m,
-            Err(e) if matches!(e.kind(), RawMessageErrorKind::NoMessageFound) => return Ok(None),
-            Err(e) => {
-                return Err(TransportError::connection_failed(
-                    format!("reading {} from sequence {}", self.queue, self.next),
-                    e,
-                ));
-            }
+        else {
+            return Ok(None);
         };
         self.next = message.sequence + 1;
-        let (properties, headers) = read_headers(Some(&message.headers));
+        let (properties, headers) = match message.header_block.as_deref().map(header_map) {
+            None => read_headers(None),
+            Some(Ok(map)) => read_headers(Some(&map)),
+            Some(Err(why)) => {
+                let mut headers = Headers::new();
+                headers.insert(UNDECODABLE_HEADER, why.to_string());
+                headers.insert(
+                    HEADER_BLOCK_HEADER,
+                    HeaderValue::Bytes(message.header_block.clone().unwrap_or_default()),
+                );
+                (read_headers(None).0, headers)
+            }
+        };
         let stream = stream_name(&self.queue);
         let parts = MessageParts {
             queue: self.queue.clone(),
             exchange: String::new(),
-            routing_key: message.subject.to_string(),
-            body: message.payload.to_vec(),
+            routing_key: message.subject,
+            body: message.payload,
             properties,
             headers,
             native: NativeParts::new(Origin {
                 stream: stream.clone(),
                 sequence: message.sequence,
-                stored_ns: message.time.unix_timestamp_nanos(),
+                stored_ns: message.stored_ns,
             }),
         };
         let tag = NatsTag::delivered(

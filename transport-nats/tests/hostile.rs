@@ -500,3 +500,80 @@ async fn start_after_a_death(
         .expect("the consumer ran to its end without error");
     transport.close().await;
 }
+
+/// A walk (what `retryctl` lists, replays and purges with) reads every stored message, and
+/// hands out one async-nats cannot read with why and its header block, instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_hands_out_what_async_nats_cannot_read_with_its_bytes() {
+    let Some(admin) = testing::connect_or_skip(
+        "transport-nats' hostile-message tests",
+        testing::test_config(&nats_url()),
+    )
+    .await
+    else {
+        return;
+    };
+    let queue = unique("walk");
+    let plan = TopologyPlan::new(&queue, &RetryPolicy::default()).expect("a plan");
+    let outcome = AssertUnwindSafe(async {
+        admin.provision(&plan).await.expect("provision");
+        let parking = plan.parking_queue().to_owned();
+        let blocks: Vec<Vec<u8>> = vec![
+            header_block(&[b"Nats-Msg-Id: first"]),
+            header_block(&[b"Nats-Msg-Id: odd-1", b"tenant: ac\xffme"]),
+            header_block(&[b"Nats-Msg-Id: odd-2", b"no colon here"]),
+            header_block(&[b"Nats-Msg-Id: odd-3", b"a: x\ry"]),
+            b"NATS/1.0 408 Request Timeout\r\nNats-Msg-Id: status\r\n\r\n".to_vec(),
+            header_block(&[b"Nats-Msg-Id: last"]),
+        ];
+        let (url, subject, stored) = (nats_url(), parking.clone(), blocks.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut raw = RawPublisher::connect(&url).expect("a raw connection");
+            for (i, block) in stored.iter().enumerate() {
+                let ack = raw
+                    .publish(&subject, block, format!("body-{i}").as_bytes())
+                    .expect("stored");
+                assert!(!ack.duplicate, "message {i} stored");
+            }
+        })
+        .await
+        .expect("the raw publishes");
+        let mut walk = admin.walk(&parking).await.expect("a walk");
+        let mut seen = Vec::new();
+        while let Some(d) = walk.next().await.expect("every message reads") {
+            let m = &d.message;
+            let undecodable = m.headers().get(UNDECODABLE_HEADER).is_some();
+            if undecodable {
+                assert_eq!(
+                    m.headers().get(HEADER_BLOCK_HEADER),
+                    Some(&HeaderValue::Bytes(blocks[seen.len()].clone())),
+                    "the block of message {}",
+                    seen.len()
+                );
+            }
+            seen.push((
+                String::from_utf8_lossy(m.body()).into_owned(),
+                m.properties().message_id.clone(),
+                undecodable,
+            ));
+            walk.leave(d.tag);
+        }
+        walk.end().await.expect("the walk ends");
+        let expected: Vec<(String, Option<String>, bool)> = vec![
+            ("body-0".into(), Some("first".into()), false),
+            ("body-1".into(), None, true),
+            ("body-2".into(), None, true),
+            ("body-3".into(), None, true),
+            ("body-4".into(), Some("status".into()), false),
+            ("body-5".into(), Some("last".into()), false),
+        ];
+        assert_eq!(seen, expected);
+    })
+    .catch_unwind()
+    .await;
+    testing::delete_plan(admin.client(), &plan).await;
+    admin.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
