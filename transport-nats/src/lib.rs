@@ -41,6 +41,55 @@
 //!   [`flush`](retry_core::Subscription::flush) flushes the connection); a fetched suspect
 //!   is double-acked.
 //!
+//! * **Two connections.** Pulls run on a connection of their own; publishes, acks and API
+//!   requests on the other. Only pulls bring stored messages in, so a message that takes a
+//!   connection down (next) takes down the pulling one only, and acks in flight are not
+//!   lost with it.
+//!
+//! ## Messages async-nats cannot read
+//!
+//! async-nats 0.49 parses every incoming message's header block on its connection's task,
+//! before anything else can look at it, and nats-server stores whatever bytes a producer's
+//! `HPUB` carries. [`check_header_block`] says, for a stored block, what the client does with
+//! it and why (the line, byte and header at fault):
+//!
+//! * a block that is not UTF-8, a first line that is not `NATS/1.0` or has no valid
+//!   status, a line without a colon, a header name with a character other than printable
+//!   ASCII: **the client fails its connection** and reconnects
+//!   ([`ClientFailure::ConnectionLost`]);
+//! * a header value holding a bare carriage return: **the client's connection task
+//!   panics**, and the client never works again ([`ClientFailure::ClientDies`]); the
+//!   transport replaces its pulling connection when a pull finds it dead;
+//! * a first line with a status other than 200 (`NATS/1.0 408`): a pull of async-nats'
+//!   would **read it as the server's word about the pull** ([`ClientFailure::ReadAsStatus`]);
+//!   the transport's pulls tell a stored message (it carries its ack subject as reply) from
+//!   the server's status, and report it.
+//!
+//! Such a message is handed out to the consumer that pulled it and stays so: it would come
+//! back after each ack wait and do the same again, forever. So the transport **sweeps**:
+//! after every (re)connection of its pulling connection, when a pull finds a misread
+//! message, and before it first reads a queue, it reads every message each queue's consumer
+//! has handed out and not had acked (from the ack floor to the last delivered sequence)
+//! with the stream's `MSG.GET` API by hand (JSON, the block in base64, never parsed by the
+//! client), and parks each one the client cannot read: a copy goes to the plan's parking
+//! queue with the original payload, `x-retry-reason: malformed`, why in
+//! [`UNDECODABLE_HEADER`], the block byte for byte in [`HEADER_BLOCK_HEADER`] (hex), the
+//! queue in `x-retry-origin-queue` and a `Nats-Msg-Id` naming the stream, sequence and store
+//! time; once the parking stream has acknowledged it, the original is deleted. A crash
+//! between the two leaves a second parked copy, never a loss.
+//!
+//! What it costs: **one lost pulling connection per such message per process** (none for a
+//! misread status, none for one a process before this one died holding: the sweep before
+//! the first read parks it), and the pull it came in: the messages that came with it are
+//! handed out to a connection that is gone, and come back after the ack wait, redelivered,
+//! so each runs alone once as a suspect. Its limits: a message never yet pulled is not
+//! looked at before it is; a queue that belongs to no plan this transport provisioned or
+//! verified has no parking queue, and its unreadable message is left where it is, with an
+//! error in the log, to fail every connection that pulls it; a sweep reads one message per
+//! request (about 55 µs each on loopback), and a delay stream's handed-out range holds
+//! every clone waiting for its time. A [walk](retry_core::Transport::walk) hands such a
+//! message out with why and its block as its only headers.
+//!
 //! What the server's durability means for the engine is in the guide,
 //! `docs/transports.md`.
 
