@@ -94,7 +94,9 @@ async fn what_the_client_does(block: Vec<u8>) -> Seen {
             // The subscription's sender went with the connection task.
             None => Seen::Failed(ClientFailure::ClientDies),
         },
-        _ = lost.recv() => Seen::Failed(ClientFailure::ConnectionLost),
+        // `None` is not a loss: the channel closes when the client's tasks end, as they do
+        // when the connection task panics.
+        Some(()) = lost.recv() => Seen::Failed(ClientFailure::ConnectionLost),
         () = tokio::time::sleep(Duration::from_secs(10)) => Seen::Nothing,
     };
     seen
