@@ -2,20 +2,20 @@
 //! stops.
 //!
 //! async-nats parses every message's header block on its connection task, and there is no
-//! way to look at the bytes first. A block it refuses fails the connection
-//! ([`check_header_block`] says which blocks and why); the message stays handed out
-//! (ack-pending) to the consumer that pulled it, comes back after the ack wait, and fails the
-//! next connection that pulls it, forever. The sweep breaks that loop where it can be broken:
-//! after the connection comes back, and when a queue is first read, it reads every message
-//! the queue's consumer has handed out and not had acked (the stream sequences above the
-//! consumer's ack floor up to the last one it delivered) with the stream's `MSG.GET` API,
-//! by hand: the answer is JSON with the header block in base64, which async-nats never
-//! parses. A message whose block the client cannot take is published to the plan's parking
-//! queue with its payload, why, and its header block byte for byte, the parking stream's
-//! acknowledgement awaited; then, and only then, it is deleted from its stream. A crash
-//! between the two leaves a second, parked copy (the copy's `Nats-Msg-Id` names the stream,
-//! sequence and store time, so a sweep repeated within the duplicate window stores it once),
-//! never a loss.
+//! way to look at the bytes first. A block it refuses fails the connection, or kills the
+//! client, or passes for the server's status ([`check_header_block`] says which blocks and
+//! why); the message stays handed out (ack-pending) to the consumer that pulled it, comes
+//! back after the ack wait, and does the same to the next pull, forever. The sweep breaks
+//! that loop: after the pulling connection comes back (or is replaced), when a pull reports
+//! a misread message, and before a queue is first read, it reads every message the queue's
+//! consumer has handed out and not had acked (the stream sequences above the consumer's ack
+//! floor up to the last one it delivered) by hand (see the `stored` module), so that
+//! async-nats never parses them. A message whose block the client cannot take is published
+//! to the plan's parking queue with its payload, why, and its header block byte for byte,
+//! the parking stream's acknowledgement awaited; then, and only then, it is deleted from its
+//! stream. A crash between the two leaves a second, parked copy (the copy's `Nats-Msg-Id`
+//! names the stream, sequence and store time, so a sweep repeated within the duplicate
+//! window stores it once), never a loss.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,7 +25,7 @@ use std::time::Duration;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::{Client, HeaderMap};
-use retry_core::{HeaderValue, Timestamp, TransportError, headers};
+use retry_core::{HeaderValue, TransportError, headers};
 use tracing::{error, info, warn};
 
 use crate::codec::{
@@ -44,7 +44,7 @@ const HEADROOM: usize = 4096;
 /// Why a sweep runs, for its log.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Trigger {
-    /// The transport's connection came back.
+    /// The pulling connection came back, or a new one replaced it.
     Reconnected,
     /// The queue is read for the first time by this transport.
     FirstRead,
@@ -59,7 +59,8 @@ pub(crate) struct Swept {
     pub read: usize,
     /// Messages parked and deleted.
     pub parked: usize,
-    /// Messages async-nats cannot read left where they are: no parking queue known.
+    /// Messages async-nats cannot read left where they are: no parking queue known, or the
+    /// parking failed.
     pub left: usize,
 }
 
@@ -156,10 +157,15 @@ async fn sweep(target: &SweepTarget<'_>) -> Result<Swept, TransportError> {
             continue;
         };
         match &target.parking {
-            Some(parking) => {
-                park(target, parking, &message, &why).await?;
-                swept.parked += 1;
-            }
+            // One that cannot be parked does not keep the others in place.
+            Some(parking) => match park(target, parking, &message, &why).await {
+                Ok(()) => swept.parked += 1,
+                Err(e) => {
+                    error!(queue = %target.queue, sequence = message.sequence, why = %why, parking = %parking, error = &e as &dyn std::error::Error,
+                        "parking a message async-nats cannot read failed; it stays handed out, and the next sweep tries again");
+                    swept.left += 1;
+                }
+            },
             None => {
                 error!(queue = %target.queue, stream = %stream_name(target.queue), sequence = message.sequence, why = %why,
                     "a message async-nats cannot read is left in its stream: no plan this transport provisioned or verified names a parking queue for this queue; every consumer that pulls it loses its connection");
@@ -181,7 +187,6 @@ async fn park(
     let stream = stream_name(target.queue);
     let id = copy_id(&stream, message.sequence, message.stored_ns, parking);
     let text = |s: &str| encode_value(&HeaderValue::Str(s.to_owned()));
-    let now = Timestamp::from_millis(now_millis());
     let mut map = HeaderMap::new();
     map.insert(MSG_ID, id.as_str());
     map.insert(headers::REASON, "malformed");
@@ -191,9 +196,11 @@ async fn park(
         headers::LAST_ERROR,
         text(&format!("async-nats cannot read its header block: {why}")).as_str(),
     );
+    // As the engine writes it: integer milliseconds.
+    let now = i64::try_from(now_millis()).unwrap_or(i64::MAX);
     map.insert(
         headers::LAST_FAILURE,
-        encode_value(&HeaderValue::Timestamp(now)).as_str(),
+        encode_value(&HeaderValue::Int(now)).as_str(),
     );
     let block = message.header_block.as_deref().unwrap_or_default();
     // A block kept whole (hex doubles it) must still fit the server's largest message with

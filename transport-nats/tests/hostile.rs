@@ -577,3 +577,73 @@ async fn a_walk_hands_out_what_async_nats_cannot_read_with_its_bytes() {
         std::panic::resume_unwind(panic);
     }
 }
+
+/// A queue read by a transport that never provisioned or verified its plan has no parking
+/// queue the transport knows of: its unreadable message is left where it is (and keeps
+/// failing connections), never deleted unparked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_known_plan_an_unreadable_message_is_left_in_place() {
+    let Some(admin) = testing::connect_or_skip(
+        "transport-nats' hostile-message tests",
+        testing::test_config(&nats_url()),
+    )
+    .await
+    else {
+        return;
+    };
+    let queue = unique("noplan");
+    let plan = TopologyPlan::new(&queue, &RetryPolicy::default()).expect("a plan");
+    let outcome = AssertUnwindSafe(async {
+        admin.provision(&plan).await.expect("provision");
+        let (url, subject) = (nats_url(), queue.clone());
+        tokio::task::spawn_blocking(move || {
+            let block = header_block(&[b"tenant: ac\xffme"]);
+            RawPublisher::connect(&url)
+                .and_then(|mut raw| raw.publish(&subject, &block, b"hostile"))
+                .expect("stored")
+        })
+        .await
+        .expect("the raw publish");
+        // Knows the queue's consumer, not its plan.
+        let transport = NatsTransport::connect(testing::test_config(&nats_url()))
+            .await
+            .expect("connect");
+        let subscription = transport.consume(&queue, 20).await.expect("consume");
+        let explain = async || {
+            format!(
+                "{} connections lost, work stream {:?}, parking stream {:?}",
+                transport.connection_losses(),
+                admin.count(&queue).await.ok(),
+                admin.count(plan.parking_queue()).await.ok()
+            )
+        };
+        // Lost once when first pulled, and again when it came back: it was left.
+        wait_until(
+            "the message fails a second connection",
+            async || transport.connection_losses() >= 2,
+            &explain,
+        )
+        .await;
+        assert_eq!(
+            admin.count(&queue).await.ok(),
+            Some(1),
+            "{}",
+            explain().await
+        );
+        assert_eq!(
+            admin.count(plan.parking_queue()).await.ok(),
+            Some(0),
+            "{}",
+            explain().await
+        );
+        drop(subscription);
+        transport.close().await;
+    })
+    .catch_unwind()
+    .await;
+    testing::delete_plan(admin.client(), &plan).await;
+    admin.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
