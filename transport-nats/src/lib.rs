@@ -41,10 +41,10 @@
 //!   [`flush`](retry_core::Subscription::flush) flushes the connection); a fetched suspect
 //!   is double-acked.
 //!
-//! * **Two connections.** Pulls run on a connection of their own; publishes, acks and API
-//!   requests on the other. Only pulls bring stored messages in, so a message that takes a
-//!   connection down (next) takes down the pulling one only, and acks in flight are not
-//!   lost with it.
+//! * **Two connections.** Pulls run on a connection of their own, with the acks and
+//!   keep-alives of a subscription's deliveries; publishes and API requests on the other.
+//!   Only pulls bring stored messages in, so a message that takes a connection down (next)
+//!   takes down the pulling one only: publishing clones and parking go on.
 //!
 //! ## Messages async-nats cannot read
 //!

@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::Client;
 use async_nats::jetstream::Context;
 use async_trait::async_trait;
 use retry_core::{Delivery, Subscription, TransportError};
@@ -25,7 +24,8 @@ use crate::tag::{Keeper, NatsTag};
 pub struct NatsSubscription {
     deliveries: Mutex<mpsc::Receiver<Result<Delivery<NatsTag>, TransportError>>>,
     cancel: watch::Sender<bool>,
-    client: Client,
+    /// Where its deliveries' acks go.
+    receiver: Arc<Receiver>,
     queue: String,
 }
 
@@ -38,9 +38,8 @@ impl std::fmt::Debug for NatsSubscription {
 }
 
 pub(crate) struct Pulling {
-    /// What the deliveries are settled and kept alive through.
-    pub client: Client,
-    /// What pulls are made on.
+    /// What pulls are made on, and deliveries settled and kept alive through: the
+    /// connection that brought them.
     pub receiver: Arc<Receiver>,
     /// What the deliveries' acks go through.
     pub js: Context,
@@ -62,7 +61,7 @@ impl NatsSubscription {
         let subscription = NatsSubscription {
             deliveries: Mutex::new(rx),
             cancel,
-            client: p.client.clone(),
+            receiver: Arc::clone(&p.receiver),
             queue: p.queue.clone(),
         };
         let task = tokio::spawn(pull(p, tx, cancelled));
@@ -76,7 +75,8 @@ async fn pull(
     mut cancelled: watch::Receiver<bool>,
 ) {
     let slots = Arc::new(Semaphore::new(usize::from(p.prefetch.max(1))));
-    let keeper = Keeper::start(p.client.clone(), p.ack_wait / 3);
+    let (mut kept_on, first_client) = p.receiver.client();
+    let keeper = Keeper::start(first_client, p.ack_wait / 3);
     let mut failures = 0u32;
     loop {
         if *cancelled.borrow() {
@@ -96,6 +96,10 @@ async fn pull(
             permits.push(permit);
         }
         let (generation, receiver) = p.receiver.client();
+        if generation != kept_on {
+            keeper.use_client(receiver.clone());
+            kept_on = generation;
+        }
         let pulled = Pull::start(
             &receiver,
             &p.js,
@@ -149,7 +153,7 @@ async fn pull(
             };
             let permit = permits.pop();
             match delivery_of(
-                &p.client,
+                &receiver,
                 message,
                 &p.queue,
                 false,
@@ -191,7 +195,8 @@ impl Subscription for NatsSubscription {
     }
 
     async fn flush(&self) -> Result<(), TransportError> {
-        self.client.flush().await.map_err(|e| {
+        let (_, client) = self.receiver.client();
+        client.flush().await.map_err(|e| {
             TransportError::connection_failed(format!("flushing acks of {}", self.queue), e)
         })
     }

@@ -73,15 +73,25 @@ impl KeepAlive {
 /// period after it arrived, and then every period, as with a task of its own. The task
 /// ends once the subscription and every delivery it handed out are gone.
 pub(crate) struct Keeper {
-    client: Client,
+    /// The connection the subscription's deliveries came on, which a replaced pulling
+    /// connection changes.
+    client: Mutex<Client>,
     next: AtomicU64,
     unsettled: Mutex<HashMap<u64, Subject>>,
 }
 
 impl Keeper {
+    /// Keeps deliveries alive through `client` from now on: the one their pulls are made
+    /// on.
+    pub(crate) fn use_client(&self, client: Client) {
+        if let Ok(mut current) = self.client.lock() {
+            *current = client;
+        }
+    }
+
     pub(crate) fn start(client: Client, every: Duration) -> Arc<Keeper> {
         let keeper = Arc::new(Keeper {
-            client,
+            client: Mutex::new(client),
             next: AtomicU64::new(0),
             unsettled: Mutex::new(HashMap::new()),
         });
@@ -100,7 +110,9 @@ impl Keeper {
                     .lock()
                     .map(|u| u.values().cloned().collect())
                     .unwrap_or_default();
-                let client = keeper.client.clone();
+                let Ok(client) = keeper.client.lock().map(|c| c.clone()) else {
+                    return;
+                };
                 drop(keeper);
                 for reply in replies {
                     if client

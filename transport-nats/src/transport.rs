@@ -590,7 +590,6 @@ impl Transport for NatsTransport {
         self.sweep_first_read(queue).await;
         let config = &self.inner.config;
         let (subscription, task) = NatsSubscription::start(Pulling {
-            client: self.inner.client.clone(),
             receiver: Arc::clone(&self.inner.receiver),
             js: self.inner.js.clone(),
             queue: queue.to_owned(),
