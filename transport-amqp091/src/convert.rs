@@ -911,4 +911,99 @@ mod tests {
         assert_eq!(out.delivery_mode(), &Some(2));
         assert_eq!(out.expiration().as_ref().map(|s| s.as_str()), Some("1500"));
     }
+
+    /// Deliveries the connection's tap kept from lapin (see the `undecodable` module).
+    mod undecodable {
+        use super::super::*;
+        use crate::tap::Frames;
+        use crate::tap::{MARK, Refusals};
+        use crate::testing::RawProperties;
+        use crate::undecodable::{RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};
+        use lapin::BasicProperties;
+        use lapin::message::Delivery;
+        use lapin::types::AMQPValue;
+        use lapin::types::FieldTable;
+        use retry_core::HeaderValue;
+
+        fn delivery(headers: FieldTable) -> Delivery {
+            let mut d = Delivery::mock(4, "".into(), "q".into(), true, b"body".to_vec());
+            d.properties = BasicProperties::default()
+                .with_message_id("id".into())
+                .with_headers(headers);
+            d
+        }
+
+        /// The token the tap puts in a message it keeps from lapin, with `properties`.
+        fn refused(refusals: &Refusals, properties: &RawProperties) -> String {
+            let mut payload = vec![0, 60, 0, 0];
+            payload.extend_from_slice(&4u64.to_be_bytes());
+            payload.extend_from_slice(&properties.encode());
+            let mut frame = vec![2, 0, 1];
+            frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+            frame.extend_from_slice(&payload);
+            frame.push(0xCE);
+            let mut frames = Frames::new(crate::tap::DEFAULT_FRAME_MAX);
+            frames.feed(&frame, refusals).unwrap();
+            let mut out = vec![0; 512];
+            let n = frames.read_into(&mut out);
+            let text = String::from_utf8_lossy(&out[..n]).into_owned();
+            let at = text.find(MARK).expect("marked") + MARK.len() + 5;
+            text[at..at + 32].to_owned()
+        }
+
+        #[test]
+        fn a_delivery_the_tap_kept_comes_out_marked_with_its_properties() {
+            let refusals = Refusals::new();
+            let bad = RawProperties::new().message_id(b"bad-\xff");
+            let token = refused(&refusals, &bad);
+            let mut headers = FieldTable::default();
+            headers.insert(MARK.into(), AMQPValue::LongString(token.as_str().into()));
+            let d = received(delivery(headers), "q", Some(&refusals), |tag, _| tag);
+            let h = d.message.headers();
+            assert_eq!(
+                h.get(UNDECODABLE_HEADER).and_then(HeaderValue::as_str),
+                Some("message-id is not UTF-8 (62 61 64 2d ff)")
+            );
+            assert_eq!(
+                h.get(RAW_PROPERTIES_HEADER),
+                Some(&HeaderValue::Bytes(bad.encode()))
+            );
+            assert_eq!(
+                d.message.properties().message_id,
+                None,
+                "no property of it is trusted"
+            );
+            assert_eq!(d.message.body(), b"body");
+            assert!(d.facts.redelivered);
+            assert_eq!(d.tag, 4);
+        }
+
+        #[test]
+        fn marks_from_a_publisher_are_removed_and_the_message_read_as_it_came() {
+            let refusals = Refusals::new();
+            let mut headers = FieldTable::default();
+            headers.insert(
+                MARK.into(),
+                AMQPValue::LongString(format!("{:032x}", 7).into()),
+            );
+            headers.insert(
+                UNDECODABLE_HEADER.into(),
+                AMQPValue::LongString("forged".into()),
+            );
+            headers.insert(
+                RAW_PROPERTIES_HEADER.into(),
+                AMQPValue::LongString("forged".into()),
+            );
+            headers.insert("user".into(), AMQPValue::LongString("kept".into()));
+            for refusals in [Some(&refusals), None] {
+                let d = received(delivery(headers.clone()), "q", refusals, |tag, _| tag);
+                let h = d.message.headers();
+                assert_eq!(h.get(MARK), None);
+                assert_eq!(h.get(UNDECODABLE_HEADER), None);
+                assert_eq!(h.get(RAW_PROPERTIES_HEADER), None);
+                assert_eq!(h.get("user").and_then(HeaderValue::as_str), Some("kept"));
+                assert_eq!(d.message.properties().message_id.as_deref(), Some("id"));
+            }
+        }
+    }
 }
