@@ -215,10 +215,9 @@ impl Frames {
         let mut at = 0;
         while at < data.len() {
             let rest = &data[at..];
-            if rest.starts_with(b"AMQP") || (rest.len() < 4 && b"AMQP".starts_with(rest)) {
-                if rest.len() < 4 {
-                    break;
-                }
+            if rest[0] == b'A' {
+                // No frame type: "AMQP" and a version, the broker refusing ours. It closes
+                // the connection after it; everything passes as it came.
                 self.passthrough = true;
                 self.output.extend_from_slice(rest);
                 at = data.len();
