@@ -13,7 +13,6 @@ use retry_core::{Delivery, Subscription, TransportError};
 use tokio::sync::{Mutex, watch};
 use tracing::{info, warn};
 
-use crate::UNDECODABLE_HEADER;
 use crate::acks::Acks;
 use crate::convert::received;
 use crate::error::{connection_error, queue_error, short};
@@ -128,13 +127,10 @@ impl std::fmt::Debug for AmqpSubscription {
 }
 
 impl AmqpSubscription {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         queue: String,
         prefetch: u16,
-        consumer_tag: String,
-        channel: Channel,
-        consumer: Consumer,
+        (channel, consumer_tag, consumer): (Channel, String, Consumer),
         acks: Arc<Acks>,
         link: Arc<Link>,
         dead_letters_undecodable: bool,
@@ -262,13 +258,12 @@ impl Subscription for AmqpSubscription {
                     AmqpTag::batched(Arc::clone(&self.acks), epoch, delivery_tag)
                 },
             );
-            if self.dead_letters_undecodable
-                && let Some(why) = delivery.message.headers().get(UNDECODABLE_HEADER)
+            match undecodable::unless_parked(&self.queue, delivery, self.dead_letters_undecodable)
+                .await
             {
-                undecodable::reject(&self.queue, &delivery.tag, why).await;
-                continue;
+                Some(delivery) => return Ok(Some(delivery)),
+                None => continue,
             }
-            return Ok(Some(delivery));
         }
     }
 

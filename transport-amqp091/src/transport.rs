@@ -376,9 +376,7 @@ impl Transport for AmqpTransport {
         Ok(AmqpSubscription::new(
             queue.to_owned(),
             prefetch,
-            consumer_tag,
-            channel,
-            consumer,
+            (channel, consumer_tag, consumer),
             acks,
             Arc::clone(&self.link),
             self.dead_letters(queue),
@@ -411,11 +409,10 @@ impl Transport for AmqpTransport {
                 Some(self.link.refusals()),
                 |delivery_tag, acker| AmqpTag::fetched(acker, delivery_tag, timeout),
             );
-            match delivery.message.headers().get(UNDECODABLE_HEADER) {
-                Some(why) if self.dead_letters(queue) => {
-                    undecodable::reject(queue, &delivery.tag, why).await;
-                }
-                _ => return Ok(Some(delivery)),
+            if let Some(delivery) =
+                undecodable::unless_parked(queue, delivery, self.dead_letters(queue)).await
+            {
+                return Ok(Some(delivery));
             }
         }
     }

@@ -11,7 +11,9 @@
 //! removed.
 
 use lapin::types::AMQPValue;
-use retry_core::{HeaderValue, Headers, MessageParts, NativeParts, Properties, Settlement};
+use retry_core::{
+    Delivery, HeaderValue, Headers, MessageParts, NativeParts, Properties, Settlement,
+};
 use tracing::warn;
 
 use crate::tag::AmqpTag;
@@ -118,18 +120,27 @@ pub(crate) fn parts(
     }
 }
 
-/// Settles a delivery the tap kept from lapin with `basic.reject`, without requeue: `queue`
-/// dead-letters it into its parking queue, as it came. A reject that fails (the channel is
-/// gone) is logged and left: the broker has the delivery back and hands it out again.
-pub(crate) async fn reject(queue: &str, tag: &AmqpTag, why: &HeaderValue) {
-    let why = why.as_str().unwrap_or_default();
+/// `delivery`, unless the tap kept it from lapin and `queue` dead-letters into its parking
+/// queue (`dead_letters`): that one is settled `basic.reject` without requeue here, so the
+/// queue dead-letters it as it came, and `None` comes back. A reject that fails (the channel
+/// is gone) is logged and left: the broker has the delivery back and hands it out again.
+pub(crate) async fn unless_parked(
+    queue: &str,
+    delivery: Delivery<AmqpTag>,
+    dead_letters: bool,
+) -> Option<Delivery<AmqpTag>> {
+    let why = match delivery.message.headers().get(UNDECODABLE_HEADER) {
+        Some(why) if dead_letters => why.as_str().unwrap_or_default(),
+        _ => return Some(delivery),
+    };
     warn!(
         queue,
-        delivery_tag = tag.delivery_tag(),
+        delivery_tag = delivery.tag.delivery_tag(),
         why,
         "rejecting a message that cannot be read as it came: the queue dead-letters it into its parking queue"
     );
-    if let Err(e) = tag.settle(Settlement::Reject).await {
+    if let Err(e) = delivery.tag.settle(Settlement::Reject).await {
         warn!(queue, error = %e, "the reject of a message that cannot be read failed; the broker hands it out again");
     }
+    None
 }
