@@ -942,7 +942,7 @@ mod tests {
             frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
             frame.extend_from_slice(&payload);
             frame.push(0xCE);
-            let mut frames = Frames::new(crate::tap::DEFAULT_FRAME_MAX);
+            let mut frames = Frames::new(None);
             frames.feed(&frame, refusals).unwrap();
             let mut out = vec![0; 512];
             let n = frames.read_into(&mut out);

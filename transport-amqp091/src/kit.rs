@@ -28,24 +28,25 @@ pub(crate) type Inner = AsyncTcpStream<<Tokio as Reactor>::TcpStream>;
 #[derive(Clone, Debug)]
 pub(crate) struct TapKit {
     tokio: Tokio,
-    frame_max: u32,
+    /// The `frame_max` the connection proposes, if any.
+    proposed: Option<u32>,
     refusals: Arc<Refusals>,
 }
 
 impl TapKit {
-    /// On the current tokio runtime; the streams it taps allow frames up to `frame_max` and
-    /// keep what they refuse in `refusals`.
-    pub(crate) fn current(frame_max: u32, refusals: Arc<Refusals>) -> Self {
+    /// On the current tokio runtime, for a connection that proposes `proposed` as its
+    /// `frame_max`; the streams it taps keep what they refuse in `refusals`.
+    pub(crate) fn current(proposed: Option<u32>, refusals: Arc<Refusals>) -> Self {
         TapKit {
             tokio: Tokio::current(),
-            frame_max,
+            proposed,
             refusals,
         }
     }
 
     /// `stream`, tapped.
     pub(crate) fn tap(&self, stream: Inner) -> Tapped<Inner> {
-        Tapped::new(stream, self.frame_max, Arc::clone(&self.refusals))
+        Tapped::new(stream, self.proposed, Arc::clone(&self.refusals))
     }
 }
 

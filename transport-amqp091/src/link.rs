@@ -41,7 +41,7 @@ use crate::error::{closes_only_a_channel, connection_error};
 use crate::handed::{Handed, refusal};
 use crate::kit::TapKit;
 use crate::nodes::{self, NodeOrder, Nodes};
-use crate::tap::{DEFAULT_FRAME_MAX, Refusals};
+use crate::tap::Refusals;
 use crate::tls::{self, Tls};
 
 /// How many rounds over the nodes a recovery makes before it gives up, each after a pause
@@ -410,8 +410,7 @@ fn tls_settings(config: &AmqpConfig) -> Result<Option<Tls>, TransportError> {
 /// failed, is given up, so that its IO loop ends.
 ///
 /// lapin reads every stream through a tap (see the `tap` module), which keeps the messages
-/// it cannot parse from it in `refusals`. The connection proposes the URL's `frame_max`, or
-/// [`DEFAULT_FRAME_MAX`], so that the tap knows the largest frame that can come.
+/// it cannot parse from it in `refusals`.
 async fn connect(
     config: &AmqpConfig,
     nodes: &Arc<Nodes>,
@@ -434,14 +433,7 @@ async fn connect(
     if config.external_auth() {
         uri.query.auth_mechanism = Some(lapin::uri::SASLMechanism::External);
     }
-    let proposed = match uri.query.frame_max {
-        Some(n) if n > 0 => n,
-        _ => DEFAULT_FRAME_MAX,
-    };
-    uri.query.frame_max = Some(proposed);
-    // lapin raises a proposal below the protocol's minimum to it.
-    let frame_max = proposed.max(lapin::protocol::constants::FRAME_MIN_SIZE);
-    let kit = TapKit::current(frame_max, Arc::clone(refusals));
+    let kit = TapKit::current(uri.query.frame_max, Arc::clone(refusals));
     let runtime = async_rs::Runtime::new(kit.clone());
     let streams = Arc::clone(nodes);
     let handed = Handed::new();

@@ -15,8 +15,8 @@
 //!   message's content header is replaced as above, whatever it holds.
 //!
 //! Everything else passes as it came, body frames included. Frames are bounded by the
-//! `frame_max` the connection proposes (lapin never agrees to more): a larger one fails the
-//! stream, as it would fail lapin. A protocol header from the broker (a version it refuses)
+//! `frame_max` lapin agrees to, read from the broker's `connection.tune` (128 KiB before
+//! it): a larger one fails the stream without being buffered. A protocol header from the broker (a version it refuses)
 //! passes untouched, and so does everything after it.
 //!
 //! The token is the tap's secret followed by a counter: a publisher that writes [`MARK`]
@@ -30,15 +30,20 @@ use std::sync::Mutex;
 use std::task::{Context, Poll};
 
 use futures::{AsyncRead, AsyncWrite};
+use lapin::protocol::constants::FRAME_MIN_SIZE;
 
 use crate::inspect::{self, Refusal};
 
 /// The header a replaced content header carries: a token naming its [`Refused`] entry.
 pub(crate) const MARK: &str = "x-amqp091-tap";
 
-/// `frame_max` when the URL sets none: RabbitMQ's default, proposed to the broker so that
-/// the tap knows the largest frame that can come.
-pub(crate) const DEFAULT_FRAME_MAX: u32 = 128 * 1024;
+/// The largest frame before the broker's `connection.tune`: the protocol allows 4 KiB until
+/// then, and RabbitMQ's `connection.start` is under 1 KiB.
+const BEFORE_TUNE: usize = 128 * 1024;
+
+/// The largest frame when neither the broker nor the URL sets a `frame_max`, and lapin takes
+/// any: RabbitMQ's largest message.
+const NO_LIMIT: usize = 128 << 20;
 
 /// How many refusals wait for the transport at most, and how many of their bytes: a
 /// delivery lapin drops unread (its channel closed) never takes its entry.
@@ -52,6 +57,8 @@ const FRAME_END: u8 = 0xCE;
 const FRAME_HEAD: usize = 7;
 /// The `channel` class: a channel opened or closed starts its frames afresh.
 const CHANNEL_CLASS: u16 = 20;
+/// `connection.tune`: the broker's `frame_max`.
+const TUNE: [u8; 4] = [0, 10, 0, 30];
 
 /// A message the tap kept from lapin.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -153,8 +160,10 @@ pub(crate) struct Frames {
     /// Bytes for lapin, from `read`.
     output: Vec<u8>,
     read: usize,
-    /// The largest frame that may come.
+    /// The largest frame that may come, its header and end byte included.
     frame_max: usize,
+    /// The `frame_max` the connection proposes (the URL's), if any.
+    proposed: Option<u32>,
     /// Per channel: a refusal of the method frame whose content header comes next.
     announced: HashMap<u16, Refusal>,
     /// The broker refused the protocol version: everything passes untouched.
@@ -162,12 +171,14 @@ pub(crate) struct Frames {
 }
 
 impl Frames {
-    pub(crate) fn new(frame_max: u32) -> Self {
+    /// For a connection that proposes `proposed` as its `frame_max`.
+    pub(crate) fn new(proposed: Option<u32>) -> Self {
         Frames {
             input: Vec::new(),
             output: Vec::new(),
             read: 0,
-            frame_max: frame_max as usize,
+            frame_max: BEFORE_TUNE,
+            proposed: proposed.filter(|&n| n > 0),
             announced: HashMap::new(),
             passthrough: false,
         }
@@ -194,8 +205,24 @@ impl Frames {
         self.output.append(&mut self.input);
     }
 
-    /// Takes `bytes` from the socket. A frame larger than `frame_max` is an error: lapin
-    /// would refuse it too, and it is not buffered.
+    /// The broker proposed `frame_max` in its `connection.tune`: what lapin agrees to, as it
+    /// agrees (the smaller of the two proposals, either where the other is 0; at least its
+    /// `FRAME_MIN_SIZE`), bounds every frame from now on.
+    fn tuned(&mut self, frame_max: u32) {
+        let agreed = match (frame_max, self.proposed) {
+            (0, None) => 0,
+            (0, Some(ours)) => ours,
+            (theirs, Some(ours)) => theirs.min(ours),
+            (theirs, None) => theirs,
+        };
+        self.frame_max = match agreed {
+            0 => NO_LIMIT,
+            n => n.max(FRAME_MIN_SIZE) as usize,
+        };
+    }
+
+    /// Takes `bytes` from the socket. A frame larger than the connection allows is an
+    /// error: the broker never sends one, and it is not buffered.
     pub(crate) fn feed(&mut self, bytes: &[u8], refusals: &Refusals) -> io::Result<()> {
         if self.passthrough {
             self.output.extend_from_slice(bytes);
@@ -227,16 +254,16 @@ impl Frames {
                 break;
             }
             let size = u32::from_be_bytes([rest[3], rest[4], rest[5], rest[6]]) as usize;
-            if size > self.frame_max {
+            let whole = FRAME_HEAD + size + 1;
+            if whole > self.frame_max {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!(
-                        "the broker sent a frame of {size} bytes, over the {} this connection allows",
+                        "the broker sent a frame of {whole} bytes, over the {} this connection allows",
                         self.frame_max
                     ),
                 ));
             }
-            let whole = FRAME_HEAD + size + 1;
             if rest.len() < whole {
                 break;
             }
@@ -258,6 +285,12 @@ impl Frames {
         }
         match kind {
             FRAME_METHOD => {
+                if channel == 0
+                    && payload.get(..4) == Some(&TUNE[..])
+                    && let Some(b) = payload.get(6..10)
+                {
+                    self.tuned(u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+                }
                 if payload.get(..2) == Some(&CHANNEL_CLASS.to_be_bytes()) {
                     self.announced.remove(&channel);
                 }
@@ -352,10 +385,10 @@ impl<S> std::fmt::Debug for Tapped<S> {
 }
 
 impl<S> Tapped<S> {
-    pub(crate) fn new(inner: S, frame_max: u32, refusals: std::sync::Arc<Refusals>) -> Self {
+    pub(crate) fn new(inner: S, proposed: Option<u32>, refusals: std::sync::Arc<Refusals>) -> Self {
         Tapped {
             inner,
-            frames: Frames::new(frame_max),
+            frames: Frames::new(proposed),
             refusals,
             scratch: vec![0; 64 * 1024].into_boxed_slice(),
             eof: false,
@@ -497,7 +530,7 @@ mod tests {
         .concat();
         for step in 1..stream.len() {
             let refusals = Refusals::new();
-            let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+            let mut frames = Frames::new(None);
             assert_eq!(
                 through(&mut frames, &refusals, &stream, step),
                 stream,
@@ -509,7 +542,7 @@ mod tests {
     #[test]
     fn a_header_lapin_cannot_read_is_replaced_by_a_mark_naming_it() {
         let refusals = Refusals::new();
-        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let mut frames = Frames::new(None);
         let bad = RawProperties::new().message_id(b"bad-\xff");
         let stream = [deliver(1, b"q"), header(1, &bad), body(1)].concat();
         let out = through(&mut frames, &refusals, &stream, 5);
@@ -536,7 +569,7 @@ mod tests {
     #[test]
     fn a_routing_key_lapin_cannot_read_marks_its_message() {
         let refusals = Refusals::new();
-        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let mut frames = Frames::new(None);
         let good = RawProperties::new().message_id(b"fine");
         let stream = [
             deliver(2, b"k\xff"),
@@ -566,7 +599,7 @@ mod tests {
     #[test]
     fn a_channel_closed_between_method_and_header_forgets_the_method() {
         let refusals = Refusals::new();
-        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let mut frames = Frames::new(None);
         let close_ok = frame(FRAME_METHOD, 3, &[0, 20, 0, 41]);
         let good = RawProperties::new();
         let stream = [deliver(3, b"\xff"), close_ok, header(3, &good)].concat();
@@ -577,23 +610,52 @@ mod tests {
         );
     }
 
+    /// `connection.tune` with `frame_max`.
+    fn tune(frame_max: u32) -> Vec<u8> {
+        let mut p = TUNE.to_vec();
+        p.extend_from_slice(&2047u16.to_be_bytes());
+        p.extend_from_slice(&frame_max.to_be_bytes());
+        p.extend_from_slice(&60u16.to_be_bytes());
+        frame(FRAME_METHOD, 0, &p)
+    }
+
     #[test]
-    fn a_frame_over_the_limit_fails_the_stream_without_being_buffered() {
+    fn a_frame_over_the_agreed_frame_max_fails_the_stream_without_being_buffered() {
         let refusals = Refusals::new();
-        let mut frames = Frames::new(4096);
-        let head = [FRAME_HEADER, 0, 1, 0, 1, 0, 0];
-        let err = frames.feed(&head, &refusals).unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
-        assert!(
-            err.to_string().contains("65536 bytes, over the 4096"),
-            "{err}"
-        );
+        // (the broker's proposal, the URL's, the largest frame lapin then agrees to)
+        for (theirs, ours, agreed) in [
+            (131_072, None, 131_072),
+            (131_072, Some(8_192), 8_192),
+            (0, Some(8_192), 8_192),
+            (1_000, None, FRAME_MIN_SIZE as usize),
+            (0, None, NO_LIMIT),
+        ] {
+            let mut frames = Frames::new(ours);
+            frames.feed(&tune(theirs), &refusals).unwrap();
+            let size = u32::try_from(agreed - 8).unwrap();
+            let fits = [&[FRAME_HEADER, 0, 1][..], &size.to_be_bytes()].concat();
+            assert!(frames.feed(&fits, &refusals).is_ok(), "{agreed} fits");
+            let mut frames = Frames::new(ours);
+            frames.feed(&tune(theirs), &refusals).unwrap();
+            let over = [&[FRAME_HEADER, 0, 1][..], &(size + 1).to_be_bytes()].concat();
+            let err = frames.feed(&over, &refusals).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+            assert!(
+                err.to_string().contains(&format!("over the {agreed}")),
+                "{err}"
+            );
+            assert!(frames.input.len() < FRAME_HEAD, "nothing buffered");
+        }
+        // Before the tune: 128 KiB.
+        let mut frames = Frames::new(None);
+        let head = [FRAME_HEADER, 0, 1, 0, 2, 0, 0];
+        assert!(frames.feed(&head, &refusals).is_err());
     }
 
     #[test]
     fn a_protocol_header_from_the_broker_passes_with_all_after_it() {
         let refusals = Refusals::new();
-        let mut frames = Frames::new(DEFAULT_FRAME_MAX);
+        let mut frames = Frames::new(None);
         let stream = b"AMQP\x00\x00\x09\x01\x02\xff\xff\xff\xff\xff";
         assert_eq!(through(&mut frames, &refusals, stream, 3), stream);
     }
