@@ -90,6 +90,83 @@ async fn row(name: &str, odd_block: Vec<u8>, expect: Expect) {
     }
 }
 
+/// Publishes `before`, then the odd message (`block` and `body`, written raw), then `after`,
+/// each good one with its id as message id and body.
+async fn publish_around(
+    admin: &NatsTransport,
+    queue: &str,
+    (before, after): (&[String], &[String]),
+    block: &[u8],
+    body: &[u8],
+) {
+    for id in before {
+        testing::publish(admin.client(), queue, id, id, &[]).await;
+    }
+    let (url, subject, block, body) = (nats_url(), queue.to_owned(), block.to_vec(), body.to_vec());
+    tokio::task::spawn_blocking(move || {
+        RawPublisher::connect(&url)
+            .and_then(|mut raw| raw.publish(&subject, &block, &body))
+            .expect("the server stores the odd message")
+    })
+    .await
+    .expect("the raw publish");
+    for id in after {
+        testing::publish(admin.client(), queue, id, id, &[]).await;
+    }
+}
+
+/// A consumer running in the background at prefetch 20, recording the message id of every
+/// message its handler runs.
+struct Recording {
+    handled: Arc<Mutex<HashSet<String>>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    running: tokio::task::JoinHandle<Result<retry_core::RunReport, retry_core::ConsumerError>>,
+}
+
+impl Recording {
+    fn start(transport: &NatsTransport, queue: &str, policy: RetryPolicy) -> Self {
+        let handled: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let seen = Arc::clone(&handled);
+        let handler = move |m: Message| {
+            let id = m.properties().message_id.clone().unwrap_or_default();
+            seen.lock().expect("handled").insert(id);
+            async { Ok::<(), HandlerError>(()) }
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consumer = Consumer::builder(transport.clone(), queue.to_owned(), policy, handler)
+            .with_prefetch(20)
+            .with_suspect_poll(Duration::from_millis(500))
+            // Each test stands for a process of its own: one test's consumer waiting to run
+            // a suspect alone must not hold another's back.
+            .with_solo_gate(SoloGate::new())
+            .build()
+            .expect("a consumer");
+        let running = tokio::spawn(consumer.run(async {
+            let _ = stopped.await;
+        }));
+        Recording {
+            handled,
+            stop,
+            running,
+        }
+    }
+
+    /// Whether every one of `ids` was handled.
+    fn handled_all(&self, ids: &HashSet<String>) -> bool {
+        self.handled.lock().expect("handled").is_superset(ids)
+    }
+
+    /// Stops the consumer and returns its report.
+    async fn stop(self) -> retry_core::RunReport {
+        let _ = self.stop.send(());
+        tokio::time::timeout(DEADLINE, self.running)
+            .await
+            .expect("the consumer stops")
+            .expect("its task")
+            .expect("the consumer ran to its end without error")
+    }
+}
+
 async fn consume_past(
     admin: NatsTransport,
     queue: String,
@@ -100,48 +177,16 @@ async fn consume_past(
 ) {
     admin.provision(&plan).await.expect("provision");
     let odd_body = format!("the odd one of {queue}").into_bytes();
-    for i in 0..GOOD / 2 {
-        let id = format!("good-{i:03}");
-        testing::publish(admin.client(), &queue, &id, &id, &[]).await;
-    }
-    let url = nats_url();
-    let (subject, block, body) = (queue.clone(), odd_block.clone(), odd_body.clone());
-    tokio::task::spawn_blocking(move || {
-        RawPublisher::connect(&url)
-            .and_then(|mut raw| raw.publish(&subject, &block, &body))
-            .expect("the server stores the odd message")
-    })
-    .await
-    .expect("the raw publish");
-    for i in GOOD / 2..GOOD {
-        let id = format!("good-{i:03}");
-        testing::publish(admin.client(), &queue, &id, &id, &[]).await;
-    }
+    let ids: Vec<String> = (0..GOOD).map(|i| format!("good-{i:03}")).collect();
+    let halves = ids.split_at(GOOD / 2);
+    publish_around(&admin, &queue, halves, &odd_block, &odd_body).await;
 
     let transport = NatsTransport::connect(testing::test_config(&nats_url()))
         .await
         .expect("the consumer's connection");
-    let handled: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let seen = Arc::clone(&handled);
-    let handler = move |m: Message| {
-        let id = m.properties().message_id.clone().unwrap_or_default();
-        seen.lock().expect("handled").insert(id);
-        async { Ok::<(), HandlerError>(()) }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let consumer = Consumer::builder(transport.clone(), queue.clone(), policy, handler)
-        .with_prefetch(20)
-        .with_suspect_poll(Duration::from_millis(500))
-        // Each test stands for a process of its own: one test's consumer waiting to run a
-        // suspect alone must not hold another's back.
-        .with_solo_gate(SoloGate::new())
-        .build()
-        .expect("a consumer");
-    let running = tokio::spawn(consumer.run(async {
-        let _ = stopped.await;
-    }));
-
-    let good: HashSet<String> = (0..GOOD).map(|i| format!("good-{i:03}")).collect();
+    let consumer = Recording::start(&transport, &queue, policy);
+    let (handled, running) = (&consumer.handled, &consumer.running);
+    let good: HashSet<String> = ids.into_iter().collect();
     let js = async_nats::jetstream::new(admin.client().clone());
     let state = async || {
         let handled = handled.lock().expect("handled").clone();
@@ -187,7 +232,7 @@ async fn consume_past(
                 "the consumer ended: {}",
                 state().await
             );
-            handled.lock().expect("handled").is_superset(&good)
+            consumer.handled_all(&good)
         },
         &state,
     )
@@ -269,12 +314,7 @@ async fn consume_past(
         }
     }
 
-    let _ = stop.send(());
-    let report = tokio::time::timeout(DEADLINE, running)
-        .await
-        .expect("the consumer stops")
-        .expect("its task")
-        .expect("the consumer ran to its end without error");
+    let report = consumer.stop().await;
     println!("{queue}: {report:?}");
     transport.close().await;
 }
@@ -396,21 +436,9 @@ async fn start_after_a_death(
 ) {
     const AROUND: usize = 10;
     admin.provision(&plan).await.expect("provision");
-    for i in 0..AROUND {
-        testing::publish(admin.client(), &queue, &format!("good-{i}"), "x", &[]).await;
-    }
+    let ids: Vec<String> = (0..2 * AROUND).map(|i| format!("good-{i}")).collect();
     let block = header_block(&[b"Nats-Msg-Id: odd", b"tenant: ac\xffme"]);
-    let (url, subject, stored) = (nats_url(), queue.clone(), block.clone());
-    tokio::task::spawn_blocking(move || {
-        RawPublisher::connect(&url)
-            .and_then(|mut raw| raw.publish(&subject, &stored, b"hostile"))
-            .expect("the server stores the hostile message")
-    })
-    .await
-    .expect("the raw publish");
-    for i in AROUND..2 * AROUND {
-        testing::publish(admin.client(), &queue, &format!("good-{i}"), "x", &[]).await;
-    }
+    publish_around(&admin, &queue, ids.split_at(AROUND), &block, b"hostile").await;
 
     // The process that dies: a plain client pulls everything through the consumer, and its
     // connection fails at the hostile message.
@@ -451,26 +479,15 @@ async fn start_after_a_death(
     let transport = NatsTransport::connect(config)
         .await
         .expect("the new process connects");
-    let handled: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let seen = Arc::clone(&handled);
-    let handler = move |m: Message| {
-        let id = m.properties().message_id.clone().unwrap_or_default();
-        seen.lock().expect("handled").insert(id);
-        async { Ok::<(), HandlerError>(()) }
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let consumer = Consumer::builder(transport.clone(), queue.clone(), policy, handler)
-        .with_prefetch(20)
-        .with_suspect_poll(Duration::from_millis(500))
-        .with_solo_gate(SoloGate::new())
-        .build()
-        .expect("a consumer");
-    let running = tokio::spawn(consumer.run(async {
-        let _ = stopped.await;
-    }));
-    let good: HashSet<String> = (0..2 * AROUND).map(|i| format!("good-{i}")).collect();
+    let consumer = Recording::start(&transport, &queue, policy);
+    let good: HashSet<String> = ids.into_iter().collect();
     let explain = async || {
-        let done = handled.lock().expect("handled").intersection(&good).count();
+        let done = consumer
+            .handled
+            .lock()
+            .expect("handled")
+            .intersection(&good)
+            .count();
         format!(
             "{done} of {} handled, {} connections lost, work stream {:?}, parking stream {:?}",
             good.len(),
@@ -482,7 +499,7 @@ async fn start_after_a_death(
     wait_until(
         "every good message handled and the hostile one parked",
         async || {
-            handled.lock().expect("handled").is_superset(&good)
+            consumer.handled_all(&good)
                 && admin.count(&queue).await.ok() == Some(0)
                 && admin.count(plan.parking_queue()).await.ok() == Some(1)
         },
@@ -495,12 +512,7 @@ async fn start_after_a_death(
         "parked before it came back: {}",
         explain().await
     );
-    let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, running)
-        .await
-        .expect("the consumer stops")
-        .expect("its task")
-        .expect("the consumer ran to its end without error");
+    consumer.stop().await;
     transport.close().await;
 }
 
