@@ -73,17 +73,25 @@ async fn row(name: &str, odd_block: Vec<u8>, expect: Expect) {
         .expect("a policy");
     let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
     // Not spawned: the waits borrow; a panic is caught so that the streams go either way.
-    let outcome = AssertUnwindSafe(consume_past(
-        admin.clone(),
-        queue.clone(),
-        plan.clone(),
-        policy,
-        odd_block,
-        expect,
-    ))
-    .catch_unwind()
+    cleaning_up(
+        &admin,
+        &plan,
+        consume_past(
+            admin.clone(),
+            queue.clone(),
+            plan.clone(),
+            policy,
+            odd_block,
+            expect,
+        ),
+    )
     .await;
-    testing::delete_plan(admin.client(), &plan).await;
+}
+
+/// Runs `test`, then deletes `plan`'s streams and closes `admin`, however the test ended.
+async fn cleaning_up(admin: &NatsTransport, plan: &TopologyPlan, test: impl Future<Output = ()>) {
+    let outcome = AssertUnwindSafe(test).catch_unwind().await;
+    testing::delete_plan(admin.client(), plan).await;
     admin.close().await;
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
@@ -411,20 +419,12 @@ async fn a_hostile_message_a_dead_process_held_is_parked_before_it_comes_back() 
         .build()
         .expect("a policy");
     let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
-    let outcome = AssertUnwindSafe(start_after_a_death(
-        admin.clone(),
-        config,
-        queue,
-        plan.clone(),
-        policy,
-    ))
-    .catch_unwind()
+    cleaning_up(
+        &admin,
+        &plan,
+        start_after_a_death(admin.clone(), config, queue, plan.clone(), policy),
+    )
     .await;
-    testing::delete_plan(admin.client(), &plan).await;
-    admin.close().await;
-    if let Err(panic) = outcome {
-        std::panic::resume_unwind(panic);
-    }
 }
 
 async fn start_after_a_death(
@@ -530,7 +530,7 @@ async fn a_walk_hands_out_what_async_nats_cannot_read_with_its_bytes() {
     };
     let queue = unique("walk");
     let plan = TopologyPlan::new(&queue, &RetryPolicy::default()).expect("a plan");
-    let outcome = AssertUnwindSafe(async {
+    cleaning_up(&admin, &plan, async {
         admin.provision(&plan).await.expect("provision");
         let parking = plan.parking_queue().to_owned();
         let blocks: Vec<Vec<u8>> = vec![
@@ -584,13 +584,7 @@ async fn a_walk_hands_out_what_async_nats_cannot_read_with_its_bytes() {
         ];
         assert_eq!(seen, expected);
     })
-    .catch_unwind()
     .await;
-    testing::delete_plan(admin.client(), &plan).await;
-    admin.close().await;
-    if let Err(panic) = outcome {
-        std::panic::resume_unwind(panic);
-    }
 }
 
 /// A queue read by a transport that never provisioned or verified its plan has no parking
@@ -608,7 +602,7 @@ async fn without_a_known_plan_an_unreadable_message_is_left_in_place() {
     };
     let queue = unique("noplan");
     let plan = TopologyPlan::new(&queue, &RetryPolicy::default()).expect("a plan");
-    let outcome = AssertUnwindSafe(async {
+    cleaning_up(&admin, &plan, async {
         admin.provision(&plan).await.expect("provision");
         let (url, subject) = (nats_url(), queue.clone());
         tokio::task::spawn_blocking(move || {
@@ -654,11 +648,5 @@ async fn without_a_known_plan_an_unreadable_message_is_left_in_place() {
         drop(subscription);
         transport.close().await;
     })
-    .catch_unwind()
     .await;
-    testing::delete_plan(admin.client(), &plan).await;
-    admin.close().await;
-    if let Err(panic) = outcome {
-        std::panic::resume_unwind(panic);
-    }
 }
