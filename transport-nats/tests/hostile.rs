@@ -59,12 +59,7 @@ async fn wait_until(
 }
 
 async fn row(name: &str, odd_block: Vec<u8>, expect: Expect) {
-    let Some(admin) = testing::connect_or_skip(
-        "transport-nats' hostile-message tests",
-        testing::test_config(&nats_url()),
-    )
-    .await
-    else {
+    let Some(admin) = admin().await else {
         return;
     };
     let queue = unique(name);
@@ -86,6 +81,12 @@ async fn row(name: &str, odd_block: Vec<u8>, expect: Expect) {
         ),
     )
     .await;
+}
+
+/// The tests' own connection to the server, or `None` (after a loud notice) without one.
+async fn admin() -> Option<NatsTransport> {
+    let config = testing::test_config(&nats_url());
+    testing::connect_or_skip("transport-nats' hostile-message tests", config).await
 }
 
 /// Runs `test`, then deletes `plan`'s streams and closes `admin`, however the test ended.
@@ -520,12 +521,7 @@ async fn start_after_a_death(
 /// hands out one async-nats cannot read with why and its header block, instead of failing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_walk_hands_out_what_async_nats_cannot_read_with_its_bytes() {
-    let Some(admin) = testing::connect_or_skip(
-        "transport-nats' hostile-message tests",
-        testing::test_config(&nats_url()),
-    )
-    .await
-    else {
+    let Some(admin) = admin().await else {
         return;
     };
     let queue = unique("walk");
@@ -592,12 +588,7 @@ async fn a_walk_hands_out_what_async_nats_cannot_read_with_its_bytes() {
 /// failing connections), never deleted unparked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_known_plan_an_unreadable_message_is_left_in_place() {
-    let Some(admin) = testing::connect_or_skip(
-        "transport-nats' hostile-message tests",
-        testing::test_config(&nats_url()),
-    )
-    .await
-    else {
+    let Some(admin) = admin().await else {
         return;
     };
     let queue = unique("noplan");
