@@ -175,9 +175,9 @@ pub use jitter::{Jitter, message_identity, splitmix64};
 pub use message::{Delivery, Message, MessageParts, NativeParts, Properties};
 pub use node_list::{NodeListError, PASSWORD_MASK, redact_url};
 pub use parking::{
-    FINGERPRINT_MAX_CHARS, ParkedFilter, ParkedMessage, ParkedReason, ParkedSummary, ParkingError,
-    ParkingLot, ParkingReport, ParseReasonError, ReplayOptions, error_fingerprint, parked_at,
-    replay_headers,
+    FINGERPRINT_MAX_CHARS, MIN_REPLAY_RATE, ParkedFilter, ParkedMessage, ParkedReason,
+    ParkedSummary, ParkingError, ParkingLot, ParkingReport, ParseReasonError, Pick, ReplayOptions,
+    error_fingerprint, parked_at, replay_headers,
 };
 pub use policy::{
     CrashAction, Exhausted, MAX_DELAY_LEVELS, MAX_TTL, PolicyError, Retry, RetryPolicy,

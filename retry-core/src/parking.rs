@@ -526,6 +526,10 @@ impl ParkedMessage {
     }
 }
 
+/// The slowest replay rate [`ReplayOptions::rate`] takes: one message every 1,000 seconds.
+/// A slower rate would leave a walk holding the parking queue for hours per message.
+pub const MIN_REPLAY_RATE: f64 = 0.001;
+
 /// How to replay: as fast as confirms come back, by default.
 ///
 /// ```
@@ -564,7 +568,7 @@ impl ReplayOptions {
 pub struct ParkingReport {
     /// Messages read.
     pub seen: u64,
-    /// Of those, messages the filter matched.
+    /// Of those, messages the filter matched (and a `pick`, when there is one, took).
     pub matched: u64,
     /// Copies confirmed in the work queue whose original was then acknowledged.
     pub replayed: u64,
@@ -580,8 +584,9 @@ pub struct ParkingReport {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ParkingError {
-    /// A replay rate ([`ReplayOptions::rate`]) that is not a finite number above zero.
-    #[error("replay rate {rate} is not a number of messages per second above 0")]
+    /// A replay rate ([`ReplayOptions::rate`]) that is not a finite number of at least
+    /// [`MIN_REPLAY_RATE`].
+    #[error("replay rate {rate} is not a number of messages per second of at least 0.001")]
     InvalidRate {
         /// The rate given.
         rate: f64,
@@ -640,11 +645,26 @@ impl ParkingError {
     }
 }
 
+/// What a replay or purge does with one message its filter matched: the answer of the
+/// `pick` of [`ParkingLot::replay_picked`] and [`ParkingLot::purge_picked`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// Replay or purge it.
+    Take,
+    /// Leave it where it is, and go on.
+    Leave,
+    /// Leave it, and end the walk: every message not taken yet stays where it was.
+    Stop,
+}
+
+/// Chooses among the messages a filter matched.
+type Picker<'p> = &'p mut (dyn FnMut(&Message) -> Pick + Send);
+
 /// What to do with each matching message.
 enum Take<'v> {
     Browse(&'v mut (dyn FnMut(ParkedMessage) -> ControlFlow<()> + Send)),
-    Replay(ReplayOptions),
-    Purge,
+    Replay(ReplayOptions, Picker<'v>),
+    Purge(Picker<'v>),
 }
 
 /// The parking queue of one work queue, on a transport.
@@ -730,18 +750,56 @@ impl<T: Transport> ParkingLot<T> {
     /// [`replay_headers`], the body and properties unchanged, is published with a confirm,
     /// and only then is the parked original acknowledged. A message is replayed at most
     /// once per call: a copy parked again while the call runs is left. `progress` sees the
-    /// report after each message. A rate that is not a finite number above zero is refused
-    /// with [`ParkingError::InvalidRate`] before anything is read.
+    /// report after each message. A rate that is not a finite number of at least
+    /// [`MIN_REPLAY_RATE`] is refused with [`ParkingError::InvalidRate`] before anything is
+    /// read.
     pub async fn replay(
         &self,
         filter: &ParkedFilter,
         options: ReplayOptions,
+        progress: impl FnMut(&ParkingReport) + Send,
+    ) -> Result<ParkingReport, ParkingError> {
+        self.replay_picked(filter, options, |_| Pick::Take, progress)
+            .await
+    }
+
+    /// As [`replay`](Self::replay), but each message `filter` matches is first shown to
+    /// `pick`, which takes it, leaves it, or ends the walk ([`Pick`]); only the messages it
+    /// takes count as matched. With a rate, `pick` is asked once the message's turn has
+    /// come, so a `pick` that stops the walk (an operator cancelling) is heard before the
+    /// next replay, not after it.
+    ///
+    /// ```
+    /// # use retry_core::*;
+    /// # async fn demo<T: Transport>(lot: ParkingLot<T>) -> Result<(), ParkingError> {
+    /// // Replay at most 10 of the messages parked for good, then stop.
+    /// let mut left = 10;
+    /// let filter = ParkedFilter::reason(ParkedReason::Known(DeadLetterReason::Permanent));
+    /// let pick = |_: &Message| {
+    ///     if left == 0 {
+    ///         return Pick::Stop;
+    ///     }
+    ///     left -= 1;
+    ///     Pick::Take
+    /// };
+    /// lot.replay_picked(&filter, ReplayOptions::default(), pick, |_| {}).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn replay_picked(
+        &self,
+        filter: &ParkedFilter,
+        options: ReplayOptions,
+        mut pick: impl FnMut(&Message) -> Pick + Send,
         mut progress: impl FnMut(&ParkingReport) + Send,
     ) -> Result<ParkingReport, ParkingError> {
-        if let Some(rate) = options.rate.filter(|r| !(r.is_finite() && *r > 0.0)) {
+        if let Some(rate) = options
+            .rate
+            .filter(|r| !(r.is_finite() && *r >= MIN_REPLAY_RATE))
+        {
             return Err(ParkingError::InvalidRate { rate });
         }
-        self.walk(filter, Take::Replay(options), &mut progress)
+        self.walk(filter, Take::Replay(options, &mut pick), &mut progress)
             .await
     }
 
@@ -750,9 +808,23 @@ impl<T: Transport> ParkingLot<T> {
     pub async fn purge(
         &self,
         filter: &ParkedFilter,
+        progress: impl FnMut(&ParkingReport) + Send,
+    ) -> Result<ParkingReport, ParkingError> {
+        self.purge_picked(filter, |_| Pick::Take, progress).await
+    }
+
+    /// As [`purge`](Self::purge), but each message `filter` matches is first shown to
+    /// `pick` ([`Pick`]); only the messages it takes count as matched. A console purges
+    /// exactly the messages an operator confirmed this way, however many more match by
+    /// the time the purge runs.
+    pub async fn purge_picked(
+        &self,
+        filter: &ParkedFilter,
+        mut pick: impl FnMut(&Message) -> Pick + Send,
         mut progress: impl FnMut(&ParkingReport) + Send,
     ) -> Result<ParkingReport, ParkingError> {
-        self.walk(filter, Take::Purge, &mut progress).await
+        self.walk(filter, Take::Purge(&mut pick), &mut progress)
+            .await
     }
 
     async fn walk(
@@ -884,7 +956,7 @@ impl<T: Transport> Pass<'_, T> {
             };
             let Delivery { tag, message, .. } = delivery;
             self.report.seen += 1;
-            let replayed_in_this_walk = matches!(take, Take::Replay(_))
+            let replayed_in_this_walk = matches!(take, Take::Replay(..))
                 && message
                     .headers()
                     .get(headers::REPLAYED_AT)
@@ -895,25 +967,33 @@ impl<T: Transport> Pass<'_, T> {
                 progress(&self.report);
                 continue;
             }
-            self.report.matched += 1;
             match take {
                 Take::Browse(visit) => {
+                    self.report.matched += 1;
                     self.leave(tag);
                     if visit(ParkedMessage { message }).is_break() {
                         return Ok(());
                     }
                 }
-                Take::Purge => {
-                    self.ack(tag, "purging").await?;
-                    self.report.purged += 1;
-                }
-                Take::Replay(options) if options.dry_run => self.leave(tag),
-                Take::Replay(options) => {
-                    if let Some(rate) = options.rate {
-                        // Paced from the walk's start, so a slow confirm is caught up on.
-                        let due = self
-                            .started
-                            .saturating_add(Duration::from_secs_f64(f64::from(paced) / rate));
+                Take::Purge(pick) => match pick(&message) {
+                    Pick::Take => {
+                        self.report.matched += 1;
+                        self.ack(tag, "purging").await?;
+                        self.report.purged += 1;
+                    }
+                    Pick::Leave => self.leave(tag),
+                    Pick::Stop => {
+                        self.leave(tag);
+                        return Ok(());
+                    }
+                },
+                Take::Replay(options, pick) => {
+                    if let Some(rate) = options.rate.filter(|_| !options.dry_run) {
+                        // Paced from the walk's start, so a slow confirm is caught up on. A
+                        // message left by `pick` takes no turn: the next one goes at once.
+                        let wait = Duration::try_from_secs_f64(f64::from(paced) / rate)
+                            .unwrap_or(Duration::MAX);
+                        let due = self.started.saturating_add(wait);
                         let now = self.lot.transport.now();
                         if due > now {
                             self.lot
@@ -921,15 +1001,32 @@ impl<T: Transport> Pass<'_, T> {
                                 .sleep(due.saturating_duration_since(now))
                                 .await;
                         }
-                        paced += 1;
                     }
-                    if let Err(e) = self.lot.replay_one(message).await {
-                        // Not confirmed: the original stays, put back with the others.
+                    match pick(&message) {
+                        Pick::Take => {}
+                        Pick::Leave => {
+                            self.leave(tag);
+                            progress(&self.report);
+                            continue;
+                        }
+                        Pick::Stop => {
+                            self.leave(tag);
+                            return Ok(());
+                        }
+                    }
+                    self.report.matched += 1;
+                    if options.dry_run {
                         self.leave(tag);
-                        return Err(e);
+                    } else {
+                        paced += 1;
+                        if let Err(e) = self.lot.replay_one(message).await {
+                            // Not confirmed: the original stays, put back with the others.
+                            self.leave(tag);
+                            return Err(e);
+                        }
+                        self.ack(tag, "acknowledging a replayed message").await?;
+                        self.report.replayed += 1;
                     }
-                    self.ack(tag, "acknowledging a replayed message").await?;
-                    self.report.replayed += 1;
                 }
             }
             progress(&self.report);

@@ -14,8 +14,9 @@ use std::time::Duration;
 
 use retry_core::headers::{self, REPLAYS};
 use retry_core::{
-    Consumer, DeadLetterReason, HandlerError, HeaderValue, Message, ParkedFilter, ParkedReason,
-    ParkingError, ParkingLot, ReplayOptions, RetryPolicy, Timestamp, TopologyPlan,
+    Consumer, DeadLetterReason, HandlerError, HeaderValue, MIN_REPLAY_RATE, Message, ParkedFilter,
+    ParkedReason, ParkingError, ParkingLot, Pick, ReplayOptions, RetryPolicy, Timestamp,
+    TopologyPlan,
 };
 use transport_memory::{Broker, MemoryTransport, Outgoing};
 
@@ -341,11 +342,19 @@ fn a_copy_the_broker_does_not_confirm_leaves_its_original_parked() {
 }
 
 #[test]
-fn a_rate_that_is_not_above_zero_is_refused_before_anything_is_read() {
+fn a_rate_below_the_slowest_is_refused_before_anything_is_read() {
     let (broker, plan) = broker("rates");
     park(&broker, &plan, "a", "permanent", 0);
     let lot = ParkingLot::new(broker.connect(), &plan);
-    for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+    // 1e-300 a second once panicked pacing the second message (a wait of 1e300 s).
+    for rate in [
+        0.0,
+        -1.0,
+        f64::NAN,
+        f64::INFINITY,
+        1e-300,
+        MIN_REPLAY_RATE / 2.0,
+    ] {
         let options = ReplayOptions::default().with_rate(rate);
         let err = broker
             .block_on(lot.replay(&ParkedFilter::all(), options, |_| {}))
@@ -418,4 +427,78 @@ fn a_running_consumer_acknowledges_probes_without_running_its_handler() {
         let stats = broker.stats(queue).unwrap();
         assert_eq!((stats.ready, stats.unacked), (0, 0), "{queue}");
     }
+}
+
+/// A purge that takes only what its pick takes: the rest of what the filter matches stays,
+/// and is not counted as matched.
+#[test]
+fn a_purge_takes_only_what_its_pick_takes() {
+    let (broker, plan) = broker("picked");
+    for i in 0..6 {
+        park(&broker, &plan, &format!("m{i}"), "permanent", 0);
+    }
+    let lot = ParkingLot::new(broker.connect(), &plan);
+    let report = broker
+        .block_on(lot.purge_picked(
+            &ParkedFilter::all(),
+            |m: &Message| {
+                let id = m.properties().message_id.as_deref().unwrap_or("");
+                if ["m1", "m4"].contains(&id) {
+                    Pick::Take
+                } else {
+                    Pick::Leave
+                }
+            },
+            |_| {},
+        ))
+        .unwrap();
+    assert_eq!(
+        (report.seen, report.matched, report.purged, report.left),
+        (6, 2, 2, 4)
+    );
+    assert_eq!(
+        ids(&broker, plan.parking_queue()),
+        ["m0", "m2", "m3", "m5"],
+        "the order of what was left is kept"
+    );
+    assert_eq!(broker.stats(plan.parking_queue()).unwrap().unacked, 0);
+}
+
+/// A pick that stops the walk is asked once a paced message's turn has come: a replay
+/// cancelled while it waits replays nothing more, and leaves every message in place.
+#[test]
+fn a_paced_replay_stopped_by_its_pick_replays_nothing_more() {
+    let (broker, plan) = broker("stopped");
+    for i in 0..5 {
+        park(&broker, &plan, &format!("m{i}"), "permanent", 0);
+    }
+    let lot = ParkingLot::new(broker.connect(), &plan);
+    let cancel_at = Timestamp::from_millis(T0 + 1500);
+    let clock = broker.clone();
+    let mut asked = Vec::new();
+    let report = broker
+        .block_on(lot.replay_picked(
+            &ParkedFilter::all(),
+            ReplayOptions::default().with_rate(1.0),
+            |m: &Message| {
+                asked.push((
+                    m.properties().message_id.clone().unwrap_or_default(),
+                    clock.now(),
+                ));
+                if clock.now() >= cancel_at {
+                    Pick::Stop
+                } else {
+                    Pick::Take
+                }
+            },
+            |_| {},
+        ))
+        .unwrap();
+    // m0 at once, m1 after 1 s; m2's turn comes at 2 s, after the cancel: it is not replayed.
+    assert_eq!((report.replayed, report.matched), (2, 2), "{report:?}");
+    assert_eq!(asked.len(), 3);
+    assert_eq!(asked[2].1, Timestamp::from_millis(T0 + 2000));
+    assert_eq!(ids(&broker, plan.work_queue()), ["m0", "m1"]);
+    assert_eq!(ids(&broker, plan.parking_queue()), ["m2", "m3", "m4"]);
+    assert_eq!(broker.stats(plan.parking_queue()).unwrap().unacked, 0);
 }
