@@ -664,9 +664,10 @@ impl Serve {
     /// Starts `retryctl serve work` on a port the system picks; returns once it listens.
     fn start(work: &str, url: &str, token: &str) -> Result<Serve, BoxError> {
         let mut child = Command::new(env!("CARGO_BIN_EXE_retryctl"))
-            .args(["serve", work, "--listen", "127.0.0.1:0", "--token", token])
+            .args(["serve", work, "--listen", "127.0.0.1:0"])
             .args(["--refresh", "1h"])
             .env("AMQP_URL", url)
+            .env("RETRYCTL_TOKEN", token)
             .env_remove("RETRYCTL_PROTOCOL")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -9,7 +9,7 @@
 //! retryctl topology plan   QUEUE --policy FILE [--quorum|--classic] [--replication-factor N] [--json]
 //! retryctl topology apply  QUEUE --policy FILE [--quorum|--classic] [--replication-factor N]
 //! retryctl topology verify QUEUE --policy FILE [--quorum|--classic] [--replication-factor N] [--max-probe-ttl 10s]
-//! retryctl serve           QUEUE... [--listen 127.0.0.1:8080] [--token TOKEN | --token-file FILE] [--refresh 60s] [--index-memory 64MiB] [--preview-bytes 256] [--policy FILE]
+//! retryctl serve           QUEUE... [--listen 127.0.0.1:8080] [--token-file FILE] [--refresh 60s] [--index-memory 64MiB] [--preview-bytes 256] [--policy FILE] [--session-idle 30m] [--session-lifetime 8h] [--client-timeout 10s] [--walk-timeout 30s]
 //! ```
 //!
 //! * `parked` walks the work queue's parking queue (`QUEUE.parking`, or `--parking NAME`)

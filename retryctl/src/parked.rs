@@ -421,7 +421,7 @@ async fn refuse_hidden_headers<T: Inspect>(
 }
 
 /// How many of the messages `filter` selects may have headers the protocol does not show.
-pub(crate) async fn count_hidden_headers<T: Inspect>(
+async fn count_hidden_headers<T: Inspect>(
     lot: &ParkingLot<Arc<T>>,
     filter: &ParkedFilter,
 ) -> Result<u64, ParkingError> {

@@ -315,7 +315,7 @@ async fn a_purge_shows_its_count_and_takes_nothing_until_confirmed() {
     browser.log_in(&console).await;
     browser.click_link("killed by signal <n>").await;
     browser.click("form.purge button.purge").await;
-    assert_eq!(browser.text("#purge-count").await, "2");
+    assert_eq!(browser.text("#confirm-count").await, "2");
     assert_eq!(
         console::held(&parking).await,
         3,

@@ -11,8 +11,10 @@ use std::fmt::Display;
 use retry_core::{HeaderValue, ParkingReport, Timestamp, headers};
 use serde_json::Value;
 
+use super::auth::{VIEWER, Viewer};
 use super::index::{Entry, Group, Index, Sort};
 use super::jobs::{Action, Job};
+use super::selection::Selection;
 use super::{App, DepthShown, Queue, Snapshot};
 use crate::parked::{one_line, properties_json, record_json_of, time_text};
 use crate::render::{header_json, hex};
@@ -117,6 +119,11 @@ fn took(d: std::time::Duration) -> String {
 }
 
 /// A whole page: `title`, and `body`; `refresh` reloads it every that many seconds.
+///
+/// The header shows the broker, and the logout form of a session, only to a request the
+/// console let in: only while [`VIEWER`] is set (see `http::authorize`), which holds for
+/// whatever the handler of such a request renders on its own task. The login page, a 404
+/// and every refusal show nothing of the broker.
 pub fn page(app: &App, title: &str, refresh: Option<u32>, body: Html) -> String {
     let mut h = Html::default();
     h.raw("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">")
@@ -129,9 +136,18 @@ pub fn page(app: &App, title: &str, refresh: Option<u32>, body: Html) -> String 
     h.raw("<title>")
         .text(title)
         .raw(" · retryctl</title><link rel=\"stylesheet\" href=\"/static/console.css\"></head><body>")
-        .raw("<header><a class=\"home\" href=\"/\">retryctl console</a><span class=\"broker\">")
-        .text(&app.broker_shown)
-        .raw("</span></header><main>");
+        .raw("<header><a class=\"home\" href=\"/\">retryctl console</a>");
+    if let Ok(viewer) = VIEWER.try_with(Viewer::clone) {
+        h.raw("<span class=\"broker\">")
+            .text(&app.broker_shown)
+            .raw("</span>");
+        if let Some(csrf) = &viewer.csrf {
+            h.raw("<form method=\"post\" action=\"/logout\" class=\"logout\">");
+            csrf_field(&mut h, csrf);
+            h.raw("<button type=\"submit\">Log out</button></form>");
+        }
+    }
+    h.raw("</header><main>");
     h.0.push_str(&body.0);
     h.raw("</main></body></html>\n");
     h.into_string()
@@ -185,7 +201,7 @@ fn freshness(h: &mut Html, queue: &Queue, snap: &Snapshot, csrf: &str) {
             .show(snap.index.total)
             .raw(" messages did not fit the index's memory cap (")
             .show(snap.index.limits.memory_cap >> 20)
-            .raw(" MiB, --index-memory): they are counted here and in the groups, but not listed. Replays and purges act on the queue and take them too.</p>");
+            .raw(" MiB, --index-memory): they are counted here and in the groups, but not listed, and replays and purges from this console do not take them.</p>");
     }
     h.raw("<form method=\"post\" action=\"/q/")
         .text(&enc(&queue.name))
@@ -385,6 +401,7 @@ pub fn selection_fields(h: &mut Html, fields: &[(String, String)]) {
         let name: &'static str = match name.as_str() {
             "ids" => "ids",
             "id" => "id",
+            "key" => "key",
             "reason" => "reason",
             "group" => "group",
             "error" => "error",
@@ -397,14 +414,28 @@ pub fn selection_fields(h: &mut Html, fields: &[(String, String)]) {
     }
 }
 
-/// The replay form (with a rate and a dry run) and the purge button for a selection.
-fn action_forms(h: &mut Html, queue: &str, selection: &[(String, String)], what: &str, csrf: &str) {
+/// The replay form (with a rate and a dry run) and the purge button for a selection, as the
+/// index of walk `generation` shows it.
+fn action_forms(
+    h: &mut Html,
+    queue: &str,
+    selection: &[(String, String)],
+    what: &str,
+    generation: u64,
+    csrf: &str,
+) {
+    let (slowest, fastest) = crate::serve::jobs::RATES;
     h.raw("<div class=\"actions\"><form method=\"post\" class=\"replay\" action=\"/q/")
         .text(&enc(queue))
         .raw("/replay\">");
     csrf_field(h, csrf);
     selection_fields(h, selection);
-    h.raw("<label>At most <input type=\"number\" name=\"rate\" min=\"0.1\" step=\"any\" placeholder=\"unlimited\"> a second</label> ")
+    h.hidden("generation", &generation.to_string());
+    h.raw("<label>At most <input type=\"number\" name=\"rate\" min=\"")
+        .show(slowest)
+        .raw("\" max=\"")
+        .show(fastest)
+        .raw("\" step=\"any\" placeholder=\"unlimited\"> a second</label> ")
         .raw("<button type=\"submit\" name=\"dry_run\" value=\"1\" class=\"dry-run\">Dry run</button> ")
         .raw("<button type=\"submit\" class=\"replay\">Replay ")
         .text(what)
@@ -458,7 +489,14 @@ pub fn group_page(app: &App, queue: &Queue, group: &Group, csrf: &str) -> String
         .raw("</pre></td></tr></tbody></table>");
     let selection = group_selection(group);
     match &selection {
-        Some(fields) => action_forms(&mut h, &queue.name, fields, "this group", csrf),
+        Some(fields) => action_forms(
+            &mut h,
+            &queue.name,
+            fields,
+            "this group",
+            snap.generation,
+            csrf,
+        ),
         None => {
             h.raw("<p class=\"muted\">This group gathers the errors beyond the group limit: no filter selects it. Act on its messages from the list.</p>");
         }
@@ -537,12 +575,9 @@ fn message_table(
         h.raw("<tr>");
         if sort_links.is_some() {
             h.raw("<td>");
-            if let Some(id) = entry.id() {
-                h.raw("<input type=\"checkbox\" form=\"selected\" name=\"ids\" value=\"")
-                    .text(id)
-                    .raw("\" aria-label=\"select\">");
-            }
-            h.raw("</td>");
+            h.raw("<input type=\"checkbox\" form=\"selected\" name=\"key\" value=\"")
+                .text(&entry.key.hex())
+                .raw("\" aria-label=\"select\"></td>");
         }
         h.raw("<td class=\"id\">")
             .link(&message_href(queue, entry), entry.id().unwrap_or("(no id)"))
@@ -629,10 +664,15 @@ pub fn list_page(app: &App, queue: &Queue, view: &ListView<'_>, csrf: &str) -> S
         h.hidden("group", value("group"));
     }
     h.raw(" <button type=\"submit\">Filter</button></form>");
+    // The filter as given, ids from a link included: what "all that match" takes.
     let filtered: Vec<(String, String)> = view
         .fields
         .iter()
-        .filter(|(k, v)| k != "ids" && (k == "group" || !v.is_empty()))
+        .filter(|(k, v)| {
+            ["ids", "id", "reason", "error", "after", "before"].contains(&k.as_str())
+                && !v.is_empty()
+                || k == "group"
+        })
         .cloned()
         .collect();
     h.raw("<p class=\"matched\"><span id=\"matched\">")
@@ -658,6 +698,7 @@ pub fn list_page(app: &App, queue: &Queue, view: &ListView<'_>, csrf: &str) -> S
         .text(&enc(&queue.name))
         .raw("/replay\">");
     csrf_field(&mut h, csrf);
+    h.hidden("generation", &snap.generation.to_string());
     h.raw("<button type=\"submit\" class=\"replay-selected\">Replay selected</button> <button type=\"submit\" class=\"purge-selected\" formaction=\"/q/")
         .text(&enc(&queue.name))
         .raw("/purge\">Purge selected…</button></form>");
@@ -693,10 +734,18 @@ pub fn list_page(app: &App, queue: &Queue, view: &ListView<'_>, csrf: &str) -> S
             &queue.name,
             &[("all".into(), "1".into())],
             "all",
+            snap.generation,
             csrf,
         );
     } else {
-        action_forms(&mut h, &queue.name, &filtered, "all that match", csrf);
+        action_forms(
+            &mut h,
+            &queue.name,
+            &filtered,
+            "all that match",
+            snap.generation,
+            csrf,
+        );
     }
     page(app, "Parked messages", None, h)
 }
@@ -794,9 +843,9 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
         .raw(" › message</p>");
     freshness(&mut h, queue, &snap, csrf);
     if entries.len() > 1 {
-        h.raw("<p class=\"warning\">")
-            .show(entries.len())
-            .raw(" parked messages have this id; each is shown. Replay or purge by this id takes them all.</p>");
+        h.raw("<p class=\"warning\">").show(entries.len()).raw(
+            " parked messages have this id; each is shown, with buttons that act on it alone.</p>",
+        );
     }
     for entry in entries {
         let (properties, headers) = entry.unpack();
@@ -840,15 +889,16 @@ pub fn message_page(app: &App, queue: &Queue, entries: &[&Entry], csrf: &str) ->
                 .raw(" bytes are shown (--preview-bytes)");
         }
         h.raw("</p><pre class=\"body\">").text(&shown).raw("</pre>");
-        match entry.id() {
-            Some(id) => {
-                let fields = vec![("ids".to_owned(), id.to_owned())];
-                action_forms(&mut h, &queue.name, &fields, "this message", csrf);
-            }
-            None => {
-                h.raw("<p class=\"muted\">This message has no message id: replay or purge it with its group or a filter.</p>");
-            }
-        }
+        // Named by its key: another message with the same id is not touched.
+        let fields = vec![("key".to_owned(), entry.key.hex())];
+        action_forms(
+            &mut h,
+            &queue.name,
+            &fields,
+            "this message",
+            snap.generation,
+            csrf,
+        );
         h.raw("</article>");
     }
     page(app, "Message", None, h)
@@ -873,46 +923,75 @@ fn replay_history(headers: &retry_core::Headers) -> Vec<(String, String)> {
     rows
 }
 
-/// The confirmation a purge asks for: how many messages, as of the index.
-pub fn purge_confirm(
+/// The confirmation an action asks for: exactly which messages, as of the index. A purge
+/// always asks; a replay asks when the index was read again since its page was shown
+/// (`changed`).
+pub fn confirm_page(
     app: &App,
     queue: &Queue,
-    fields: &[(String, String)],
-    description: &str,
-    count: u64,
+    action: Action,
+    selection: &Selection,
+    changed: bool,
     csrf: &str,
 ) -> String {
-    let snap = queue.snapshot();
+    let (verb, class) = match action {
+        Action::Purge => ("Purge", "purge-confirm danger"),
+        Action::Replay { .. } => ("Replay", "replay-confirm"),
+    };
     let mut h = Html::default();
-    h.raw("<h1>Purge from ")
+    h.raw("<h1>")
+        .text(verb)
+        .raw(" from ")
         .text(&queue.parking)
-        .raw("?</h1><p class=\"confirm\">This removes <strong id=\"purge-count\">")
-        .show(count)
-        .raw("</strong> parked messages for good (")
-        .text(description)
-        .raw("), as counted in the index");
-    if let Some(t) = snap.index.started {
+        .raw("?</h1>");
+    if changed {
+        h.raw("<p class=\"warning\" id=\"changed\">The queue was read again since that page was shown: here is what the index holds now.</p>");
+    }
+    h.raw("<p class=\"confirm\">This ")
+        .raw(match action {
+            Action::Purge => "removes for good",
+            Action::Replay { .. } => "replays to the work queue",
+        })
+        .raw(" <strong id=\"confirm-count\">")
+        .show(selection.count())
+        .raw("</strong> parked messages (")
+        .text(&selection.description)
+        .raw("), as listed in the index");
+    if let Some(t) = selection.as_of {
         h.raw(" as of ").text(&when(Some(t)));
     }
-    h.raw(". The purge acts on the queue: it takes the messages that match when it runs.</p>");
-    if snap.index.not_kept > 0 {
+    h.raw(". It takes these messages and no others: one parked since, even one that matches, stays; one gone since is not found.</p>");
+    if selection.not_kept > 0 {
         h.raw("<p class=\"warning\">The index holds ")
-            .show(snap.index.entries.len())
-            .raw(" of ")
-            .show(snap.index.total)
-            .raw(" messages: more may match.</p>");
+            .show(selection.not_kept)
+            .raw(" fewer messages than the walk read (--index-memory): those are not taken.</p>");
     }
     h.raw("<form method=\"post\" action=\"/q/")
         .text(&enc(&queue.name))
-        .raw("/purge\">");
+        .raw("/")
+        .raw(match action {
+            Action::Purge => "purge",
+            Action::Replay { .. } => "replay",
+        })
+        .raw("\">");
     csrf_field(&mut h, csrf);
-    selection_fields(&mut h, fields);
-    h.raw("<input type=\"hidden\" name=\"confirm\" value=\"yes\"><button type=\"submit\" class=\"purge-confirm danger\">Purge ")
-        .show(count)
+    h.hidden("selection", &selection.id);
+    if let Action::Replay {
+        rate: Some(rate), ..
+    } = action
+    {
+        h.hidden("rate", &rate.to_string());
+    }
+    h.raw("<input type=\"hidden\" name=\"confirm\" value=\"yes\"><button type=\"submit\" class=\"")
+        .raw(class)
+        .raw("\">")
+        .text(verb)
+        .raw(" ")
+        .show(selection.count())
         .raw(" messages</button> ")
         .link(&queue_href(&queue.name), "Cancel")
         .raw("</form>");
-    page(app, "Confirm purge", None, h)
+    page(app, &format!("Confirm {}", action.name()), None, h)
 }
 
 fn job_title(job: &Job) -> String {
@@ -925,9 +1004,18 @@ fn job_title(job: &Job) -> String {
     )
 }
 
-/// The report as the CLI prints it.
+/// The report as the CLI prints it; a cancelled job says so first.
 pub fn report_line(job: &Job, report: &ParkingReport) -> String {
     let parking = retry_core::TopologyPlan::parking_queue_of(&job.queue);
+    let line = report_words(job, report, &parking);
+    if job.progress().cancelled {
+        format!("cancelled: {line}")
+    } else {
+        line
+    }
+}
+
+fn report_words(job: &Job, report: &ParkingReport, parking: &str) -> String {
     match job.action {
         Action::Replay { dry_run: true, .. } => format!(
             "dry run: {} would be replayed to {}; replayed 0, left {} in {parking}",
@@ -945,7 +1033,7 @@ pub fn report_line(job: &Job, report: &ParkingReport) -> String {
 }
 
 /// A job's page: progress while it runs (the page reloads itself), its report when done.
-pub fn job_page(app: &App, job: &Job) -> String {
+pub fn job_page(app: &App, job: &Job, csrf: &str) -> String {
     let progress = job.progress();
     let mut h = Html::default();
     h.raw("<h1>").text(&job_title(job)).raw("</h1>");
@@ -955,7 +1043,13 @@ pub fn job_page(app: &App, job: &Job) -> String {
             .show(r.seen)
             .raw(" read, ")
             .show(r.matched)
-            .raw(" matched…</p>");
+            .raw(" of ")
+            .show(job.selected)
+            .raw(" selected taken…</p><form method=\"post\" class=\"inline\" action=\"/jobs/")
+            .show(job.id)
+            .raw("/cancel\">");
+        csrf_field(&mut h, csrf);
+        h.raw("<button type=\"submit\" class=\"cancel\">Cancel</button></form>");
     } else if let Some(error) = &progress.error {
         h.raw("<p class=\"error\" id=\"job-state\">Failed: ")
             .text(error)
@@ -969,6 +1063,7 @@ pub fn job_page(app: &App, job: &Job) -> String {
         &mut h,
         "report",
         &[
+            ("selected".into(), job.selected.to_string()),
             ("seen".into(), r.seen.to_string()),
             ("matched".into(), r.matched.to_string()),
             ("replayed".into(), r.replayed.to_string()),

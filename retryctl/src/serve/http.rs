@@ -2,6 +2,7 @@
 //! request goes through.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -13,10 +14,11 @@ use axum::routing::{get, post};
 use retry_core::{ParkedFilter, ParkedReason};
 use serde_json::{Value, json};
 
-use super::auth::{COOKIE, cookie};
+use super::auth::{self, COOKIE, SessionId, Viewer, cookies};
 use super::html::{self, ListView};
-use super::index::{Entry, Group, Sort};
+use super::index::{Entry, Group, Key, Sort};
 use super::jobs::{self, Action, Job};
+use super::selection::{LIFETIME, Selection};
 use super::{App, DepthShown, Queue};
 use crate::parked::{parse_when, properties_json, record_json_of, time_text};
 use crate::render::header_json;
@@ -36,7 +38,8 @@ const MAX_PER_PAGE: usize = 1000;
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Via {
     Bearer,
-    Cookie,
+    /// By the cookie of this live session.
+    Cookie(SessionId),
 }
 
 /// The console's routes.
@@ -49,6 +52,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/q/{queue}/message", get(message_page))
         .route("/q/{queue}/{verb}", post(form_post))
         .route("/jobs/{id}", get(job_page))
+        .route("/jobs/{id}/cancel", post(form_cancel))
         .route("/api/queues", get(api_queues))
         .route("/api/queues/{queue}", get(api_queue))
         .route("/api/queues/{queue}/groups", get(api_groups))
@@ -56,6 +60,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/queues/{queue}/message", get(api_message))
         .route("/api/queues/{queue}/{verb}", post(api_post))
         .route("/api/jobs/{id}", get(api_job))
+        .route("/api/jobs/{id}/cancel", post(api_cancel))
+        .route("/logout", post(logout))
         .route_layer(middleware::from_fn_with_state(Arc::clone(&app), authorize));
     Router::new()
         .route("/login", get(login_get).post(login_post))
@@ -91,8 +97,10 @@ fn is_api(request: &Request) -> bool {
     request.uri().path().starts_with("/api/")
 }
 
-/// Lets in a request with the bearer token or the session cookie; refuses a POST whose
-/// `Origin` is another site's. A page asked for without either is sent to `/login`.
+/// Lets in a request with the bearer token or the cookie of a live session; refuses a POST
+/// whose `Origin` is another site's. A page asked for without either is sent to `/login`.
+/// The request let in is answered with its [`Viewer`] set, so that its page header may
+/// show the broker and the logout form.
 async fn authorize(State(app): State<Arc<App>>, mut request: Request, next: Next) -> Response {
     let headers = request.headers();
     let bearer = headers
@@ -108,14 +116,14 @@ async fn authorize(State(app): State<Arc<App>>, mut request: Request, next: Next
             );
         }
         Via::Bearer
-    } else if headers
+    } else if let Some(session) = headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .filter_map(|v| cookie(v, COOKIE))
-        .any(|session| app.auth.is_session(session))
+        .flat_map(|v| cookies(v, COOKIE))
+        .find_map(|value| app.auth.session(value, Instant::now()))
     {
-        Via::Cookie
+        Via::Cookie(session)
     } else {
         if !is_api(&request) && request.method() == Method::GET {
             return redirect("/login");
@@ -134,7 +142,13 @@ async fn authorize(State(app): State<Arc<App>>, mut request: Request, next: Next
         );
     }
     request.extensions_mut().insert(via);
-    next.run(request).await
+    let viewer = Viewer {
+        csrf: match via {
+            Via::Cookie(session) => Some(app.auth.csrf(&session)),
+            Via::Bearer => None,
+        },
+    };
+    auth::VIEWER.scope(viewer, next.run(request)).await
 }
 
 /// Whether a POST came from a page of the console: its `Origin` (when the browser sends
@@ -243,10 +257,27 @@ fn value<'a>(fields: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .filter(|v| !v.is_empty())
 }
 
-/// The filter that `fields` describe, and the words for it; with `require`, a selection
-/// that names nothing (and not `all`) is refused.
-fn selection(fields: &[(String, String)], require: bool) -> Result<(ParkedFilter, String), String> {
+/// The filter that `fields` describe, the message keys they name (`key`, as a message's
+/// page gives it), and the words for both; with `require`, a selection that names nothing
+/// (and not `all`) is refused.
+fn selection(
+    fields: &[(String, String)],
+    require: bool,
+) -> Result<(ParkedFilter, Vec<Key>, String), String> {
     let mut words = Vec::new();
+    let mut keys = Vec::new();
+    for (_, text) in fields.iter().filter(|(k, v)| k == "key" && !v.is_empty()) {
+        keys.push(
+            Key::parse(text).ok_or_else(|| {
+                format!("key {text:?}: 32 hex digits, as a message's page gives it")
+            })?,
+        );
+    }
+    match keys.len() {
+        0 => {}
+        1 => words.push("one message".to_owned()),
+        n => words.push(format!("{n} chosen messages")),
+    }
     let ids: Vec<String> = fields
         .iter()
         .filter(|(k, v)| (k == "ids" || k == "id") && !v.is_empty())
@@ -289,14 +320,15 @@ fn selection(fields: &[(String, String)], require: bool) -> Result<(ParkedFilter
         filter = filter.parked_before(t);
     }
     if value(fields, "all").is_some() {
-        if !filter.is_all() {
+        if !filter.is_all() || !keys.is_empty() {
             return Err("all cannot be given with another condition".into());
         }
-        return Ok((filter, "every message".into()));
+        return Ok((filter, keys, "every message".into()));
     }
-    if require && filter.is_all() {
+    if require && filter.is_all() && keys.is_empty() {
         return Err(
-            "nothing selected: give ids, a group, a reason, an error text, a time, or all".into(),
+            "nothing selected: give ids, keys, a group, a reason, an error text, a time, or all"
+                .into(),
         );
     }
     let text = if words.is_empty() {
@@ -304,7 +336,7 @@ fn selection(fields: &[(String, String)], require: bool) -> Result<(ParkedFilter
     } else {
         words.join(", ")
     };
-    Ok((filter, text))
+    Ok((filter, keys, text))
 }
 
 /// The order, direction, page and page size of a list's query.
@@ -339,7 +371,7 @@ fn list_options(fields: &[(String, String)]) -> Result<(Sort, bool, usize, usize
 
 fn csrf_of(app: &App, via: Option<&Via>) -> String {
     match via {
-        Some(Via::Cookie) => app.auth.csrf(),
+        Some(Via::Cookie(session)) => app.auth.csrf(session),
         _ => String::new(),
     }
 }
@@ -352,9 +384,9 @@ fn check_csrf(
     headers: &HeaderMap,
     fields: &[(String, String)],
 ) -> Option<Response> {
-    if via == Via::Bearer {
+    let Via::Cookie(session) = via else {
         return None;
-    }
+    };
     let given = headers
         .get("x-csrf-token")
         .and_then(|v| v.to_str().ok())
@@ -365,7 +397,7 @@ fn check_csrf(
                 .map(|(_, v)| v.as_str())
         });
     match given {
-        Some(token) if app.auth.is_csrf(token) => None,
+        Some(token) if app.auth.is_csrf(&session, token) => None,
         _ => Some((
             StatusCode::FORBIDDEN,
             html_headers(),
@@ -443,7 +475,7 @@ async fn list_page(
         Err(e) => return page_error(&app, StatusCode::NOT_FOUND, "No such queue", &e),
     };
     let fields = query_fields(&query);
-    let parsed = selection(&fields, false).and_then(|(f, _)| Ok((f, list_options(&fields)?)));
+    let parsed = selection(&fields, false).and_then(|(f, _, _)| Ok((f, list_options(&fields)?)));
     match parsed {
         Ok((filter, (sort, descending, page_no, per_page))) => page(html::list_page(
             &app,
@@ -477,15 +509,24 @@ fn wanted<'a>(
         })?),
         None => None,
     };
-    if id.is_none() && pos.is_none() {
+    let key = match value(fields, "key") {
+        Some(k) => Some(Key::parse(k).ok_or_else(|| {
+            (
+                StatusCode::BAD_REQUEST,
+                format!("key {k:?}: 32 hex digits, as a message's page gives it"),
+            )
+        })?),
+        None => None,
+    };
+    if id.is_none() && pos.is_none() && key.is_none() {
         return Err((
             StatusCode::BAD_REQUEST,
-            "give the message's id or its pos".into(),
+            "give the message's id, its pos or its key".into(),
         ));
     }
-    let found = snap.index.find(id, pos);
+    let found = snap.index.find(id, pos, key);
     if found.is_empty() {
-        let mut why = "no parked message with this id or position as of the index".to_owned();
+        let mut why = "no parked message with this id, position or key as of the index".to_owned();
         if snap.index.not_kept > 0 {
             why.push_str(&format!(
                 " ({} messages did not fit the index: it may be one of them)",
@@ -523,12 +564,17 @@ async fn message_page(
 struct ActionRequest {
     queue: Arc<Queue>,
     action: Action,
-    filter: ParkedFilter,
-    description: String,
+    /// The messages it takes.
+    selection: Arc<Selection>,
+    /// Whether the request named a selection made before (a confirmation's), rather than
+    /// describing one, made now from the index.
+    named: bool,
     fields: Vec<(String, String)>,
 }
 
-/// The action `verb` (`replay` or `purge`) asks for on queue `name` with `fields`.
+/// The action `verb` (`replay` or `purge`) asks for on queue `name` with `fields`: on the
+/// selection `fields` name, or on the kept messages the index now shows for the filter
+/// and keys they give.
 fn action_request(
     app: &App,
     name: &str,
@@ -546,25 +592,66 @@ fn action_request(
             ));
         }
     };
-    let (filter, description) =
-        selection(&fields, true).map_err(|e| (StatusCode::BAD_REQUEST, e))?;
+    let (selection, named) = match value(&fields, "selection") {
+        Some(id) => {
+            let found = app.selections.get(id, &queue.name, Instant::now());
+            let found = found.ok_or_else(|| {
+                (
+                    StatusCode::GONE,
+                    format!(
+                        "selection {id:?} has expired (a selection waits {} minutes for its \
+                         confirmation) or is not of queue {:?}: look at the messages again",
+                        LIFETIME.as_secs() / 60,
+                        queue.name
+                    ),
+                )
+            })?;
+            (found, true)
+        }
+        None => {
+            let (filter, keys, description) =
+                selection(&fields, true).map_err(|e| (StatusCode::BAD_REQUEST, e))?;
+            let snap = queue.snapshot();
+            let index = &snap.index;
+            let chosen = Selection::new(
+                &queue.name,
+                description,
+                index.select(&filter, &keys),
+                (
+                    index.started.filter(|_| snap.generation > 0),
+                    snap.generation,
+                    index.not_kept,
+                ),
+            )
+            .map_err(|e| {
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("cannot draw a selection's name: {e}"),
+                )
+            })?;
+            (Arc::new(chosen), false)
+        }
+    };
     Ok(ActionRequest {
         queue,
         action,
-        filter,
-        description,
+        selection,
+        named,
         fields,
     })
 }
 
 fn replay_action(fields: &[(String, String)]) -> Result<Action, (StatusCode, String)> {
+    let (slowest, fastest) = jobs::RATES;
     let rate = match value(fields, "rate") {
         Some(text) => match text.parse::<f64>() {
-            Ok(r) if r.is_finite() && r > 0.0 => Some(r),
+            Ok(r) if (slowest..=fastest).contains(&r) => Some(r),
             _ => {
                 return Err((
                     StatusCode::BAD_REQUEST,
-                    format!("rate {text:?}: a number of messages a second above 0"),
+                    format!(
+                        "rate {text:?}: a number of messages a second from {slowest} to {fastest}"
+                    ),
                 ));
             }
         },
@@ -574,8 +661,10 @@ fn replay_action(fields: &[(String, String)]) -> Result<Action, (StatusCode, Str
     Ok(Action::Replay { rate, dry_run })
 }
 
-/// The POST of a page's form: `replay`, `purge` (a confirmation page first, then with
-/// `confirm=yes` the purge) or `refresh`.
+/// The POST of a page's form: `replay`, `purge` or `refresh`. A purge shows its
+/// confirmation first, naming the selection it made; with `confirm=yes` and that selection
+/// it runs. A replay runs at once on what the page listed (its `generation` is the index's
+/// still); else it too asks for a confirmation, with the count as the index now has it.
 async fn form_post(
     State(app): State<Arc<App>>,
     axum::Extension(via): axum::Extension<Via>,
@@ -603,24 +692,60 @@ async fn form_post(
         Ok(r) => r,
         Err(e) => return refused(e),
     };
-    if r.action == Action::Purge && value(&r.fields, "confirm") != Some("yes") {
-        let count = r.queue.snapshot().index.count(&r.filter);
-        return page(html::purge_confirm(
+    let confirmed = r.named && value(&r.fields, "confirm") == Some("yes");
+    let as_listed =
+        value(&r.fields, "generation").is_some_and(|g| g == r.selection.generation.to_string());
+    let runs = match r.action {
+        Action::Purge => confirmed,
+        Action::Replay { dry_run, .. } => dry_run || confirmed || (!r.named && as_listed),
+    };
+    if !runs {
+        app.selections.keep(&r.selection, Instant::now());
+        return page(html::confirm_page(
             &app,
             &r.queue,
-            &r.fields,
-            &r.description,
-            count,
+            r.action,
+            &r.selection,
+            !r.named && !as_listed && r.action != Action::Purge,
             &csrf_of(&app, Some(&via)),
         ));
     }
-    let job = jobs::start(&app, &r.queue, r.action, r.filter, r.description);
+    let job = jobs::start(&app, &r.queue, r.action, &r.selection);
     redirect(&format!("/jobs/{}", job.id))
 }
 
-async fn job_page(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+/// A job's cancellation, from its page's form.
+async fn form_cancel(
+    State(app): State<Arc<App>>,
+    axum::Extension(via): axum::Extension<Via>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(refused) = check_csrf(&app, via, &headers, &fields(&body)) {
+        return refused;
+    }
     match id.parse().ok().and_then(|id| app.jobs.get(id)) {
-        Some(job) => page(html::job_page(&app, &job)),
+        Some(job) => {
+            job.cancel();
+            redirect(&format!("/jobs/{}", job.id))
+        }
+        None => page_error(
+            &app,
+            StatusCode::NOT_FOUND,
+            "No such action",
+            "No action has this number in this run of the console.",
+        ),
+    }
+}
+
+async fn job_page(
+    State(app): State<Arc<App>>,
+    via: Option<axum::Extension<Via>>,
+    Path(id): Path<String>,
+) -> Response {
+    match id.parse().ok().and_then(|id| app.jobs.get(id)) {
+        Some(job) => page(html::job_page(&app, &job, &csrf_of(&app, via.as_deref()))),
         None => page_error(
             &app,
             StatusCode::NOT_FOUND,
@@ -652,14 +777,49 @@ async fn login_post(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes
     log_in(&app, value(&fields, "token").unwrap_or(""))
 }
 
+/// Starts a new session if `token` is the console's token: every login draws a session
+/// id of its own.
 fn log_in(app: &App, token: &str) -> Response {
     if !app.auth.is_token(token) {
         return with_status(page(html::login_page(app, true)), StatusCode::UNAUTHORIZED);
     }
+    let session = match app.auth.log_in(Instant::now()) {
+        Ok(session) => session,
+        Err(e) => {
+            return page_error(
+                app,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Not logged in",
+                &format!("cannot draw a session id: {e}"),
+            );
+        }
+    };
     let mut response = redirect("/");
-    if let Ok(cookie) = HeaderValue::from_str(&app.auth.set_cookie()) {
+    if let Ok(cookie) = HeaderValue::from_str(&app.auth.set_cookie(&session)) {
         response.headers_mut().insert(header::SET_COOKIE, cookie);
     }
+    response
+}
+
+/// Ends the session of the cookie (the form must carry its CSRF token) and clears the
+/// cookie. A request let in by the bearer token has no session to end.
+async fn logout(
+    State(app): State<Arc<App>>,
+    axum::Extension(via): axum::Extension<Via>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(refused) = check_csrf(&app, via, &headers, &fields(&body)) {
+        return refused;
+    }
+    if let Via::Cookie(session) = via {
+        app.auth.log_out(&session);
+    }
+    let mut response = redirect("/login");
+    response.headers_mut().insert(
+        header::SET_COOKIE,
+        HeaderValue::from_static(auth::CLEAR_COOKIE),
+    );
     response
 }
 
@@ -737,6 +897,7 @@ fn entry_json(entry: &Entry, full: bool) -> Value {
     let mut value = record_json_of(entry.id(), &headers);
     if let Value::Object(fields) = &mut value {
         fields.insert("pos".into(), json!(entry.pos));
+        fields.insert("key".into(), json!(entry.key.hex()));
         if full {
             fields.insert("properties".into(), properties_json(&properties));
             fields.insert(
@@ -798,7 +959,7 @@ async fn api_messages(
     };
     let fields = query_fields(&query);
     let (filter, (sort, descending, page_no, per_page)) =
-        match selection(&fields, false).and_then(|(f, _)| Ok((f, list_options(&fields)?))) {
+        match selection(&fields, false).and_then(|(f, _, _)| Ok((f, list_options(&fields)?))) {
             Ok(v) => v,
             Err(e) => return api_error(StatusCode::BAD_REQUEST, e),
         };
@@ -838,9 +999,11 @@ async fn api_message(
 }
 
 /// A JSON object's fields as form fields: arrays give one field per item; `true` is "1".
-fn json_fields(body: &[u8]) -> Result<Vec<(String, String)>, String> {
+/// `"confirm"` is not a field: it says whether the body confirms, and only `true` does; any
+/// other value of it is refused, so that `"confirm": "false"` never purges.
+fn json_fields(body: &[u8]) -> Result<(Vec<(String, String)>, bool), String> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), false));
     }
     let Value::Object(object) =
         serde_json::from_slice::<Value>(body).map_err(|e| format!("the body is not JSON: {e}"))?
@@ -848,7 +1011,19 @@ fn json_fields(body: &[u8]) -> Result<Vec<(String, String)>, String> {
         return Err("the body must be a JSON object".into());
     };
     let mut out = Vec::new();
+    let mut confirmed = false;
     for (name, value) in object {
+        if name == "confirm" {
+            match value {
+                Value::Bool(true) => confirmed = true,
+                other => {
+                    return Err(format!(
+                        "confirm: {other} does not confirm; only true does (or leave it out)"
+                    ));
+                }
+            }
+            continue;
+        }
         let items = match value {
             Value::Array(items) => items,
             other => vec![other],
@@ -869,7 +1044,7 @@ fn json_fields(body: &[u8]) -> Result<Vec<(String, String)>, String> {
             out.push((name.clone(), text));
         }
     }
-    Ok(out)
+    Ok((out, confirmed))
 }
 
 fn job_json(job: &Job) -> Value {
@@ -883,6 +1058,8 @@ fn job_json(job: &Job) -> Value {
         "started": time_text(job.started),
         "ended": time_json(p.ended),
         "done": p.done,
+        "cancelled": p.cancelled,
+        "selected": job.selected,
         "error": p.error,
         "report": {
             "seen": p.report.seen,
@@ -901,8 +1078,10 @@ fn with_status(mut response: Response, status: StatusCode) -> Response {
     response
 }
 
-/// A POST of the API: `replay`, `purge` (409 with the count without `"confirm": true`) or
-/// `refresh`; 202 once started.
+/// A POST of the API: `replay`, `purge` or `refresh`; 202 once started. Both actions take
+/// the selection the body names (`"selection"`, from a 409), or else the kept messages the
+/// index now shows for the body's filter and keys. A purge without `"confirm": true` takes
+/// nothing: 409, with the count and the selection to confirm.
 async fn api_post(
     State(app): State<Arc<App>>,
     axum::Extension(via): axum::Extension<Via>,
@@ -916,7 +1095,7 @@ async fn api_post(
             "a request let in by the session cookie needs the X-CSRF-Token header",
         );
     }
-    let fields = match json_fields(&body) {
+    let (fields, confirmed) = match json_fields(&body) {
         Ok(f) => f,
         Err(e) => return api_error(StatusCode::BAD_REQUEST, e),
     };
@@ -936,17 +1115,52 @@ async fn api_post(
         Ok(r) => r,
         Err((status, why)) => return api_error(status, why),
     };
-    if r.action == Action::Purge && value(&r.fields, "confirm").is_none() {
-        let count = r.queue.snapshot().index.count(&r.filter);
+    if r.action == Action::Purge && !confirmed {
+        app.selections.keep(&r.selection, Instant::now());
         let answer = json!({
-            "error": "a purge removes messages for good: send it again with \"confirm\": true",
-            "would_purge": count,
-            "selection": r.description,
+            "error": "a purge removes messages for good: send {\"selection\": ..., \"confirm\": true} to purge these",
+            "would_purge": r.selection.count(),
+            "selection": r.selection.id,
+            "description": r.selection.description,
+            "as_of": time_json(r.selection.as_of),
+            "not_kept": r.selection.not_kept,
+            "expires_in_seconds": LIFETIME.as_secs(),
         });
         return with_status(json_body(&answer), StatusCode::CONFLICT);
     }
-    let job = jobs::start(&app, &r.queue, r.action, r.filter, r.description);
+    let job = jobs::start(&app, &r.queue, r.action, &r.selection);
     with_status(json_body(&job_json(&job)), StatusCode::ACCEPTED)
+}
+
+/// `POST /api/jobs/{id}/cancel`: stops the job before the next message it would take; 202,
+/// with the job as it stands.
+async fn api_cancel(
+    State(app): State<Arc<App>>,
+    axum::Extension(via): axum::Extension<Via>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if check_csrf(&app, via, &headers, &[]).is_some() {
+        return api_error(
+            StatusCode::FORBIDDEN,
+            "a request let in by the session cookie needs the X-CSRF-Token header",
+        );
+    }
+    match id.parse().ok().and_then(|id| app.jobs.get(id)) {
+        Some(job) => {
+            let running = job.cancel();
+            let status = if running {
+                StatusCode::ACCEPTED
+            } else {
+                StatusCode::CONFLICT
+            };
+            with_status(json_body(&job_json(&job)), status)
+        }
+        None => api_error(
+            StatusCode::NOT_FOUND,
+            format!("no action {id:?} in this run of the console"),
+        ),
+    }
 }
 
 async fn api_job(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {

@@ -22,6 +22,60 @@ use retry_core::{
 
 use super::packed;
 
+/// Names one parked message for a replay or purge: a SHA-256 digest, cut to 128 bits, of
+/// its properties, its headers and its whole body. The headers hold what the publish that
+/// parked it stamped (its time, its publish id, the broker's `x-death`), so two messages
+/// with one key are the same bytes; a requeue, which reorders a queue, does not change a
+/// key. `x-delivery-count`, which a quorum queue raises at each redelivery, is left out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key([u8; 16]);
+
+/// The header a quorum queue raises at each redelivery: not part of a [`Key`].
+const REDELIVERIES: &str = "x-delivery-count";
+
+impl Key {
+    /// The key of `message`.
+    pub fn of(message: &Message) -> Key {
+        let headers = message.headers();
+        let packed = if headers.get(REDELIVERIES).is_some() {
+            let mut kept = headers.clone();
+            kept.remove(REDELIVERIES);
+            packed::pack(message.properties(), &kept)
+        } else {
+            packed::pack(message.properties(), headers)
+        };
+        Key::of_packed(&packed, message.body())
+    }
+
+    fn of_packed(packed: &[u8], body: &[u8]) -> Key {
+        use sha2::{Digest, Sha256};
+        let mut digest = Sha256::new();
+        digest.update((packed.len() as u64).to_le_bytes());
+        digest.update(packed);
+        digest.update(body);
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&digest.finalize()[..16]);
+        Key(key)
+    }
+
+    /// In hex, as forms and the API carry it.
+    pub fn hex(&self) -> String {
+        crate::render::hex(&self.0)
+    }
+
+    /// The key written as [`hex`](Self::hex); `None` for anything else.
+    pub fn parse(text: &str) -> Option<Key> {
+        if text.len() != 32 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        let mut key = [0u8; 16];
+        for (i, byte) in key.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(Key(key))
+    }
+}
+
 /// How much an index keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexLimits {
@@ -58,6 +112,8 @@ pub struct Entry {
     pub group: u32,
     /// Its attempts, as the list shows them.
     pub attempts: Option<u32>,
+    /// What names it for an action.
+    pub key: Key,
     // Read by every filter of a list, so held here, one pointer away, rather than in
     // `held`, two away: at 100,000 messages the second pointer made a filtered list 4
     // times slower. Shared with the previous index as `held` is.
@@ -280,8 +336,13 @@ impl<'a> IndexBuilder<'a> {
         }
         let group = self.group_for(reason, last_error, id, parked_at);
         let body = message.body();
+        let packed = packed::pack(message.properties(), headers);
+        let key = match headers.get(REDELIVERIES) {
+            None => Key::of_packed(&packed, body),
+            Some(_) => Key::of(message),
+        };
         let held = Held {
-            packed: packed::pack(message.properties(), headers),
+            packed,
             body_len: body.len(),
             preview: body[..body.len().min(self.index.limits.preview_bytes)].into(),
         };
@@ -309,6 +370,7 @@ impl<'a> IndexBuilder<'a> {
             parked_at,
             group,
             attempts: counter(headers, retry_core::headers::ATTEMPTS),
+            key,
             id,
             last_error,
             held,
@@ -466,15 +528,16 @@ impl Index {
         })
     }
 
-    /// How many kept messages `filter` matches.
-    pub fn count(&self, filter: &ParkedFilter) -> u64 {
-        if filter.is_all() {
-            return self.entries.len() as u64;
-        }
+    /// The keys of the kept messages that `filter` matches, and, when `keys` names any,
+    /// whose key is among them: the exact set a replay or purge of this selection takes.
+    /// A key appears once for each message that has it.
+    pub fn select(&self, filter: &ParkedFilter, keys: &[Key]) -> Vec<Key> {
         self.entries
             .iter()
-            .filter(|e| self.matches(filter, e))
-            .count() as u64
+            .filter(|e| keys.is_empty() || keys.contains(&e.key))
+            .filter(|e| filter.is_all() || self.matches(filter, e))
+            .map(|e| e.key)
+            .collect()
     }
 
     /// The kept messages `filter` matches, ordered by `sort` (`descending` reverses it),
@@ -514,11 +577,16 @@ impl Index {
         Page { matched, entries }
     }
 
-    /// The kept messages with message id `id`, or at position `pos`.
-    pub fn find(&self, id: Option<&str>, pos: Option<u64>) -> Vec<&Entry> {
+    /// The kept messages with message id `id`, at position `pos`, and with key `key`
+    /// (each condition when given).
+    pub fn find(&self, id: Option<&str>, pos: Option<u64>, key: Option<Key>) -> Vec<&Entry> {
         self.entries
             .iter()
-            .filter(|e| id.is_none_or(|id| e.id() == Some(id)) && pos.is_none_or(|p| e.pos == p))
+            .filter(|e| {
+                id.is_none_or(|id| e.id() == Some(id))
+                    && pos.is_none_or(|p| e.pos == p)
+                    && key.is_none_or(|k| e.key == k)
+            })
             .collect()
     }
 
@@ -638,11 +706,19 @@ mod tests {
             .map(|e| e.id().unwrap())
             .collect();
         assert_eq!(ids, ["a", "b"]);
-        assert_eq!(index.count(&ParkedFilter::all().with_error_group("")), 1);
         assert_eq!(
-            index.count(&ParkedFilter::reason(ParkedReason::Known(
-                DeadLetterReason::AttemptsExhausted
-            ))),
+            index
+                .select(&ParkedFilter::all().with_error_group(""), &[])
+                .len(),
+            1
+        );
+        assert_eq!(
+            index
+                .select(
+                    &ParkedFilter::reason(ParkedReason::Known(DeadLetterReason::AttemptsExhausted)),
+                    &[]
+                )
+                .len(),
             2
         );
         assert_eq!(index.oldest, Some(Timestamp::from_millis(T0 as u64)));
@@ -740,6 +816,40 @@ mod tests {
     }
 
     #[test]
+    fn a_key_names_the_bytes_of_one_message_whatever_its_place_or_redeliveries() {
+        let a = parked("same-id", "permanent", Some("boom"), T0, b"one");
+        let b = parked("same-id", "permanent", Some("boom"), T0, b"two");
+        let later = parked("same-id", "permanent", Some("boom"), T0 + 1, b"one");
+        assert_ne!(
+            Key::of(&a),
+            Key::of(&b),
+            "ids repeat: the body tells them apart"
+        );
+        assert_ne!(
+            Key::of(&a),
+            Key::of(&later),
+            "so does the time it was parked"
+        );
+        let mut redelivered = a.parts().clone();
+        redelivered
+            .headers
+            .insert(REDELIVERIES, HeaderValue::Int(4));
+        assert_eq!(Key::of(&Message::new(redelivered)), Key::of(&a));
+        assert_eq!(Key::parse(&Key::of(&a).hex()), Some(Key::of(&a)));
+        assert_eq!(Key::parse("zz"), None);
+        assert_eq!(Key::parse(&"g".repeat(32)), None);
+        // The index computes the same key as a walk does, and selects by it.
+        let index = build(&[a.clone(), b.clone(), a.clone()], IndexLimits::default());
+        assert_eq!(index.entries[0].key, Key::of(&a));
+        assert_eq!(
+            index.select(&ParkedFilter::all(), &[Key::of(&a)]),
+            [Key::of(&a), Key::of(&a)],
+            "a key is selected once for each message that has it"
+        );
+        assert_eq!(index.select(&ParkedFilter::ids(["same-id"]), &[]).len(), 3);
+    }
+
+    #[test]
     fn a_page_is_sorted_and_cut() {
         let index = build(
             &[
@@ -762,7 +872,7 @@ mod tests {
         assert_eq!(ids(Sort::ParkedAt, true, 0, 10), ["a", "b", "c"]);
         assert_eq!(ids(Sort::ParkedAt, false, 1, 2), ["a"]);
         assert_eq!(ids(Sort::Id, false, 5, 2), Vec::<String>::new());
-        assert_eq!(index.find(Some("c"), None)[0].pos, 1);
+        assert_eq!(index.find(Some("c"), None, None)[0].pos, 1);
         assert_eq!(Sort::parse("parked_at"), Some(Sort::ParkedAt));
         assert_eq!(Sort::parse("nope"), None);
     }

@@ -1,15 +1,32 @@
 //! Replays and purges started from the console: each runs on a thread of its own, through
 //! [`ParkingLot`], and its progress and result (the same [`ParkingReport`] the CLI prints)
 //! are kept for its page.
+//!
+//! A job takes exactly the messages of its [`Selection`], each once, and leaves every other
+//! message it reads. It can be cancelled: it stops before the next message it would take
+//! (under a rate, once that message's turn has come), and every message it has not taken
+//! stays parked.
 
+use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use retry_core::{ParkedFilter, ParkingLot, ParkingReport, ReplayOptions, Timestamp};
+use retry_core::{
+    Message, ParkedFilter, ParkingLot, ParkingReport, Pick, ReplayOptions, Timestamp,
+};
 
-use super::{App, Queue, on_transport};
+use super::index::Key;
+use super::selection::Selection;
+use super::{App, Queue, on_transport, watched};
 use crate::error::CliError;
-use crate::parked::{Inspect, count_hidden_headers, hidden_headers_refusal, walk_error_text};
+use crate::parked::{Inspect, hidden_headers_refusal, walk_error_text};
+
+/// The slowest and fastest replay rates the console takes, messages a second. At the
+/// slowest, a cancelled replay stops within 10 s.
+pub const RATES: (f64, f64) = (0.1, 100_000.0);
 
 /// What an action does.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -45,6 +62,8 @@ pub struct Progress {
     pub done: bool,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// Whether it was cancelled before it ended.
+    pub cancelled: bool,
     /// When it ended.
     pub ended: Option<Timestamp>,
 }
@@ -59,6 +78,10 @@ pub struct Job {
     pub action: Action,
     /// The selection, as the page says it.
     pub selection: String,
+    /// How many messages the selection holds: the most it takes.
+    pub selected: u64,
+    /// Asks it to stop.
+    cancel: AtomicBool,
     /// When it started.
     pub started: Timestamp,
     /// How it stands.
@@ -66,6 +89,12 @@ pub struct Job {
 }
 
 impl Job {
+    /// Asks it to stop before the next message it would take; `false` if it has ended.
+    pub fn cancel(&self) -> bool {
+        self.cancel.store(true, Ordering::SeqCst);
+        !self.progress().done
+    }
+
     /// A copy of how it stands.
     pub fn progress(&self) -> Progress {
         self.progress
@@ -97,14 +126,16 @@ impl Jobs {
         jobs.iter().rev().take(n).cloned().collect()
     }
 
-    fn add(&self, queue: &str, action: Action, selection: String) -> Arc<Job> {
+    fn add(&self, queue: &str, action: Action, selection: &Selection) -> Arc<Job> {
         let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         let id = jobs.last().map_or(1, |j| j.id + 1);
         let job = Arc::new(Job {
             id,
             queue: queue.to_owned(),
             action,
-            selection,
+            selection: selection.description.clone(),
+            selected: selection.count(),
+            cancel: AtomicBool::new(false),
             started: Timestamp::from_system_time(SystemTime::now()),
             progress: Mutex::new(Progress::default()),
         });
@@ -116,28 +147,37 @@ impl Jobs {
     }
 }
 
-/// Starts `action` on the messages of `queue` that `filter` matches, and returns its job;
-/// the index is walked again when it ends (but for a dry run).
+/// Starts `action` on the messages of `selection` on `queue`, and returns its job; the index
+/// is walked again when it ends (but for a dry run).
 pub fn start(
     app: &Arc<App>,
     queue: &Arc<Queue>,
     action: Action,
-    filter: ParkedFilter,
-    selection: String,
+    selection: &Arc<Selection>,
 ) -> Arc<Job> {
     let job = app.jobs.add(&queue.name, action, selection);
-    let (app, queue, running) = (Arc::clone(app), Arc::clone(queue), Arc::clone(&job));
+    let (app, queue, running, selection) = (
+        Arc::clone(app),
+        Arc::clone(queue),
+        Arc::clone(&job),
+        Arc::clone(selection),
+    );
     std::thread::Builder::new()
         .name(format!("{} {}", action.name(), queue.name))
         .spawn(move || {
             let result = {
                 let _busy = queue.busy.lock().unwrap_or_else(|e| e.into_inner());
-                on_transport!(&app, |transport| act(
-                    &transport, &queue, action, &filter, &running
-                ))
+                // A panic ends the job with its message, never leaves it running for ever.
+                std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    on_transport!(&app, |transport| act(
+                        &transport, &app, &queue, action, &selection, &running
+                    ))
+                }))
+                .unwrap_or_else(|panic| Err(CliError::failure(super::panic_text(&*panic))))
             };
             let mut progress = running.progress.lock().unwrap_or_else(|e| e.into_inner());
             progress.done = true;
+            progress.cancelled = running.cancel.load(Ordering::SeqCst);
             progress.ended = Some(Timestamp::from_system_time(SystemTime::now()));
             match result {
                 Ok(report) => progress.report = report,
@@ -152,11 +192,35 @@ pub fn start(
     job
 }
 
+/// The pick of a job: takes a message while the selection holds one more of its key, stops
+/// once the job is cancelled.
+fn picker<'a>(selection: &Selection, cancel: &'a AtomicBool) -> impl FnMut(&Message) -> Pick + 'a {
+    let mut wanted: HashMap<Key, u32> = HashMap::new();
+    for key in &selection.keys {
+        *wanted.entry(*key).or_default() += 1;
+    }
+    move |message| {
+        if cancel.load(Ordering::SeqCst) {
+            return Pick::Stop;
+        }
+        let key = Key::of(message);
+        match wanted.get_mut(&key) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                wanted.remove(&key);
+            }
+            None => return Pick::Leave,
+        }
+        Pick::Take
+    }
+}
+
 async fn act<T: Inspect>(
     transport: &Arc<T>,
+    app: &App,
     queue: &Queue,
     action: Action,
-    filter: &ParkedFilter,
+    selection: &Selection,
     job: &Job,
 ) -> Result<ParkingReport, CliError> {
     let lot = ParkingLot::with_queues(
@@ -164,27 +228,48 @@ async fn act<T: Inspect>(
         queue.name.as_str(),
         queue.parking.as_str(),
     );
+    let moved = AtomicU64::new(0);
     let progress = |r: &ParkingReport| {
+        moved.store(r.seen, Ordering::Relaxed);
         if let Ok(mut p) = job.progress.lock() {
             p.report = *r;
         }
     };
-    let result = match action {
-        Action::Replay { rate, dry_run } => {
-            if T::MAY_HIDE_HEADERS {
-                let hidden = count_hidden_headers::<T>(&lot, filter).await.map_err(|e| {
-                    CliError::failure_from(format!("cannot read {}", queue.parking), e)
-                })?;
-                hidden_headers_refusal(hidden, &queue.parking)?;
+    // Every message is read, so that the report says how many were left, as the CLI's does;
+    // the pick takes only the selection's.
+    let all = ParkedFilter::all();
+    let pick = picker(selection, &job.cancel);
+    let run = async {
+        match action {
+            Action::Replay { rate, dry_run } => {
+                if T::MAY_HIDE_HEADERS && !dry_run {
+                    let selected: HashSet<Key> = selection.keys.iter().copied().collect();
+                    let mut hidden = 0u64;
+                    lot.browse(&all, |parked| {
+                        moved.fetch_add(1, Ordering::Relaxed);
+                        if T::hides_headers(&parked)
+                            && selected.contains(&Key::of(parked.message()))
+                        {
+                            hidden += 1;
+                        }
+                        ControlFlow::Continue(())
+                    })
+                    .await
+                    .map_err(|e| {
+                        CliError::failure_from(format!("cannot read {}", queue.parking), e)
+                    })?;
+                    hidden_headers_refusal(hidden, &queue.parking)?;
+                }
+                let mut options = ReplayOptions::default().with_dry_run(dry_run);
+                if let Some(rate) = rate {
+                    options = options.with_rate(rate);
+                }
+                Ok(lot.replay_picked(&all, options, pick, progress).await)
             }
-            let mut options = ReplayOptions::default().with_dry_run(dry_run);
-            if let Some(rate) = rate {
-                options = options.with_rate(rate);
-            }
-            lot.replay(filter, options, progress).await
+            Action::Purge => Ok(lot.purge_picked(&all, pick, progress).await),
         }
-        Action::Purge => lot.purge(filter, progress).await,
     };
+    let result = watched(run, &moved, app.walk_timeout, &queue.parking).await?;
     result.map_err(|e| {
         let report = e.report();
         if let Ok(mut p) = job.progress.lock() {
@@ -192,4 +277,35 @@ async fn act<T: Inspect>(
         }
         CliError::failure_from(walk_error_text(action.name(), &report), e)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use retry_core::MessageParts;
+
+    use super::*;
+
+    fn message(body: &str) -> Message {
+        Message::new(MessageParts {
+            body: body.as_bytes().to_vec(),
+            ..MessageParts::default()
+        })
+    }
+
+    #[test]
+    fn a_job_takes_each_selected_message_as_often_as_it_was_selected_and_stops_when_cancelled() {
+        let (a, b, c) = (message("a"), message("b"), message("c"));
+        let keys = vec![Key::of(&a), Key::of(&a), Key::of(&b)];
+        let selection =
+            Selection::new("q", "3 chosen messages".into(), keys, (None, 1, 0)).unwrap();
+        let cancel = AtomicBool::new(false);
+        let mut pick = picker(&selection, &cancel);
+        let picks: Vec<Pick> = [&a, &c, &a, &a, &b, &b].iter().map(|m| pick(m)).collect();
+        use Pick::{Leave, Take};
+        assert_eq!(picks, [Take, Leave, Take, Leave, Take, Leave]);
+        let selection = Selection::new("q", "1".into(), vec![Key::of(&c)], (None, 1, 0)).unwrap();
+        let mut pick = picker(&selection, &cancel);
+        cancel.store(true, Ordering::SeqCst);
+        assert_eq!(pick(&c), Pick::Stop);
+    }
 }

@@ -16,9 +16,12 @@ mod http;
 pub mod index;
 mod jobs;
 mod packed;
+mod selection;
+mod server;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -70,22 +73,32 @@ pub struct ServeArgs {
     /// The work queues whose parking lots the console shows (`QUEUE.parking` each).
     #[arg(value_name = "QUEUE", required = true)]
     queues: Vec<String>,
-    /// The address to listen on. Any but a loopback address needs --token or --token-file.
+    /// The address to listen on. Any but a loopback address needs a token, from
+    /// RETRYCTL_TOKEN or --token-file.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// The token every page, action and API call needs (by `Authorization: Bearer`, or a
-    /// session cookie made at /login). Without it (or --token-file) the console draws one
-    /// at start and prints the link that logs in with it.
-    #[arg(
-        long,
-        env = "RETRYCTL_TOKEN",
-        hide_env_values = true,
-        value_name = "TOKEN"
-    )]
+    /// Refused: a token on the command line is shown to every user by `ps`.
+    #[arg(long, value_name = "TOKEN", hide = true)]
     token: Option<String>,
-    /// A file whose first line is the token.
-    #[arg(long, value_name = "FILE", conflicts_with = "token")]
+    /// A file whose first line is the token every page, action and API call needs (by
+    /// `Authorization: Bearer`, or the cookie of a session started at /login). The token
+    /// may instead be in the environment variable RETRYCTL_TOKEN; never on the command
+    /// line. At least 16 characters other than whitespace, none at either end, no control
+    /// characters. Without either, the console draws one at start and prints the link that
+    /// logs in with it.
+    #[arg(long, value_name = "FILE")]
     token_file: Option<PathBuf>,
+    /// A session (the cookie /login sets) ends after this long without a request.
+    #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = parse_interval)]
+    session_idle: Duration,
+    /// A session ends this long after its login, however busy; the cookie's Max-Age.
+    #[arg(long, value_name = "DURATION", default_value = "8h", value_parser = parse_interval)]
+    session_lifetime: Duration,
+    /// How long a client may take to send a request's headers, then its body; a
+    /// connection idle for this long between requests is closed. At most 256 connections
+    /// are open at once: more wait to be accepted.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_interval)]
+    client_timeout: Duration,
     /// How often each parking queue is walked again to refresh its index.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_interval)]
     refresh: Duration,
@@ -100,6 +113,21 @@ pub struct ServeArgs {
     /// their topology; without it, the work, isolation and parking queues.
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
+    /// How long a walk, replay or purge may go without reading a message before it gives
+    /// up: every message it held then goes back to the queue.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_walk_timeout)]
+    walk_timeout: Duration,
+}
+
+fn parse_walk_timeout(text: &str) -> Result<Duration, String> {
+    let d = parse_interval(text)?;
+    // A replay at the slowest rate waits 10 s for each message's turn.
+    if d < Duration::from_secs(15) {
+        return Err(
+            "must be at least 15s: a replay at 0.1 a second waits 10 s between messages".into(),
+        );
+    }
+    Ok(d)
 }
 
 fn parse_interval(text: &str) -> Result<Duration, String> {
@@ -199,8 +227,11 @@ pub struct App {
     pub queues: Vec<Arc<Queue>>,
     /// Replays and purges, newest last.
     pub jobs: jobs::Jobs,
+    /// Selections waiting for their confirmation.
+    selections: selection::Selections,
     limits: IndexLimits,
     refresh: Duration,
+    walk_timeout: Duration,
 }
 
 impl App {
@@ -213,28 +244,17 @@ impl App {
 /// Runs `retryctl serve` until the process is stopped.
 pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
     let protocol = broker_args.protocol()?;
-    let (token, given) = match (&args.token, &args.token_file) {
-        (Some(t), _) => (t.clone(), true),
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path).map_err(|e| {
-                CliError::usage_from(format!("cannot read --token-file {}", path.display()), e)
-            })?;
-            (text.lines().next().unwrap_or("").trim().to_owned(), true)
-        }
-        (None, None) => (
+    let (token, given) = match given_token(&args, std::env::var_os(TOKEN_ENV))? {
+        Some(token) => (token, true),
+        None => (
             auth::random_hex(24).map_err(|e| CliError::failure_from("cannot draw a token", e))?,
             false,
         ),
     };
-    if given && token.len() < 16 {
-        return Err(CliError::usage(
-            "the token must be at least 16 characters: anyone who can reach the console can try guesses",
-        ));
-    }
     if !given && !is_loopback(args.listen.ip()) {
         return Err(CliError::usage(format!(
             "--listen {} is not a loopback address: anyone on that network could reach the \
-             console; give --token or --token-file (or RETRYCTL_TOKEN), or listen on 127.0.0.1",
+             console; give a token (RETRYCTL_TOKEN or --token-file), or listen on 127.0.0.1",
             args.listen
         )));
     }
@@ -272,19 +292,29 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
         }));
     }
     let app = Arc::new(App {
-        auth: auth::Auth::new(token, given)
-            .map_err(|e| CliError::failure_from("cannot draw a session key", e))?,
+        auth: auth::Auth::new(
+            token,
+            given,
+            auth::SessionLimits {
+                idle: args.session_idle,
+                lifetime: args.session_lifetime,
+                ..auth::SessionLimits::default()
+            },
+        )
+        .map_err(|e| CliError::failure_from("cannot draw a session key", e))?,
         broker_shown: redact_url(broker_args.url),
         url: broker_args.url.to_owned(),
         protocol,
         queues,
         jobs: jobs::Jobs::default(),
+        selections: selection::Selections::default(),
         limits: IndexLimits {
             memory_cap: args.index_memory,
             preview_bytes: args.preview_bytes,
             ..IndexLimits::default()
         },
         refresh: args.refresh,
+        walk_timeout: args.walk_timeout,
     });
     for (queue, woken) in app.queues.iter().zip(refreshers) {
         start_refresher(&app, queue, woken);
@@ -311,10 +341,86 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
                 app.auth.token()
             );
         }
-        axum::serve(listener, http::router(Arc::clone(&app)))
+        let limits = server::Limits {
+            client_timeout: args.client_timeout,
+            ..server::Limits::default()
+        };
+        server::serve(listener, http::router(Arc::clone(&app)), limits)
             .await
             .map_err(|e| CliError::failure_from("the console's server stopped", e))
     })
+}
+
+/// The environment variable that may hold the token.
+const TOKEN_ENV: &str = "RETRYCTL_TOKEN";
+
+/// The token the operator gave, from `RETRYCTL_TOKEN` (`env`) or `--token-file`, checked;
+/// `None` when neither gives one. `--token` is refused: `ps` shows a command line to every
+/// user of the machine.
+fn given_token(
+    args: &ServeArgs,
+    env: Option<std::ffi::OsString>,
+) -> Result<Option<String>, CliError> {
+    if args.token.is_some() {
+        return Err(CliError::usage(
+            "--token is refused: a command line is shown to every user of the machine by ps; \
+             put the token in the environment variable RETRYCTL_TOKEN, or in a file read with \
+             --token-file FILE",
+        ));
+    }
+    let (token, source) = match (env, &args.token_file) {
+        (Some(_), Some(_)) => {
+            return Err(CliError::usage(
+                "RETRYCTL_TOKEN and --token-file both give a token: give one of them",
+            ));
+        }
+        (Some(value), None) => {
+            let token = value.into_string().map_err(|_| {
+                CliError::usage("RETRYCTL_TOKEN is not UTF-8: the token must be text")
+            })?;
+            (token, TOKEN_ENV.to_owned())
+        }
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                CliError::usage_from(format!("cannot read --token-file {}", path.display()), e)
+            })?;
+            let first = text.lines().next().unwrap_or("").to_owned();
+            (
+                first,
+                format!("the first line of --token-file {}", path.display()),
+            )
+        }
+        (None, None) => return Ok(None),
+    };
+    check_token(&token)
+        .map_err(|problem| CliError::usage(format!("the token in {source} {problem}")))?;
+    Ok(Some(token))
+}
+
+/// Why `token` cannot be the console's token, in words that never repeat it.
+fn check_token(token: &str) -> Result<(), String> {
+    const MIN: usize = 16;
+    if token.is_empty() {
+        return Err("is empty".into());
+    }
+    if token.starts_with(char::is_whitespace) || token.ends_with(char::is_whitespace) {
+        return Err(
+            "starts or ends with whitespace: a token copied with a space or a line break \
+             around it would be refused at login"
+                .into(),
+        );
+    }
+    if token.chars().any(char::is_control) {
+        return Err("holds a control character".into());
+    }
+    let counted = token.chars().filter(|c| !c.is_whitespace()).count();
+    if counted < MIN {
+        return Err(format!(
+            "has {counted} characters other than whitespace, fewer than {MIN}: anyone who can \
+             reach the console can try guesses"
+        ));
+    }
+    Ok(())
 }
 
 fn is_loopback(ip: IpAddr) -> bool {
@@ -364,7 +470,11 @@ fn start_refresher(app: &Arc<App>, queue: &Arc<Queue>, woken: mpsc::Receiver<()>
 pub fn refresh(app: &App, queue: &Queue) {
     let _busy = queue.busy.lock().unwrap_or_else(|e| e.into_inner());
     *queue.building.lock().unwrap_or_else(|e| e.into_inner()) = Some((0, Instant::now()));
-    let result = on_transport!(app, |transport| build_snapshot(&transport, app, queue));
+    // A panic fails this walk, with its message; the next walk runs as planned.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        on_transport!(app, |transport| build_snapshot(&transport, app, queue))
+    }))
+    .unwrap_or_else(|panic| Err(CliError::failure(panic_text(&*panic))));
     *queue.building.lock().unwrap_or_else(|e| e.into_inner()) = None;
     let mut slot = queue.snapshot.write().unwrap_or_else(|e| e.into_inner());
     *slot = Arc::new(Snapshot::after(&slot, result.map_err(|e| e.chain())));
@@ -421,18 +531,65 @@ async fn build_snapshot<T: Inspect>(
         queue.name.as_str(),
         queue.parking.as_str(),
     );
-    lot.browse(&retry_core::ParkedFilter::all(), |parked| {
-        builder.add(parked.message());
-        if builder.seen().is_multiple_of(256)
-            && let Ok(mut b) = queue.building.lock()
-        {
-            *b = Some((builder.seen(), started));
-        }
-        std::ops::ControlFlow::Continue(())
-    })
-    .await
-    .map_err(|e| CliError::failure_from(format!("cannot read {}", queue.parking), e))?;
+    let moved = AtomicU64::new(0);
+    let walk = async {
+        lot.browse(&retry_core::ParkedFilter::all(), |parked| {
+            builder.add(parked.message());
+            moved.store(builder.seen(), Ordering::Relaxed);
+            if builder.seen().is_multiple_of(256)
+                && let Ok(mut b) = queue.building.lock()
+            {
+                *b = Some((builder.seen(), started));
+            }
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .map_err(|e| CliError::failure_from(format!("cannot read {}", queue.parking), e))
+    };
+    watched(walk, &moved, app.walk_timeout, &queue.parking).await?;
     Ok((builder.finish(started.elapsed()), depths))
+}
+
+/// Runs `walk` of `queue`, failing it once `moved` (the messages it has read) stays the same
+/// for `limit`: a walk never waits forever on one message. The caller then closes the
+/// connection, and the broker puts back every message the walk held.
+async fn watched<T>(
+    walk: impl Future<Output = Result<T, CliError>>,
+    moved: &AtomicU64,
+    limit: Duration,
+    queue: &str,
+) -> Result<T, CliError> {
+    let watchdog = async {
+        let mut last = moved.load(Ordering::Relaxed);
+        let mut since = Instant::now();
+        loop {
+            tokio::time::sleep((limit / 10).max(Duration::from_millis(10))).await;
+            let now = moved.load(Ordering::Relaxed);
+            if now != last {
+                (last, since) = (now, Instant::now());
+            } else if since.elapsed() >= limit {
+                return CliError::failure(format!(
+                    "reading {queue} stalled: no message came in {} after {now} read \
+                     (--walk-timeout); the walk gave up and every message it held goes back",
+                    humantime::format_duration(limit)
+                ));
+            }
+        }
+    };
+    tokio::select! {
+        result = walk => result,
+        stalled = watchdog => Err(stalled),
+    }
+}
+
+/// What a panic said, for a job or walk it ended.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    let said = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message");
+    format!("stopped by a bug in retryctl (a panic: {said}); nothing was lost")
 }
 
 #[cfg(test)]
@@ -475,6 +632,62 @@ mod tests {
         assert_eq!(parse_interval("90s"), Ok(Duration::from_secs(90)));
         assert!(parse_interval("10ms").is_err());
         assert!(parse_interval("soon").is_err());
+    }
+
+    #[test]
+    fn a_walk_that_reads_nothing_for_its_limit_is_given_up() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let moved = AtomicU64::new(0);
+        let limit = Duration::from_millis(200);
+        // A walk that never reads its next message.
+        let stuck = runtime.block_on(watched(
+            std::future::pending::<Result<(), CliError>>(),
+            &moved,
+            limit,
+            "q.parking",
+        ));
+        let text = stuck.unwrap_err().chain();
+        assert!(
+            text.contains("q.parking") && text.contains("stalled"),
+            "{text}"
+        );
+        // A walk that keeps reading, slower than the limit in all but faster per message,
+        // is left to finish.
+        let reading = async {
+            for n in 1..=6 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                moved.store(n, Ordering::Relaxed);
+            }
+            Ok::<_, CliError>(6)
+        };
+        assert_eq!(
+            runtime
+                .block_on(watched(reading, &moved, limit, "q.parking"))
+                .unwrap(),
+            6
+        );
+    }
+
+    #[test]
+    fn a_token_is_refused_for_its_shape_never_quoting_it() {
+        assert_eq!(check_token("0123456789abcdef"), Ok(()));
+        assert_eq!(check_token("correct horse battery staple"), Ok(()));
+        for (token, problem) in [
+            ("", "is empty"),
+            (&" ".repeat(16), "whitespace"),
+            (" 0123456789abcdef", "whitespace"),
+            ("0123456789abcdef\r", "whitespace"),
+            ("01234567\u{1b}89abcdef", "control character"),
+            ("0123456789abcde", "has 15 characters"),
+            ("0123 4567 89ab cde", "has 15 characters"),
+        ] {
+            let why = check_token(token).unwrap_err();
+            assert!(why.contains(problem), "{token:?}: {why}");
+            assert!(!why.contains("0123"), "{why}");
+        }
     }
 
     #[test]

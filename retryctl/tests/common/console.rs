@@ -30,17 +30,17 @@ pub struct Console {
 }
 
 impl Console {
-    /// `retryctl serve QUEUES... --listen 127.0.0.1:0 --token TOKEN` plus `extra`, against
-    /// the test broker; returns once it listens.
+    /// `retryctl serve QUEUES... --listen 127.0.0.1:0` plus `extra`, with `TOKEN` in
+    /// `RETRYCTL_TOKEN`, against the test broker; returns once it listens.
     pub fn start(queues: &[&str], extra: &[&str]) -> Console {
-        let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--token", TOKEN];
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
         args.extend_from_slice(queues);
         let mut child = Command::new(RETRYCTL)
             .args(&args)
             .env("AMQP_URL", super::common::url())
             .env_remove("RETRYCTL_PROTOCOL")
-            .env_remove("RETRYCTL_TOKEN")
+            .env("RETRYCTL_TOKEN", TOKEN)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
