@@ -151,7 +151,9 @@ impl DeliveryFacts {
         let x_delivery_count = counter(headers, "x-delivery-count", &mut malformed).unwrap_or(0);
         let deaths = x_death_count(headers, &mut malformed);
         let suspect = headers.get(headers::SUSPECT).and_then(|v| {
-            let token = v.as_u64();
+            // The engine draws its tokens at most `i64::MAX`, and writes them signed: a
+            // larger one is not the engine's (and would not be written back as it came).
+            let token = v.as_u64().filter(|t| i64::try_from(*t).is_ok());
             if token.is_none() {
                 malformed.mark(headers::SUSPECT);
             }
@@ -339,5 +341,35 @@ fn x_death_count(headers: &Headers, malformed: &mut Malformed) -> u32 {
             malformed.mark("x-death");
             0
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_suspect_token_the_engine_could_not_have_written_is_malformed() {
+        let read = |value: HeaderValue| {
+            let headers: Headers = [(headers::SUSPECT, value)].into_iter().collect();
+            DeliveryFacts::decode(&headers, BrokerSignals::default(), 9)
+        };
+        assert_eq!(
+            read(HeaderValue::Int(i64::MAX)).suspect,
+            Some(i64::MAX as u64)
+        );
+        // Found by the `engine_headers` fuzz target: read as a token, it was written back
+        // as a negative number, which reads as no token at all.
+        let too_large = read(HeaderValue::UInt(u64::MAX));
+        assert_eq!(too_large.suspect, None);
+        assert_eq!(
+            too_large.malformed.names().collect::<Vec<_>>(),
+            [headers::SUSPECT]
+        );
+        assert_eq!(
+            too_large.excuse_key(),
+            9,
+            "the copy falls back on its identity"
+        );
     }
 }
