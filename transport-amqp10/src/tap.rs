@@ -392,7 +392,10 @@ impl Frames {
                 self.emit(channel, frame);
             }
             Some(Performative::Close) => {
-                let channels: Vec<u16> = self.held.keys().copied().collect();
+                // In channel order, as at the end of the stream: a hash map's order would
+                // differ from one connection to the next.
+                let mut channels: Vec<u16> = self.held.keys().copied().collect();
+                channels.sort_unstable();
                 for held in channels {
                     self.let_through(held, None);
                 }
