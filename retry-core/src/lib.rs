@@ -143,6 +143,9 @@ mod decision;
 mod engine;
 mod excuses;
 mod facts;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod gate;
 mod handler;
 pub mod headers;

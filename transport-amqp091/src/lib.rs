@@ -69,6 +69,9 @@ mod config;
 mod convert;
 pub mod embed;
 mod error;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod handed;
 pub mod inspect;
 mod kit;

@@ -125,6 +125,12 @@ impl Refusals {
         format!("{:016x}{id:016x}", self.secret)
     }
 
+    /// How many refusals it has kept so far, taken or not.
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn issued(&self) -> usize {
+        self.lock().next as usize
+    }
+
     /// Takes the refusal `token` names.
     pub(crate) fn take(&self, token: &[u8]) -> Lookup {
         let parsed = std::str::from_utf8(token)

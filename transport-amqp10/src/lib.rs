@@ -207,6 +207,9 @@ mod connection;
 pub mod convert;
 mod external;
 mod fetch;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod profile;
 mod publisher;
 mod receiver;

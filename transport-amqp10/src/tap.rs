@@ -702,6 +702,36 @@ impl Fields<'_> {
     }
 }
 
+/// What [`Frames`] makes of `stream` read `step` bytes at a time: whether it read it, the
+/// bytes out, and the transfers it counted and refused. For the fuzz targets.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_frames(stream: &[u8], step: usize) -> (bool, Vec<u8>, u64, usize) {
+    let shared = Shared {
+        flows: watch::Sender::new(FlowSeen::default()),
+        refused: Mutex::new(VecDeque::new()),
+        transfers: AtomicU64::new(0),
+        received: AtomicU64::new(0),
+    };
+    let mut frames = Frames::default();
+    let mut ok = true;
+    for chunk in stream.chunks(step.max(1)) {
+        if frames.feed(chunk, &shared).is_err() {
+            ok = false;
+            break;
+        }
+    }
+    if ok {
+        frames.finish();
+    }
+    let refused = shared.refused.lock().map_or(0, |r| r.len());
+    (
+        ok,
+        frames.output,
+        shared.transfers.load(Ordering::Relaxed),
+        refused,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -100,6 +100,9 @@ mod codec;
 mod config;
 mod connection;
 mod delivery;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod header_block;
 mod mover;
 mod names;

@@ -239,7 +239,7 @@ async fn not_found(State(app): State<Arc<App>>, request: Request) -> Response {
 }
 
 /// Name and value pairs of a query string or a form body, in order.
-fn fields(text: &[u8]) -> Vec<(String, String)> {
+pub(super) fn fields(text: &[u8]) -> Vec<(String, String)> {
     form_urlencoded::parse(text)
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect()
@@ -260,7 +260,7 @@ fn value<'a>(fields: &'a [(String, String)], name: &str) -> Option<&'a str> {
 /// The filter that `fields` describe, the message keys they name (`key`, as a message's
 /// page gives it), and the words for both; with `require`, a selection that names nothing
 /// (and not `all`) is refused.
-fn selection(
+pub(super) fn selection(
     fields: &[(String, String)],
     require: bool,
 ) -> Result<(ParkedFilter, Vec<Key>, String), String> {
@@ -340,7 +340,9 @@ fn selection(
 }
 
 /// The order, direction, page and page size of a list's query.
-fn list_options(fields: &[(String, String)]) -> Result<(Sort, bool, usize, usize), String> {
+pub(super) fn list_options(
+    fields: &[(String, String)],
+) -> Result<(Sort, bool, usize, usize), String> {
     let sort = match value(fields, "sort") {
         Some(name) => Sort::parse(name).ok_or_else(|| {
             let names: Vec<&str> = Sort::ALL.iter().map(|(_, n)| *n).collect();
@@ -1001,7 +1003,7 @@ async fn api_message(
 /// A JSON object's fields as form fields: arrays give one field per item; `true` is "1".
 /// `"confirm"` is not a field: it says whether the body confirms, and only `true` does; any
 /// other value of it is refused, so that `"confirm": "false"` never purges.
-fn json_fields(body: &[u8]) -> Result<(Vec<(String, String)>, bool), String> {
+pub(super) fn json_fields(body: &[u8]) -> Result<(Vec<(String, String)>, bool), String> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok((Vec::new(), false));
     }

@@ -11,6 +11,8 @@
 //! connection between walks and survives a broker restart.
 
 mod auth;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod html;
 mod http;
 pub mod index;
