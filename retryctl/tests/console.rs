@@ -309,21 +309,9 @@ async fn the_token_the_session_cookie_and_csrf_guard_every_page_and_action() {
         "",
     );
     assert_eq!(r.status, 200, "{r:?}");
-    let csrf = r
-        .body
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .expect("a CSRF field")
-        .to_owned();
+    let csrf = console::hidden(&r.body, "csrf").expect("a CSRF field");
     // And the walk whose index they were drawn from.
-    let generation = r
-        .body
-        .split("name=\"generation\" value=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .expect("a generation field")
-        .to_owned();
+    let generation = console::hidden(&r.body, "generation").expect("a generation field");
 
     // A POST with the cookie and no CSRF token, or a wrong one, is refused; so is one
     // whose Origin is another site; nothing is replayed.

@@ -12,7 +12,7 @@ mod console;
 
 use std::time::{Duration, Instant};
 
-use console::{Console, Parked, TOKEN};
+use console::{Console, Parked, TOKEN, hidden};
 use serde_json::Value;
 use transport_amqp091::testing::{RawProperties, RawPublisher, RawTable};
 
@@ -53,13 +53,6 @@ fn html(console: &Console, path: &str) -> String {
     let r = console.request("GET", path, &[("Authorization", auth.as_str())], "");
     assert_eq!(r.status, 200, "GET {path}: {r:?}");
     r.body
-}
-
-/// The value of hidden field `name` in `html`, the first one.
-fn hidden(html: &str, name: &str) -> Option<String> {
-    let marker = format!("name=\"{name}\" value=\"");
-    let at = html.find(&marker)? + marker.len();
-    Some(html[at..].split('"').next()?.to_owned())
 }
 
 /// Waits for the job a form POST was redirected to, and returns its JSON.

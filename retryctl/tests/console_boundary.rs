@@ -32,11 +32,7 @@ fn log_in(console: &Console) -> (String, String) {
 
 /// The CSRF field of a page.
 fn csrf_of(body: &str) -> String {
-    body.split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .expect("a CSRF field")
-        .to_owned()
+    console::hidden(body, "csrf").expect("a CSRF field")
 }
 
 /// Whether `cookie` still opens a page and the API: both, or neither (asserted).

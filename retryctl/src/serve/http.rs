@@ -727,17 +727,12 @@ async fn form_cancel(
     if let Some(refused) = check_csrf(&app, via, &headers, &fields(&body)) {
         return refused;
     }
-    match id.parse().ok().and_then(|id| app.jobs.get(id)) {
+    match job_numbered(&app, &id) {
         Some(job) => {
             job.cancel();
             redirect(&format!("/jobs/{}", job.id))
         }
-        None => page_error(
-            &app,
-            StatusCode::NOT_FOUND,
-            "No such action",
-            "No action has this number in this run of the console.",
-        ),
+        None => no_such_job(&app),
     }
 }
 
@@ -746,15 +741,33 @@ async fn job_page(
     via: Option<axum::Extension<Via>>,
     Path(id): Path<String>,
 ) -> Response {
-    match id.parse().ok().and_then(|id| app.jobs.get(id)) {
+    match job_numbered(&app, &id) {
         Some(job) => page(html::job_page(&app, &job, &csrf_of(&app, via.as_deref()))),
-        None => page_error(
-            &app,
-            StatusCode::NOT_FOUND,
-            "No such action",
-            "No action has this number in this run of the console.",
-        ),
+        None => no_such_job(&app),
     }
+}
+
+/// The job numbered `id` in this run of the console.
+fn job_numbered(app: &App, id: &str) -> Option<Arc<Job>> {
+    id.parse().ok().and_then(|id| app.jobs.get(id))
+}
+
+/// The page that says no job is numbered so.
+fn no_such_job(app: &App) -> Response {
+    page_error(
+        app,
+        StatusCode::NOT_FOUND,
+        "No such action",
+        "No action has this number in this run of the console.",
+    )
+}
+
+/// The API's answer that no job is numbered `id`.
+fn no_such_job_api(id: &str) -> Response {
+    api_error(
+        StatusCode::NOT_FOUND,
+        format!("no action {id:?} in this run of the console"),
+    )
 }
 
 // ---- logging in ----
@@ -1148,29 +1161,22 @@ async fn api_cancel(
             "a request let in by the session cookie needs the X-CSRF-Token header",
         );
     }
-    match id.parse().ok().and_then(|id| app.jobs.get(id)) {
+    match job_numbered(&app, &id) {
         Some(job) => {
-            let running = job.cancel();
-            let status = if running {
+            let status = if job.cancel() {
                 StatusCode::ACCEPTED
             } else {
                 StatusCode::CONFLICT
             };
             with_status(json_body(&job_json(&job)), status)
         }
-        None => api_error(
-            StatusCode::NOT_FOUND,
-            format!("no action {id:?} in this run of the console"),
-        ),
+        None => no_such_job_api(&id),
     }
 }
 
 async fn api_job(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    match id.parse().ok().and_then(|id| app.jobs.get(id)) {
+    match job_numbered(&app, &id) {
         Some(job) => json_body(&job_json(&job)),
-        None => api_error(
-            StatusCode::NOT_FOUND,
-            format!("no action {id:?} in this run of the console"),
-        ),
+        None => no_such_job_api(&id),
     }
 }

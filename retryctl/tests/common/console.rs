@@ -220,6 +220,13 @@ pub fn request(
     }
 }
 
+/// The value of the first field `name` in a page's `html` (`name="NAME" value="..."`).
+pub fn hidden(html: &str, name: &str) -> Option<String> {
+    let marker = format!("name=\"{name}\" value=\"");
+    let at = html.find(&marker)? + marker.len();
+    Some(html[at..].split('"').next()?.to_owned())
+}
+
 /// A message to park.
 pub struct Parked<'a> {
     pub id: &'a str,
