@@ -577,6 +577,11 @@ pub struct ParkingReport {
     /// Messages read and put back: not matched, replayed already in this walk (parked again
     /// since), matched in a dry run or browsed, or whose copy the broker did not take.
     pub left: u64,
+    /// Of those left, messages a replay matched but the transport cannot copy
+    /// ([`TransportError::Unsupported`]: one it could not read as it came, whose properties
+    /// it holds only as bytes). They stay parked, to be read or purged, and the replay goes
+    /// on with the next message.
+    pub uncopyable: u64,
 }
 
 /// A parking-lot operation failed. Nothing is lost: every message not yet acknowledged is
@@ -1019,10 +1024,23 @@ impl<T: Transport> Pass<'_, T> {
                         self.leave(tag);
                     } else {
                         paced += 1;
-                        if let Err(e) = self.lot.replay_one(message).await {
-                            // Not confirmed: the original stays, put back with the others.
-                            self.leave(tag);
-                            return Err(e);
+                        match self.lot.replay_one(message).await {
+                            Ok(()) => {}
+                            // A message no copy can be made of stops nothing: it stays.
+                            Err(ParkingError::CopyRefused {
+                                source: Some(TransportError::Unsupported { .. }),
+                                ..
+                            }) => {
+                                self.leave(tag);
+                                self.report.uncopyable += 1;
+                                progress(&self.report);
+                                continue;
+                            }
+                            Err(e) => {
+                                // Not confirmed: the original stays, put back with the others.
+                                self.leave(tag);
+                                return Err(e);
+                            }
                         }
                         self.ack(tag, "acknowledging a replayed message").await?;
                         self.report.replayed += 1;

@@ -338,11 +338,8 @@ async fn run_on<T: Inspect>(command: ParkedCommand, transport: &Arc<T>) -> Resul
                 );
             } else {
                 outln!(
-                    "replayed {} to {}, left {} in {}",
-                    report.replayed,
-                    lot.work_queue(),
-                    report.left,
-                    lot.parking_queue()
+                    "{}",
+                    replay_line(&report, lot.work_queue(), lot.parking_queue())
                 );
             }
             Ok(())
@@ -418,6 +415,23 @@ async fn refuse_hidden_headers<T: Inspect>(
         .await
         .map_err(|e| walk_error("reading", queue, e))?;
     hidden_headers_refusal(hidden, lot.parking_queue())
+}
+
+/// What a replay did, as `retryctl parked replay` and the console say it: the messages the
+/// transport could not copy (left parked) are named when there are some.
+pub(crate) fn replay_line(report: &ParkingReport, work: &str, parking: &str) -> String {
+    let mut line = format!(
+        "replayed {} to {work}, left {} in {parking}",
+        report.replayed, report.left
+    );
+    if report.uncopyable > 0 {
+        line.push_str(&format!(
+            " ({} of them could not be copied: messages the transport could not read as \
+             they came; read or purge them)",
+            report.uncopyable
+        ));
+    }
+    line
 }
 
 /// How many of the messages `filter` selects may have headers the protocol does not show.

@@ -276,10 +276,11 @@ fn address() -> String {
 }
 
 /// Parking queues holding messages lapin cannot read (an id and a header name that are not
-/// UTF-8, headers nested 200 and 15,000 deep): the console walks past them, lists them, and
-/// purges one by its key; `retryctl parked list` lists them.
+/// UTF-8, headers nested 200 and 15,000 deep): the console walks past them and lists them, a
+/// replay of everything leaves them and goes on, and one is purged by its key; `retryctl
+/// parked list` lists them.
 #[tokio::test(flavor = "multi_thread")]
-async fn messages_lapin_cannot_read_are_walked_listed_and_purged() {
+async fn messages_lapin_cannot_read_are_listed_passed_over_by_replays_and_purged() {
     let Some((queue, _cleanup)) = queue_with("console-hostile", group("good", 4)).await else {
         return;
     };
@@ -332,7 +333,26 @@ async fn messages_lapin_cannot_read_are_walked_listed_and_purged() {
     // The page renders.
     assert!(html(&console, &format!("/q/{queue}/message?key={key}")).contains("hostile 2"));
 
-    // Purged by its key: that one goes, the other nine stay.
+    // A replay of everything replays the six it can copy, leaves the four it cannot, and
+    // goes on past each of them.
+    let job = console.act(&queue, "replay", r#"{"all": true}"#);
+    assert_eq!(job["error"], Value::Null, "{job}");
+    assert_eq!(
+        (&job["report"]["replayed"], &job["report"]["uncopyable"]),
+        (&6.into(), &4.into()),
+        "{job}"
+    );
+    assert!(
+        job["summary"]
+            .as_str()
+            .unwrap()
+            .contains("4 of them could not be copied"),
+        "{job}"
+    );
+    assert_eq!(console::held(&queue).await, 6);
+    assert_eq!(console.reindex(&queue)["parked"], 4);
+
+    // Purged by its key: that one goes, the other three stay.
     let job = console.act(
         &queue,
         "purge",
@@ -343,13 +363,12 @@ async fn messages_lapin_cannot_read_are_walked_listed_and_purged() {
         (Value::Null, 1.into()),
         "{job}"
     );
-    assert_eq!(console::held(&parking).await, 9);
-    assert_eq!(console.reindex(&queue)["parked"], 9);
+    assert_eq!(console.reindex(&queue)["parked"], 3);
 
     // The CLI lists them too, and ends.
     let run = cli::retryctl(&["parked", "list", &queue, "--json"]).await;
     assert_eq!(run.code, 0, "{run:?}");
-    assert_eq!(run.stdout.lines().count(), 9, "{run:?}");
+    assert_eq!(run.stdout.lines().count(), 3, "{run:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

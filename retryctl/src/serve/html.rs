@@ -1021,10 +1021,7 @@ fn report_words(job: &Job, report: &ParkingReport, parking: &str) -> String {
             "dry run: {} would be replayed to {}; replayed 0, left {} in {parking}",
             report.matched, job.queue, report.left
         ),
-        Action::Replay { .. } => format!(
-            "replayed {} to {}, left {} in {parking}",
-            report.replayed, job.queue, report.left
-        ),
+        Action::Replay { .. } => crate::parked::replay_line(report, &job.queue, parking),
         Action::Purge => format!(
             "purged {}, left {} in {parking}",
             report.purged, report.left

@@ -1082,6 +1082,7 @@ fn job_json(job: &Job) -> Value {
             "replayed": p.report.replayed,
             "purged": p.report.purged,
             "left": p.report.left,
+            "uncopyable": p.report.uncopyable,
         },
         "summary": (p.done && p.error.is_none()).then(|| html::report_line(job, &p.report)),
     })
