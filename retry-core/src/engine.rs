@@ -568,7 +568,8 @@ impl<D> Engine<D> {
         }
         if lane == Lane::Isolation
             && facts.crash_evidence() > 0
-            && self.take_excuse(facts.excuse_key())
+            && (self.take_excuse(facts.excuse_key())
+                || self.excused.take_lost_fetch(self.plan.isolation_queue()))
         {
             // It went back to the isolation queue through no crash of its own.
             facts.redelivered = false;
@@ -660,6 +661,39 @@ impl<D> Engine<D> {
     /// engine does this itself for suspects it requeues. See [`Excuses`].
     pub fn excuse(&mut self, key: u64) {
         self.excused.add(key);
+    }
+
+    /// Remembers that a fetch from the isolation queue was lost in flight
+    /// ([`TransportError::FetchLost`](crate::TransportError::FetchLost)): whichever message
+    /// it carried comes back redelivered through no crash of its own, so the next suspect
+    /// from the isolation queue that shows a crash, and has no excuse of its own, is not
+    /// charged one. The [`Consumer`](crate::Consumer) does this itself. A message the
+    /// broker hands to another process first is charged there (see the guide's known
+    /// limitations); so a lost fetch can cost a poison message one more run, never a
+    /// healthy one a crash in this process.
+    ///
+    /// ```
+    /// use retry_core::*;
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let plan = TopologyPlan::new("comments", &policy)?;
+    /// let mut engine: Engine<u64> = Engine::new(policy, &plan)?;
+    /// let now = Timestamp::from_millis(0);
+    /// let redelivered = BrokerSignals { redelivered: true, delivery_count: None };
+    /// let suspect = || DeliveryFacts::decode(&Headers::new(), redelivered, 7);
+    ///
+    /// engine.excuse_lost_fetch();
+    /// engine.handle_delivery(now, Lane::Isolation, suspect(), 1);
+    /// assert!(matches!(engine.poll_action(), Some(Action::RunHandler { .. })), "not charged");
+    ///
+    /// // The excuse is used once: the next one is charged a crash, and not run.
+    /// engine.handle_delivery(now, Lane::Isolation, suspect(), 2);
+    /// assert!(matches!(engine.poll_action(), Some(Action::Publish { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn excuse_lost_fetch(&mut self) {
+        self.excused.add_lost_fetch(self.plan.isolation_queue());
     }
 
     /// Shares `excuses` with the other engines of the process (see [`Excuses`]): a suspect

@@ -28,7 +28,14 @@ const CAPACITY: usize = 1024;
 /// assert!(!shared.take(42), "an excuse is used once");
 /// ```
 #[derive(Clone, Debug, Default)]
-pub struct Excuses(Arc<Mutex<VecDeque<u64>>>);
+pub struct Excuses(Arc<Mutex<Kept>>);
+
+#[derive(Debug, Default)]
+struct Kept {
+    keys: VecDeque<u64>,
+    /// Per isolation queue, fetches lost in flight whose message has not come back yet.
+    lost: Vec<(String, usize)>,
+}
 
 impl Excuses {
     /// None yet.
@@ -38,7 +45,7 @@ impl Excuses {
 
     /// Excuses the suspect copy keyed `key`.
     pub fn add(&self, key: u64) {
-        let mut keys = self.lock();
+        let keys = &mut self.lock().keys;
         if keys.len() == CAPACITY {
             keys.pop_front();
         }
@@ -47,7 +54,7 @@ impl Excuses {
 
     /// Uses the excuse of the copy keyed `key`, if there is one.
     pub fn take(&self, key: u64) -> bool {
-        let mut keys = self.lock();
+        let keys = &mut self.lock().keys;
         match keys.iter().position(|k| *k == key) {
             Some(at) => {
                 keys.remove(at);
@@ -57,12 +64,49 @@ impl Excuses {
         }
     }
 
-    /// Whether no excuse is waiting to be used.
-    pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+    /// A fetch from `queue` was lost in flight
+    /// ([`TransportError::FetchLost`](crate::TransportError::FetchLost)): the message it
+    /// carried, whichever it was, comes back redelivered. The next suspect fetched from
+    /// `queue` that shows a crash and has no excuse of its own uses this one. At most 1,024
+    /// are kept per queue.
+    ///
+    /// ```
+    /// use retry_core::Excuses;
+    ///
+    /// let excuses = Excuses::new();
+    /// excuses.add_lost_fetch("comments.suspect");
+    /// assert!(!excuses.take_lost_fetch("orders.suspect"));
+    /// assert!(excuses.take_lost_fetch("comments.suspect"));
+    /// assert!(!excuses.take_lost_fetch("comments.suspect"), "used once");
+    /// ```
+    pub fn add_lost_fetch(&self, queue: &str) {
+        let lost = &mut self.lock().lost;
+        match lost.iter_mut().find(|(q, _)| q == queue) {
+            Some((_, n)) => *n = (*n + 1).min(CAPACITY),
+            None => lost.push((queue.to_owned(), 1)),
+        }
     }
 
-    fn lock(&self) -> MutexGuard<'_, VecDeque<u64>> {
+    /// Uses an excuse of a fetch from `queue` lost in flight, if there is one.
+    pub fn take_lost_fetch(&self, queue: &str) -> bool {
+        let lost = &mut self.lock().lost;
+        let Some(at) = lost.iter().position(|(q, _)| q == queue) else {
+            return false;
+        };
+        lost[at].1 -= 1;
+        if lost[at].1 == 0 {
+            lost.swap_remove(at);
+        }
+        true
+    }
+
+    /// Whether no excuse is waiting to be used.
+    pub fn is_empty(&self) -> bool {
+        let kept = self.lock();
+        kept.keys.is_empty() && kept.lost.is_empty()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Kept> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -118,6 +118,32 @@ pub enum TransportError {
         /// Which check failed.
         failure: crate::TlsFailure,
     },
+    /// A [`fetch`](Transport::fetch) gave up with a message possibly on its way that the
+    /// transport cannot keep for the next fetch (its `get-ok` or pull was lost with its
+    /// channel or connection): the broker hands that message out again redelivered,
+    /// through no crash of its own. The [`Consumer`](crate::Consumer) tries again, and
+    /// excuses the next suspect from `queue` that shows a crash, once (see
+    /// [`Engine::excuse_lost_fetch`](crate::Engine::excuse_lost_fetch)).
+    ///
+    /// ```
+    /// use retry_core::TransportError;
+    ///
+    /// let e = TransportError::FetchLost {
+    ///     queue: "comments.suspect".into(),
+    ///     context: "the channel closed before its get-ok".into(),
+    /// };
+    /// assert_eq!(
+    ///     e.to_string(),
+    ///     "a fetch from comments.suspect was lost in flight: the channel closed before its get-ok"
+    /// );
+    /// ```
+    #[error("a fetch from {queue} was lost in flight: {context}")]
+    FetchLost {
+        /// The queue fetched from.
+        queue: String,
+        /// How it was lost.
+        context: String,
+    },
     /// The transport was closed.
     #[error("transport closed")]
     Closed,
@@ -300,6 +326,12 @@ pub trait Transport: Send + Sync + 'static {
     /// drained, a get from the model), or `Ok(None)` when the queue has nothing ready. The
     /// delivery is unsettled until [`settle`](Self::settle) settles it, at once (never
     /// batched); if the connection goes away first, the broker puts it back redelivered.
+    ///
+    /// A fetch that gives up while a message may be on its way keeps that message for the
+    /// next fetch from `queue` and fails with [`TransportError::Timeout`]; when it cannot
+    /// keep it (the message comes back to the queue redelivered), it fails with
+    /// [`TransportError::FetchLost`], so that the consumer does not charge the message a
+    /// crash it never caused.
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Self::Tag>>, TransportError>;
 
     /// Resolves once `queue` may have a message ready, without taking any: at once if it

@@ -187,7 +187,9 @@ impl Backoff {
 fn retryable(e: &TransportError) -> bool {
     matches!(
         e,
-        TransportError::Connection { .. } | TransportError::Timeout { .. }
+        TransportError::Connection { .. }
+            | TransportError::Timeout { .. }
+            | TransportError::FetchLost { .. }
     )
 }
 

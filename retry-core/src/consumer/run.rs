@@ -619,7 +619,12 @@ impl<'a, T: Transport, H: Handler> Driver<'a, T, H> {
                     warn!(queue = %self.config.queue, error = &e as &dyn Error, "sending acknowledgements failed; the broker redelivers what it did not see settled");
                 }
             }
-            Event::Fetched(result) => self.lanes.handle_fetched(now, result),
+            Event::Fetched(result) => {
+                if let Err(TransportError::FetchLost { .. }) = &result {
+                    self.engine.excuse_lost_fetch();
+                }
+                self.lanes.handle_fetched(now, result);
+            }
             Event::ProbeAcked(result) => {
                 self.settling -= 1;
                 self.lanes.handle_released(false, false);
