@@ -179,6 +179,26 @@ impl GateMember {
         s.queue.iter().any(|&id| id != self.id)
     }
 
+    /// Stops being quiet, to run work, unless another member asks for the gate or holds it.
+    /// The look and the change are one step under the gate's lock: a member that looked and
+    /// then said it was busy could let another one take the gate in between and run a
+    /// suspect beside the work it starts.
+    pub(super) fn try_resume(&self) -> bool {
+        let mut s = self.gate.lock();
+        if s.queue.iter().any(|&id| id != self.id) {
+            return false;
+        }
+        let Some(m) = s.member(self.id) else {
+            return false;
+        };
+        self.quiet.store(false, Ordering::Relaxed);
+        if m.quiet {
+            m.quiet = false;
+            s.changed();
+        }
+        true
+    }
+
     /// Takes the gate, if this member asked, comes first, and every other member is quiet.
     pub(super) fn try_enter(&self) -> bool {
         let mut s = self.gate.lock();
@@ -265,6 +285,20 @@ mod tests {
         assert!(b.try_enter());
         b.leave();
         assert!(!a.others_asking());
+    }
+
+    #[test]
+    fn resuming_work_and_taking_the_gate_exclude_each_other() {
+        let gate = SoloGate::new();
+        let (a, b) = (gate.join(), gate.join());
+        assert!(a.try_resume(), "nobody asks");
+        b.request();
+        assert!(!b.try_enter(), "a is busy from the moment it resumed");
+        a.set_quiet(true);
+        assert!(b.try_enter());
+        assert!(!a.try_resume(), "b holds the gate");
+        b.leave();
+        assert!(a.try_resume());
     }
 
     #[test]

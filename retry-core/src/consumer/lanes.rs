@@ -22,7 +22,9 @@
 //!   phase changed. A failed fetch or watch marks suspects as waiting; it never changes the
 //!   phase by itself.
 //! * `Solo` needs the process's [`SoloGate`](crate::SoloGate): every other consumer of the
-//!   process is quiet while it lasts.
+//!   process is quiet while it lasts. A consumer leaves `Quiet` for `Work` in the same step
+//!   under the gate's lock as it checks that nobody asks for the gate, so no other consumer
+//!   can take the gate between that check and the work it then starts.
 //! * A suspect fetched once shutdown has begun is not run: it is declined, and the engine
 //!   puts a fresh copy of it back in the isolation queue, so it does not come back
 //!   redelivered and get charged a crash.
@@ -154,6 +156,10 @@ pub(super) struct Lanes<Tag> {
     receive_errors: u64,
     io: VecDeque<Io<Tag>>,
     events: VecDeque<StormEvent>,
+    /// Runs just before a work delivery is admitted: where a test lets another thread's
+    /// consumer move.
+    #[cfg(test)]
+    before_admit: Option<Box<dyn FnMut() + Send>>,
 }
 
 /// A doubling wait, from [`MIN_BACKOFF`] up to [`MAX_BACKOFF`].
@@ -229,6 +235,8 @@ impl<Tag> Lanes<Tag> {
             receive_errors: 0,
             io: VecDeque::new(),
             events: VecDeque::new(),
+            #[cfg(test)]
+            before_admit: None,
         }
     }
 
@@ -532,6 +540,12 @@ impl<Tag> Lanes<Tag> {
     }
 
     fn admit(&mut self, delivery: Delivery<Tag>, lane: Lane) {
+        #[cfg(test)]
+        if lane == Lane::Work
+            && let Some(hook) = self.before_admit.as_mut()
+        {
+            hook();
+        }
         let probe = lane == Lane::Work && self.storm.as_ref().is_some_and(Storm::probing);
         self.held += 1;
         self.io.push_back(Io::Admit {
@@ -644,10 +658,11 @@ impl<Tag> Lanes<Tag> {
                     }
                     self.gate.leave();
                     // Shutting down, the work lane still takes what the subscription was
-                    // sent before its cancel.
-                    if self.gate.others_asking()
-                        || self.fatal.is_some()
+                    // sent before its cancel. Leaving `Quiet` says so to the gate at once:
+                    // from here on, no other consumer of the process can start a solo run.
+                    if self.fatal.is_some()
                         || (self.shutting_down && !self.receiving)
+                        || !self.gate.try_resume()
                     {
                         break;
                     }
@@ -885,5 +900,66 @@ mod tests {
             drain(&mut lanes, at(0)),
             ["admit 2 Work", "Receive { after: None }"]
         );
+    }
+
+    /// Two consumers of one process, each scheduled on a thread of its own: one resumes
+    /// work as the other asks for the gate. The other one's request lands just before the
+    /// first admits its work delivery, the latest moment it could.
+    #[test]
+    fn no_consumer_on_another_thread_runs_suspects_beside_work_being_resumed() {
+        use std::sync::mpsc;
+        use std::sync::{Arc, Mutex};
+
+        let gate = SoloGate::new();
+        let mut a = working(&gate);
+        // A third member held the gate, so `a` drained and its delivery 1 waits.
+        let holder = gate.join();
+        holder.request();
+        a.handle_received(Ok(Some(delivery(1, false))));
+        assert_eq!(drain(&mut a, at(0)), ["Flush"]);
+        a.handle_flushed();
+        assert_eq!(drain(&mut a, at(0)), Vec::<String>::new());
+        assert!(holder.try_enter());
+        holder.leave();
+
+        // `b` starts with suspects to run: it asks for the gate and takes it if every
+        // other member is quiet.
+        let mut b = Lanes::<u32>::new(settings(), None, gate.join());
+        let (go, went) = mpsc::channel::<()>();
+        let (moved, has_moved) = mpsc::channel::<()>();
+        let b_first = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&b_first);
+        let other = std::thread::spawn(move || {
+            went.recv().expect("a reaches its admission");
+            *seen.lock().unwrap() = drain(&mut b, at(0));
+            moved.send(()).expect("a waits");
+            b
+        });
+        let mut go = Some(go);
+        a.before_admit = Some(Box::new(move || {
+            if let Some(go) = go.take() {
+                go.send(()).expect("b waits");
+                has_moved.recv().expect("b moved");
+            }
+        }));
+        let first = std::thread::spawn(move || {
+            let io = drain(&mut a, at(0));
+            (a, io)
+        });
+        let (mut a, a_io) = first.join().unwrap();
+        let mut b = other.join().unwrap();
+
+        assert_eq!(a_io, ["admit 1 Work", "Receive { after: None }"]);
+        assert_eq!(
+            *b_first.lock().unwrap(),
+            Vec::<String>::new(),
+            "b fetched a suspect while a started work"
+        );
+        // Once `a`'s work is done it drains for `b`, which then runs its suspects alone.
+        a.handle_released(false, false);
+        assert_eq!(drain(&mut a, at(0)), ["Flush"]);
+        a.handle_flushed();
+        assert_eq!(drain(&mut a, at(0)), Vec::<String>::new());
+        assert_eq!(drain(&mut b, at(0)), ["Fetch"]);
     }
 }
