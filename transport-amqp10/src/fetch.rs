@@ -338,11 +338,13 @@ impl FetchTask {
             // A transfer that arrived just as the wait ended is still within the credit.
             Err(_) => receiver.recv::<Body<Value>>().now_or_never(),
         };
+        let mut announced = false;
         if received.is_none()
             && let Some((mut flows, asked)) = answer
             && on_its_way(&mut flows, asked, after).await
         {
             debug!(queue = %self.queue, "a message is on its way to the fetch link; waiting for it");
+            announced = true;
             received = timeout(after, receiver.recv::<Body<Value>>()).await.ok();
             if received.is_none() {
                 warn!(queue = %self.queue, ?after, "a message the broker dispatched to the fetch link did not arrive; taking the credit back, which puts it back marked redelivered");
@@ -357,9 +359,26 @@ impl FetchTask {
                 self.received += 1;
                 Ok(Received::Undecodable(error))
             }
-            Some(Err(e)) => Err(self.lost(e)),
+            // The link broke with the credit granted: a message dispatched to it goes back
+            // to the queue redelivered, through no crash of its own.
+            Some(Err(e)) => {
+                let context = format!("the fetch link broke with a credit granted: {e}");
+                self.lost(e);
+                Err(TransportError::FetchLost {
+                    queue: self.queue.clone(),
+                    context,
+                })
+            }
             None => {
                 self.take_back().await;
+                if announced {
+                    return Err(TransportError::FetchLost {
+                        queue: self.queue.clone(),
+                        context: format!(
+                            "the message the broker dispatched to the fetch link did not arrive within {after:?}"
+                        ),
+                    });
+                }
                 Ok(Received::Nothing)
             }
         }

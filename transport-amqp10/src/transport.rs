@@ -574,9 +574,12 @@ impl Transport for Amqp10Transport {
     /// nothing arrives within [`Amqp10Config::with_fetch_wait`] (and the broker's answer to
     /// the grant does not say a message is on its way, which is then waited for), the credit
     /// is taken back by detaching the link, and the answer is `Ok(None)`; the link's session
-    /// then ends, which puts back any fetched delivery still unsettled. A queue that does
-    /// not exist fails with [`TransportError::MissingAddress`]. A message that cannot be
-    /// decoded is rejected, so that the queue dead-letters it, and the next one is taken.
+    /// then ends, which puts back any fetched delivery still unsettled. When the message
+    /// the broker said was on its way never arrives, or the link breaks with the credit
+    /// granted, the message goes back to the queue redelivered and the fetch fails with
+    /// [`TransportError::FetchLost`]. A queue that does not exist fails with
+    /// [`TransportError::MissingAddress`]. A message that cannot be decoded is rejected, so
+    /// that the queue dead-letters it, and the next one is taken.
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Amqp10Tag>>, TransportError> {
         let link = self.fetcher(queue)?;
         fetch::ask(&link, &self.shared.config).await
