@@ -164,11 +164,17 @@
 //!
 //! [`Broker::lose_publishes`], [`Broker::refuse_publishes`], [`Broker::lose_confirms`],
 //! [`Broker::return_publishes`], [`Broker::misattribute_returns`],
-//! [`Broker::duplicate_deliveries`], [`Broker::fail_watches`], [`Broker::fail_subscribes`]
-//! and [`Broker::late_fetches`] affect the next N operations; [`Broker::random_faults`]
-//! draws them from a seeded generator ([`FaultRates`]); [`Broker::close_connection`] drops a
-//! connection. In a simulation, [`SimEvent`]s schedule them (and graceful restarts) at
-//! virtual times, and [`SimulationBuilder::with_crash_rate`] and
+//! [`Broker::duplicate_deliveries`], [`Broker::fail_watches`], [`Broker::fail_subscribes`],
+//! [`Broker::late_fetches`] and [`Broker::lose_fetches`] affect the next N operations;
+//! [`Broker::random_faults`] draws them from a seeded generator ([`FaultRates`]);
+//! [`Broker::close_connection`] drops a connection. A late fetch keeps its message for the
+//! next fetch on the connection (as transport-amqp10 does) and fails with
+//! [`TransportError::Timeout`](retry_core::TransportError::Timeout); a lost fetch loses it
+//! on the way, as a `get-ok` lost with its channel: the broker puts the message back at its
+//! place (the head of the queue) flagged redelivered, and the fetch fails with
+//! [`TransportError::FetchLost`](retry_core::TransportError::FetchLost). In a simulation,
+//! [`SimEvent`]s schedule them (and graceful restarts) at virtual times, and
+//! [`SimulationBuilder::with_crash_rate`] and
 //! [`SimulationBuilder::with_connection_drop_rate`] add seeded crashes and disconnections to
 //! handler runs.
 

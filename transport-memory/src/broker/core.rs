@@ -18,7 +18,7 @@ use retry_core::{Confirm, ExchangeKind, Properties, Settlement, SoloGate, Timest
 use crate::broker::connections::{Connections, Recv, Unacked};
 use crate::broker::dead_letter::{Death, is_cycle, record_death};
 use crate::broker::error::BrokerError;
-use crate::broker::fault::{Faults, PublishFault};
+use crate::broker::fault::{Faults, FetchFault, PublishFault};
 use crate::broker::message::{Handout, Held, MessageKey, Publishing, QueuedMessage, Stored};
 use crate::broker::queue::QueueOptions;
 use crate::broker::queues::{QueueIndex, Queues};
@@ -143,12 +143,48 @@ impl State {
         })
     }
 
-    /// Whether a fetch from `queue` that found a message gives up before it arrives (an
-    /// injected fault), recorded in the trace.
-    pub(crate) fn late_fetch(&mut self, queue: &str) -> bool {
-        self.injected(Faults::on_fetch, || {
-            format!("a fetch from {queue} gives up with its message on the way")
-        })
+    /// What befalls a fetch from `queue` that found a message (an injected fault), if
+    /// anything, recorded in the trace.
+    pub(crate) fn fetch_fault(&mut self, queue: &str) -> Option<FetchFault> {
+        let fault = self.faults.on_fetch()?;
+        let description = match fault {
+            FetchFault::Late => {
+                format!("a fetch from {queue} gives up with its message on the way")
+            }
+            FetchFault::Lost => format!(
+                "a fetch from {queue} is lost in flight: its message goes back to the queue redelivered"
+            ),
+        };
+        self.record(|| EventKind::Fault {
+            description: Arc::from(description),
+        });
+        Some(fault)
+    }
+
+    /// The broker's copy of delivery `tag`, handed to a fetch on `conn` whose answer was
+    /// lost, goes back to its place in its queue flagged redelivered, as RabbitMQ requeues
+    /// the unacknowledged deliveries of a channel that closes. Nothing happens when the
+    /// delivery is settled or its connection closed (which requeued it already).
+    pub(crate) fn requeue_lost_fetch(&mut self, conn: usize, tag: u64) {
+        if !self.connections.is_open(conn) {
+            return;
+        }
+        let Some(taken) = self.connections.take(conn, tag) else {
+            return;
+        };
+        let q = taken.unacked().queue;
+        let m = self.connections.restore(conn, taken);
+        self.queues.get_mut(q).settled();
+        let message = MessageRef::new(m.key, &m.label);
+        let queue = self.queues.get(q).name().clone();
+        self.record(|| EventKind::Requeued {
+            message,
+            queue,
+            tag,
+            by_consumer: false,
+        });
+        self.return_to_queue(q, m);
+        self.pump();
     }
 
     fn injected(&mut self, draw: fn(&mut Faults) -> bool, what: impl FnOnce() -> String) -> bool {

@@ -1,7 +1,7 @@
 //! Fault injection on the broker side: refused, lost, unconfirmed and returned publishes,
 //! duplicated deliveries, failed watches and subscribes, fetches that give up with their
-//! message on the way, and returns reported against the wrong publish, counted or at seeded
-//! random rates.
+//! message on the way (kept for the next fetch, or lost in flight and requeued), and returns
+//! reported against the wrong publish, counted or at seeded random rates.
 
 use retry_core::splitmix64;
 
@@ -19,6 +19,16 @@ pub(crate) enum PublishFault {
     /// Routed nowhere, as if its binding were missing: a `mandatory` publish comes back
     /// returned.
     Return,
+}
+
+/// What happens to a fetch that found a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FetchFault {
+    /// It gives up before the message arrives; the next fetch on the connection gets it.
+    Late,
+    /// The message is lost on its way: the broker's copy goes back to its place in the
+    /// queue redelivered, and the fetch fails with a lost fetch.
+    Lost,
 }
 
 /// Probabilities of faults, drawn from a seeded generator so a run can be replayed. Each is
@@ -42,6 +52,7 @@ pub struct FaultRates {
     watch: f64,
     subscribe: f64,
     late_fetch: f64,
+    lost_fetch: f64,
     misattribute: f64,
 }
 
@@ -104,6 +115,22 @@ impl FaultRates {
         self
     }
 
+    /// Fetches whose message is lost on its way, as a `get-ok` is lost with its channel:
+    /// the broker puts the message back at its place in the queue, flagged redelivered, and
+    /// the fetch fails with [`TransportError::FetchLost`](retry_core::TransportError::FetchLost).
+    /// Drawn for a fetch that found a message and was not made late.
+    ///
+    /// ```
+    /// use transport_memory::{Broker, FaultRates};
+    ///
+    /// let broker = Broker::new();
+    /// broker.random_faults(7, FaultRates::new().late_fetches(0.1).lost_fetches(0.1));
+    /// ```
+    pub fn lost_fetches(mut self, p: f64) -> Self {
+        self.lost_fetch = p;
+        self
+    }
+
     /// Batches of publisher confirms that the client completes in any order, handing each
     /// return to whichever confirm completes first, as lapin 4.12 does: a return can be
     /// reported against the wrong publish. Only a transport that pairs returns by their
@@ -155,6 +182,7 @@ pub(crate) struct Faults {
     watch: u32,
     subscribe: u32,
     late_fetch: u32,
+    lost_fetch: u32,
     misattribute: u32,
     random: Option<(FaultRates, Rng)>,
 }
@@ -198,6 +226,11 @@ impl Faults {
     /// The next `n` fetches that find a message give up before it arrives.
     pub(crate) fn late_fetches(&mut self, n: u32) {
         self.late_fetch += n;
+    }
+
+    /// The next `n` fetches that find a message lose it on its way.
+    pub(crate) fn lost_fetches(&mut self, n: u32) {
+        self.lost_fetch += n;
     }
 
     /// The next `n` batches of confirms are completed out of order.
@@ -253,9 +286,23 @@ impl Faults {
         self.counted_or_random(|f| &mut f.subscribe, |r| r.subscribe)
     }
 
-    /// Whether a fetch that found a message gives up before it arrives.
-    pub(crate) fn on_fetch(&mut self) -> bool {
-        self.counted_or_random(|f| &mut f.late_fetch, |r| r.late_fetch)
+    /// The fault, if any, of a fetch that found a message. A late fetch is drawn first,
+    /// so seeded runs without lost fetches draw exactly as before they existed.
+    pub(crate) fn on_fetch(&mut self) -> Option<FetchFault> {
+        if take(&mut self.late_fetch) {
+            return Some(FetchFault::Late);
+        }
+        if take(&mut self.lost_fetch) {
+            return Some(FetchFault::Lost);
+        }
+        let (rates, rng) = self.random.as_mut()?;
+        if rng.chance(rates.late_fetch) {
+            Some(FetchFault::Late)
+        } else if rng.chance(rates.lost_fetch) {
+            Some(FetchFault::Lost)
+        } else {
+            None
+        }
     }
 
     /// For a batch of confirms completed out of order, the seed of its order.

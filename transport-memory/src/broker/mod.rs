@@ -427,6 +427,36 @@ impl Broker {
         });
     }
 
+    /// The next `n` fetches that find a message lose it on its way, as a `get-ok` is lost
+    /// with its channel: the broker puts the message back at its place in the queue (the
+    /// head) flagged redelivered, and the fetch fails with
+    /// [`TransportError::FetchLost`](retry_core::TransportError::FetchLost).
+    ///
+    /// ```
+    /// use futures::FutureExt;
+    /// use retry_core::{Transport, TransportError};
+    /// use transport_memory::{Broker, Outgoing, QueueOptions};
+    ///
+    /// let broker = Broker::new();
+    /// broker.declare_queue("work.suspect", QueueOptions::new())?;
+    /// broker.publish(Outgoing::to_queue("work.suspect", b"innocent".to_vec()))?;
+    /// broker.lose_fetches(1);
+    ///
+    /// let conn = broker.connect();
+    /// let lost = conn.fetch("work.suspect").now_or_never().expect("ready");
+    /// assert!(matches!(lost, Err(TransportError::FetchLost { .. })));
+    /// // Back at the head, flagged redelivered, through no crash of its own.
+    /// let again = conn.fetch("work.suspect").now_or_never().expect("ready")?.expect("a message");
+    /// assert!(again.facts.redelivered);
+    /// assert_eq!(again.message.body(), b"innocent");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn lose_fetches(&self, n: u32) {
+        self.fault(format!("lose the next {n} fetches in flight"), |f| {
+            f.lost_fetches(n);
+        });
+    }
+
     /// The next `n` batches of publisher confirms are completed out of order, each return
     /// handed to whichever confirm completes first, as lapin 4.12 does.
     pub fn misattribute_returns(&self, n: u32) {

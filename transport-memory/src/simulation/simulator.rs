@@ -59,6 +59,9 @@ pub enum SimEvent {
     FailSubscribes(u32),
     /// Make the next `n` fetches that find a message give up before it arrives.
     LateFetches(u32),
+    /// Lose the next `n` fetches that find a message on their way: the message goes back to
+    /// the head of its queue redelivered, and the fetch fails with a lost fetch.
+    LoseFetches(u32),
     /// Complete the next `n` batches of publisher confirms out of order, handing returns to
     /// the wrong publish, as lapin 4.12 does.
     MisattributeReturns(u32),
@@ -622,6 +625,7 @@ impl Simulation {
                 SimEvent::FailWatches(n) => self.broker.fail_watches(n),
                 SimEvent::FailSubscribes(n) => self.broker.fail_subscribes(n),
                 SimEvent::LateFetches(n) => self.broker.late_fetches(n),
+                SimEvent::LoseFetches(n) => self.broker.lose_fetches(n),
                 SimEvent::MisattributeReturns(n) => self.broker.misattribute_returns(n),
                 SimEvent::RestartConsumers => self.restart_consumers(),
             },

@@ -17,6 +17,7 @@ use retry_core::{
 use crate::broker::Broker;
 use crate::broker::core::State;
 use crate::broker::error::BrokerError;
+use crate::broker::fault::FetchFault;
 use crate::broker::message::{MessageKey, Outgoing, Publishing};
 use crate::broker::trace::{EventKind, MessageRef, PublishOutcome, Publisher};
 use crate::transport::confirms::{self, SharedConfirms, YieldOnce};
@@ -298,22 +299,40 @@ impl Transport for MemoryTransport {
         if let Some(delivery) = lock(&self.unclaimed).take() {
             return Ok(Some(delivery));
         }
-        let (got, late) = self.broker.shared.with(|s| {
+        let (got, fault) = self.broker.shared.with(|s| {
             let got = s.get(id, queue, receive)?;
-            let late = got.is_some() && s.late_fetch(queue);
-            Ok::<_, BrokerError>((got, late))
+            let fault = if got.is_some() {
+                s.fetch_fault(queue)
+            } else {
+                None
+            };
+            Ok::<_, BrokerError>((got, fault))
         })?;
         if !self.fetch_latency.is_zero() {
             self.broker.sleep(self.fetch_latency).await;
         }
-        if late {
-            *lock(&self.unclaimed) = got;
-            return Err(TransportError::Timeout {
-                operation: "fetch",
-                after: self.fetch_latency,
-            });
+        match fault {
+            None => Ok(got),
+            Some(FetchFault::Late) => {
+                *lock(&self.unclaimed) = got;
+                Err(TransportError::Timeout {
+                    operation: "fetch",
+                    after: self.fetch_latency,
+                })
+            }
+            Some(FetchFault::Lost) => {
+                // The answer never arrives: the client gives up on the channel, and the
+                // broker puts the message back redelivered, at its place (the head).
+                if let Some(delivery) = got {
+                    let tag = delivery.tag.tag;
+                    self.broker.shared.with(|s| s.requeue_lost_fetch(id, tag));
+                }
+                Err(TransportError::FetchLost {
+                    queue: queue.to_owned(),
+                    context: "its answer was lost with its channel (injected)".to_owned(),
+                })
+            }
         }
-        Ok(got)
     }
 
     async fn ready(&self, queue: &str, _poll: Duration) -> Result<(), TransportError> {
