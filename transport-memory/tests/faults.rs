@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use retry_core::RetryPolicy;
 use transport_memory::{
-    ConsumerState, FaultRates, Report, Script, SimEvent, Simulation, SimulationBuilder, Step, Stop,
+    ConsumerState, Fate, FaultRates, Outgoing, Report, Script, SimEvent, Simulation,
+    SimulationBuilder, Step, Stop,
 };
 
 /// A simulation that gives up after six virtual hours (every schedule here ends well
@@ -65,6 +66,118 @@ fn lost_publishes_requeue_the_original() {
         .filter(|e| e.kind.to_string().contains("lost in transit"))
         .count();
     assert_eq!(lost_in_transit, 8, "the fault was exercised");
+}
+
+/// A fetch lost in flight (a `get-ok` lost with its channel) sends its message back to the
+/// head of the isolation queue redelivered, through no crash of its own: the consumer that
+/// saw the fetch fail must not charge it one when it fetches it again.
+#[test]
+fn an_innocent_suspect_whose_fetch_is_lost_is_not_charged_a_crash() {
+    for latency in [Duration::ZERO, Duration::from_millis(40)] {
+        let mut sim = simulation("q", policy())
+            .with_fetch_latency(latency)
+            .build()
+            .unwrap();
+        // A suspect already isolated, as a bystander of a crash is: healthy, and fresh in
+        // the isolation queue.
+        let isolation = sim.plan().isolation_queue().to_owned();
+        let suspect =
+            Outgoing::to_queue(&isolation, b"innocent".to_vec()).with_message_id("innocent");
+        sim.publish_labelled("innocent", suspect, Script::succeed())
+            .unwrap();
+        sim.schedule(Duration::ZERO, SimEvent::LoseFetches(1));
+        let report = sim.run_until_quiet();
+        assert_accounted(&report);
+        let trace = report.trace.to_string();
+        assert!(
+            trace.contains("lost in flight") && trace.contains("(redelivered)"),
+            "latency {latency:?}: the fetch was lost and the suspect came back redelivered\n{trace}"
+        );
+        let m = report.message("innocent").unwrap();
+        assert!(
+            matches!(m.fate, Fate::Handled { .. }) && m.crashes == 0,
+            "latency {latency:?}: charged {} crash(es), ended {:?}\n{}",
+            m.crashes,
+            m.fate,
+            m.timeline(report.started_at)
+        );
+        assert_eq!(m.runs.len(), 1, "run once, alone");
+        assert!(m.runs[0].solo && m.runs[0].step == Step::Succeed && m.runs[0].ended);
+    }
+}
+
+/// Suspects made by a poison message's crashes, some of whose fetches are lost: the healthy
+/// ones are never charged, and the poison is parked after exactly crash limit + 1 runs alone
+/// that crashed, a lost fetch of it costing no extra crash count.
+#[test]
+fn lost_fetches_of_suspects_charge_no_healthy_message_and_no_extra_crash() {
+    let limit = 2;
+    for lost in [1, 2, 4, 8] {
+        let policy = RetryPolicy::delays([mins(1)])
+            .with_crash_limit(limit)
+            .with_crash_delay(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let mut sim = simulation("q", policy)
+            .with_prefetch(4)
+            .with_fetch_latency(Duration::from_millis(5))
+            .build()
+            .unwrap();
+        sim.publish(
+            "poison",
+            Script::always(Step::Crash).taking(Duration::from_millis(100)),
+        )
+        .unwrap();
+        for i in 0..5 {
+            sim.publish(
+                format!("healthy-{i}"),
+                Script::succeed().taking(Duration::from_millis(200)),
+            )
+            .unwrap();
+        }
+        sim.schedule(Duration::from_millis(50), SimEvent::LoseFetches(lost));
+        let report = sim.run_until_quiet();
+        assert_accounted(&report);
+        let trace = report.trace.to_string();
+        assert_eq!(
+            trace.matches("lost in flight").count(),
+            lost as usize,
+            "the fault was exercised"
+        );
+        for i in 0..5 {
+            let m = report.message(&format!("healthy-{i}")).unwrap();
+            assert!(
+                matches!(m.fate, Fate::Handled { .. }) && m.crashes == 0,
+                "{lost} lost: healthy-{i} charged {} crash(es)\n{}",
+                m.crashes,
+                m.timeline(report.started_at)
+            );
+        }
+        let poison = report.message("poison").unwrap();
+        assert_eq!(
+            poison.fate,
+            Fate::Parked {
+                reason: "crash-loop".into()
+            }
+        );
+        assert_eq!(
+            poison.crashes,
+            limit + 1,
+            "{}",
+            poison.timeline(report.started_at)
+        );
+        let solo_crashes = poison
+            .runs
+            .iter()
+            .filter(|r| r.solo && r.step == Step::Crash)
+            .count();
+        assert_eq!(
+            solo_crashes,
+            limit as usize + 1,
+            "{}",
+            poison.timeline(report.started_at)
+        );
+    }
 }
 
 fn count_terminals(report: &Report, f: impl Fn(&retry_core::Terminal) -> bool) -> usize {
