@@ -19,6 +19,7 @@ use crate::broker::connections::{Connections, Recv, Unacked};
 use crate::broker::dead_letter::{Death, is_cycle, record_death};
 use crate::broker::error::BrokerError;
 use crate::broker::fault::{Faults, FetchFault, PublishFault};
+use crate::broker::hash::FastMap;
 use crate::broker::message::{Handout, Held, MessageKey, Publishing, QueuedMessage, Stored};
 use crate::broker::queue::QueueOptions;
 use crate::broker::queues::{QueueIndex, Queues};
@@ -96,6 +97,8 @@ pub(crate) struct State {
     routes: Vec<QueueIndex>,
     /// The key of the latest new message.
     last_key: u64,
+    /// Fetches lost in flight, by the label of the message each carried.
+    lost_fetches: FastMap<Arc<str>, u32>,
 }
 
 impl State {
@@ -112,6 +115,7 @@ impl State {
             wakes: Vec::new(),
             routes: Vec::new(),
             last_key: 0,
+            lost_fetches: FastMap::default(),
         }
     }
 
@@ -175,6 +179,7 @@ impl State {
         let q = taken.unacked().queue;
         let m = self.connections.restore(conn, taken);
         self.queues.get_mut(q).settled();
+        *self.lost_fetches.entry(m.label.clone()).or_default() += 1;
         let message = MessageRef::new(m.key, &m.label);
         let queue = self.queues.get(q).name().clone();
         self.record(|| EventKind::Requeued {
@@ -185,6 +190,11 @@ impl State {
         });
         self.return_to_queue(q, m);
         self.pump();
+    }
+
+    /// Fetches lost in flight so far, by the label of the message each carried.
+    pub(crate) fn lost_fetches(&self) -> &FastMap<Arc<str>, u32> {
+        &self.lost_fetches
     }
 
     fn injected(&mut self, draw: fn(&mut Faults) -> bool, what: impl FnOnce() -> String) -> bool {

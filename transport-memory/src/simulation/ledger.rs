@@ -71,6 +71,7 @@ impl Entry {
         id: &str,
         parked: &[&QueuedMessage],
         located: Option<&(Vec<Arc<str>>, bool)>,
+        lost_fetches: u32,
         parking: &str,
     ) -> MessageReport {
         let mut handled = None;
@@ -130,6 +131,7 @@ impl Entry {
             delays,
             crashes,
             isolations,
+            lost_fetches,
             duplicates: ended.saturating_sub(1),
             order: self.order.clone(),
         }
@@ -200,11 +202,13 @@ impl Ledger {
     }
 
     /// The story of every message it follows, by id: `parked` holds the copies in the
-    /// parking queue `parking`, `copies` where the broker holds copies of each.
+    /// parking queue `parking`, `copies` where the broker holds copies of each,
+    /// `lost_fetches` how many fetches of each were lost in flight.
     pub(crate) fn reports(
         &self,
         parked: &[QueuedMessage],
         copies: &HashMap<Arc<str>, (Vec<Arc<str>>, bool)>,
+        lost_fetches: &FastMap<Arc<str>, u32>,
         parking: &str,
     ) -> BTreeMap<String, MessageReport> {
         let mut parked_by_id: HashMap<&str, Vec<&QueuedMessage>> = HashMap::new();
@@ -221,7 +225,8 @@ impl Ledger {
                 let entry = &ledger.entries[i];
                 let parked = parked_by_id.get(id.as_str()).map_or(&[][..], Vec::as_slice);
                 let located = copies.get(id.as_str());
-                (id.clone(), entry.report(id, parked, located, parking))
+                let lost = lost_fetches.get(id.as_str()).copied().unwrap_or(0);
+                (id.clone(), entry.report(id, parked, located, lost, parking))
             })
             .collect()
     }

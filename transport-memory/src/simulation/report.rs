@@ -121,6 +121,10 @@ pub struct MessageReport {
     pub crashes: u32,
     /// Times it came back redelivered from the work queue and was isolated as a suspect.
     pub isolations: u32,
+    /// Fetches of it lost in flight ([`SimEvent::LoseFetches`](crate::SimEvent::LoseFetches),
+    /// [`FaultRates::lost_fetches`](crate::FaultRates::lost_fetches)), each sending it back
+    /// to its queue redelivered through no crash of its own.
+    pub lost_fetches: u32,
     /// Copies that ended beyond the first (handled, parked or dropped again): the
     /// duplicates that at-least-once delivery allows.
     pub duplicates: u32,

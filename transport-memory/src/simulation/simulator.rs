@@ -633,13 +633,20 @@ impl Simulation {
     }
 
     fn report_with(&self, stop: Stop) -> Report {
-        let (copies, trace, deliveries) = {
+        let (copies, trace, deliveries, lost_fetches) = {
             let s = self.broker.shared.lock();
-            (s.copies(), s.trace().clone(), s.connections().deliveries())
+            (
+                s.copies(),
+                s.trace().clone(),
+                s.connections().deliveries(),
+                s.lost_fetches().clone(),
+            )
         };
         let parking = self.plan.parking_queue();
         let parked: Vec<QueuedMessage> = self.broker.messages(parking).unwrap_or_default();
-        let messages = self.ledger.reports(&parked, &copies, parking);
+        let messages = self
+            .ledger
+            .reports(&parked, &copies, &lost_fetches, parking);
         let consumers = self
             .consumers
             .iter()
