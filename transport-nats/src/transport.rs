@@ -459,6 +459,18 @@ impl NatsTransport {
         }
     }
 
+    /// A publish to `queue` that no stream answered: see [`unanswered_publish`].
+    async fn unanswered(&self, queue: &str, e: PublishError) -> PublishResult {
+        let lookup = bounded(
+            self.inner.config.operation_timeout(),
+            "looking up a stream",
+            self.inner.js.get_stream(stream_name(queue)),
+        )
+        .await
+        .map(|found| found.map(|_| ()));
+        unanswered_publish(queue, lookup, e)
+    }
+
     /// A handle on `queue`'s stream, without reading its info.
     async fn stream(&self, queue: &str) -> Result<Stream<()>, TransportError> {
         bounded(
@@ -727,7 +739,7 @@ impl Transport for NatsTransport {
         match sent {
             Ok(_) => PublishResult::Confirmed,
             Err(e) => match e.kind() {
-                PublishErrorKind::StreamNotFound => PublishResult::Returned,
+                PublishErrorKind::StreamNotFound => self.unanswered(&queue, e).await,
                 PublishErrorKind::TimedOut => PublishResult::Failed(TransportError::Timeout {
                     operation: "a publish acknowledgement",
                     after: self.inner.config.publish_timeout(),
@@ -774,6 +786,33 @@ impl Transport for NatsTransport {
             next: 1,
         }))
     }
+}
+
+/// What a publish no stream answered is, given the lookup of its `queue`'s stream:
+/// nats-server answers "no responders" (async-nats reports it as a missing stream) when no
+/// stream captures the subject, and also while a restarted server restores its streams.
+/// Only a stream the server says does not exist makes the publish
+/// [`Returned`](PublishResult::Returned) (unroutable); otherwise it failed, and is tried
+/// again.
+fn unanswered_publish(
+    queue: &str,
+    lookup: Result<Result<(), GetStreamError>, TransportError>,
+    e: PublishError,
+) -> PublishResult {
+    let stream = stream_name(queue);
+    let why = match lookup {
+        Ok(Err(missing)) if provision::stream_missing(&missing) => return PublishResult::Returned,
+        Ok(Ok(())) => format!(
+            "publishing to {queue}: no stream answered, yet stream {stream} exists (a server still restoring its streams answers so)"
+        ),
+        Ok(Err(other)) => format!(
+            "publishing to {queue}: no stream answered, and looking up stream {stream} failed ({other})"
+        ),
+        Err(lookup) => format!(
+            "publishing to {queue}: no stream answered, and looking up stream {stream} failed ({lookup})"
+        ),
+    };
+    PublishResult::Failed(TransportError::connection_failed(why, e))
 }
 
 /// A publish the stream refused for its limits: a message larger than it takes, or a full

@@ -390,3 +390,76 @@ async fn a_fetch_from_an_idle_queue_answers_at_once_and_a_waiting_message_is_fet
     assert_eq!(fetched.message.body(), b"suspect");
     delete(&t, &plan).await;
 }
+
+fn clone_to(queue: &str) -> (retry_core::Message, retry_core::Publish) {
+    use retry_core::headers::EngineHeaders;
+    use retry_core::{MessageParts, Publish, Route};
+    let original = Message::new(MessageParts {
+        queue: queue.to_owned(),
+        routing_key: queue.to_owned(),
+        body: b"a clone".to_vec(),
+        ..MessageParts::default()
+    });
+    let publish = Publish {
+        route: Route {
+            exchange: "".into(),
+            routing_key: queue.into(),
+        },
+        expiration: None,
+        headers: EngineHeaders {
+            attempts: 1,
+            crashes: 0,
+            first_failure: None,
+            last_failure: None,
+            last_error: None,
+            reason: None,
+            delay: None,
+            suspect: None,
+        },
+    };
+    (original, publish)
+}
+
+/// A publish no stream answers ("no responders", which async-nats reports as a missing
+/// stream) is unroutable only when the stream truly does not exist: a server still
+/// restoring its streams after a restart answers the same way, and the engine must then try
+/// the route again, not take it for missing. The stream is made present yet silent by
+/// moving its subjects off the queue's.
+#[tokio::test]
+async fn a_publish_no_stream_answers_is_returned_only_when_the_stream_is_gone() {
+    use retry_core::PublishResult;
+    let Some(t) = connect().await else { return };
+    let queue = unique("noresp");
+    let policy = RetryPolicy::delays([Duration::from_secs(1)])
+        .build()
+        .expect("policy");
+    let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
+    t.provision(&plan).await.expect("provision");
+    let (original, publish) = clone_to(&queue);
+    let js = async_nats::jetstream::new(t.client().clone());
+    let answered = t.publish(&original, &publish).await;
+    assert!(matches!(answered, PublishResult::Confirmed), "{answered:?}");
+
+    let mut stream = js.get_stream(stream_name(&queue)).await.expect("stream");
+    let mut config = stream.info().await.expect("its info").config.clone();
+    config.subjects = vec![format!("{queue}.elsewhere")];
+    js.update_stream(config).await.expect("subjects moved");
+    let silent = t.publish(&original, &publish).await;
+    assert!(
+        matches!(
+            silent,
+            PublishResult::Failed(TransportError::Connection { .. })
+        ),
+        "the stream exists: a failure to try again, not {silent:?}"
+    );
+
+    js.delete_stream(stream_name(&queue))
+        .await
+        .expect("stream deleted");
+    let missing = t.publish(&original, &publish).await;
+    assert!(
+        matches!(missing, PublishResult::Returned),
+        "the stream is gone: unroutable, not {missing:?}"
+    );
+    delete(&t, &plan).await;
+}
