@@ -18,7 +18,7 @@ use retry_core::{
     TopologyPlan, Transport, TransportError,
 };
 use tokio::task::AbortHandle;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::codec::{
     COPY_ID_PREFIX, DUE, HEADER_BLOCK_HEADER, MSG_ID, UNDECODABLE_HEADER, copy_id, read_headers,
@@ -33,7 +33,7 @@ use crate::names::{CONSUMER, stream_name};
 use crate::provision::{self, bounded};
 use crate::pull::{Pull, Pulled};
 use crate::quarantine::{Quarantine, SweepTarget, Swept, Trigger};
-use crate::stored::next_stored;
+use crate::stored::{consumer_info, next_stored};
 use crate::subscription::{NatsSubscription, Pulling};
 use crate::tag::{NatsTag, TagKind};
 
@@ -296,8 +296,25 @@ impl NatsTransport {
     }
 
     /// Messages stored in `queue`'s stream: waiting, being handled, or (on a delay queue)
-    /// waiting for their time.
+    /// waiting for their time. Copies of messages the queue's consumer has acked that the
+    /// stream kept (at or below the consumer's ack floor: a server killed with SIGKILL
+    /// before it wrote their deletes leaves them) are never delivered again: they are
+    /// purged first, so the count is what consumers will be handed. A purge that fails is
+    /// logged, and they are counted.
     pub async fn count(&self, queue: &str) -> Result<u64, TransportError> {
+        let (first, stored) = self.stored(queue).await?;
+        match self.clear_acked_copies(queue, first).await {
+            Ok(0) => Ok(stored),
+            Ok(_) => Ok(self.stored(queue).await?.1),
+            Err(e) => {
+                warn!(queue = %queue, error = &e as &dyn std::error::Error, "purging the acked copies below the consumer's ack floor failed; counting them");
+                Ok(stored)
+            }
+        }
+    }
+
+    /// The first sequence of `queue`'s stream, and how many messages it stores.
+    async fn stored(&self, queue: &str) -> Result<(u64, u64), TransportError> {
         // The lookup is the stream's info request: its state comes with it.
         let stream = bounded(
             self.inner.config.operation_timeout(),
@@ -306,7 +323,61 @@ impl NatsTransport {
         )
         .await?
         .map_err(|e| missing_or_failed(queue, e))?;
-        Ok(stream.cached_info().state.messages)
+        let state = &stream.cached_info().state;
+        Ok((state.first_sequence, state.messages))
+    }
+
+    /// Purges the messages of `queue`'s stream at or below its consumer's ack floor, given
+    /// the stream's `first` sequence, and answers how many went. Every message at or below
+    /// the floor has been acked, and a work-queue stream deletes a message once acked; but
+    /// after a server is killed (SIGKILL) its store can come back with deletes it had not
+    /// written while the consumer's saved state has the acks, and such a copy sits in the
+    /// stream for good: never delivered, yet counted. A queue without the transport's
+    /// consumer (a parking queue) has no floor, and nothing is purged.
+    async fn clear_acked_copies(&self, queue: &str, first: u64) -> Result<u64, TransportError> {
+        let timeout = self.inner.config.operation_timeout();
+        let info = match consumer_info(&self.inner.client, timeout, queue).await {
+            Ok(info) => info,
+            Err(TransportError::MissingAddress { .. }) => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        let floor = info.ack_floor.stream_sequence;
+        if floor == 0 || first > floor {
+            return Ok(0);
+        }
+        let stream = self.stream(queue).await?;
+        // `seq`: everything below it goes; the floor only rises, so all of it is acked.
+        let purged = bounded(
+            timeout,
+            "purging acked copies",
+            stream
+                .purge()
+                .sequence(floor.saturating_add(1))
+                .into_future(),
+        )
+        .await?
+        .map_err(|e| {
+            TransportError::connection_failed(format!("purging the acked copies in {queue}"), e)
+        })?
+        .purged;
+        if purged > 0 {
+            warn!(queue = %queue, purged, ack_floor = floor, "purged copies of acked messages the stream kept below its consumer's ack floor (a server killed before it wrote their deletes)");
+        }
+        Ok(purged)
+    }
+
+    /// [`clear_acked_copies`](Self::clear_acked_copies) of every queue this transport reads,
+    /// after the pulling connection comes back: a server that was killed left them.
+    async fn clear_acked_copies_everywhere(&self, queues: &[String]) {
+        for queue in queues {
+            let cleared = match self.stored(queue).await {
+                Ok((first, _)) => self.clear_acked_copies(queue, first).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = cleared {
+                debug!(queue = %queue, error = &e as &dyn std::error::Error, "looking for acked copies after a reconnection failed; the next count looks again");
+            }
+        }
     }
 
     fn spawned(&self, task: AbortHandle) {
@@ -529,6 +600,9 @@ async fn sweep_when_asked(
             }
         });
         futures::future::join_all(sweeps).await;
+        if matches!(trigger, Trigger::Reconnected) {
+            transport.clear_acked_copies_everywhere(&queues).await;
+        }
     }
 }
 

@@ -463,3 +463,69 @@ async fn a_publish_no_stream_answers_is_returned_only_when_the_stream_is_gone() 
     );
     delete(&t, &plan).await;
 }
+
+/// A work-queue stream can keep copies of messages its consumer has acked, below the
+/// consumer's ack floor (a server killed with SIGKILL before it wrote their deletes leaves
+/// them): they are never delivered again, so `count` must not report them as a backlog.
+/// Here the stream keeps them because its retention is `limits`: the queue's consumer acks
+/// the first two of three messages, and all three stay stored.
+#[tokio::test]
+async fn copies_below_the_ack_floor_are_not_counted_as_waiting() {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    use retry_core::Settlement;
+    let Some(t) = connect().await else { return };
+    let queue = unique("floor");
+    let js = async_nats::jetstream::new(t.client().clone());
+    let stream = js
+        .create_stream(StreamConfig {
+            name: stream_name(&queue),
+            subjects: vec![queue.clone()],
+            retention: RetentionPolicy::Limits,
+            ..Default::default()
+        })
+        .await
+        .expect("a stream that keeps acked messages");
+    stream
+        .create_consumer(pull::Config {
+            durable_name: Some(transport_nats::CONSUMER.to_owned()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(2),
+            max_deliver: -1,
+            max_ack_pending: -1,
+            ..Default::default()
+        })
+        .await
+        .expect("the queue's consumer");
+    for id in ["m-1", "m-2", "m-3"] {
+        testing::publish(t.client(), &queue, id, id, &[]).await;
+    }
+    let fetch = async || {
+        let d = t.fetch(&queue).await.expect("fetch");
+        if let Some(d) = &d {
+            t.settle(&d.tag, Settlement::Ack).await.expect("ack");
+        }
+        d.map(|d| {
+            d.message
+                .properties()
+                .message_id
+                .clone()
+                .unwrap_or_default()
+        })
+    };
+    assert_eq!(fetch().await.as_deref(), Some("m-1"));
+    assert_eq!(fetch().await.as_deref(), Some("m-2"));
+
+    let counted = t.count(&queue).await.expect("count");
+    let mut handed = Vec::new();
+    while let Some(id) = fetch().await {
+        handed.push(id);
+    }
+    assert_eq!(handed, ["m-3"], "the consumer acked m-1 and m-2");
+    assert_eq!(
+        counted,
+        handed.len() as u64,
+        "count says what the consumer hands out"
+    );
+    assert_eq!(t.count(&queue).await.expect("count"), 0, "nothing waits");
+    let _ = js.delete_stream(stream_name(&queue)).await;
+}
