@@ -108,7 +108,7 @@ impl Mover {
                     Pulled::Misread => {
                         let _ = mover.sweeps.send(mover.queue.clone());
                     }
-                    Pulled::End => break,
+                    Pulled::End | Pulled::Unanswered => break,
                     Pulled::Lost => {
                         mover.receiver.revive(generation).await;
                         break;

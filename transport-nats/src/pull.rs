@@ -45,8 +45,12 @@ pub(crate) enum Pulled {
     /// A stored message whose header block's first line carries a status, which async-nats
     /// reads instead of the message: it was handed out, and is never handed over.
     Misread,
-    /// The pull is over: filled, expired, or ended by the server for want of messages.
+    /// The pull is over: filled, or ended by the server (expired, or nothing to hand out).
     End,
+    /// The pull's time ran out (its expiry and a grace) without the server's word that it
+    /// ended: a message it was handed may still be on its way, to a subscription about to
+    /// go, and then comes back redelivered after the ack wait.
+    Unanswered,
     /// The server ended the pull with an error (a 409: the consumer was deleted, too many
     /// pulls wait, ...).
     Failed(TransportError),
@@ -96,8 +100,8 @@ impl Pull {
         })
     }
 
-    /// The next thing the pull brings; after [`Pulled::End`], [`Pulled::Failed`] or
-    /// [`Pulled::Lost`], it brings nothing more.
+    /// The next thing the pull brings; after [`Pulled::End`], [`Pulled::Unanswered`],
+    /// [`Pulled::Failed`] or [`Pulled::Lost`], it brings nothing more.
     pub(crate) async fn next(&mut self) -> Pulled {
         loop {
             if self.left == 0 {
@@ -108,7 +112,7 @@ impl Pull {
                     Some(message) => message,
                     None => return Pulled::Lost,
                 },
-                () = tokio::time::sleep_until(self.ends_by) => return Pulled::End,
+                () = tokio::time::sleep_until(self.ends_by) => return Pulled::Unanswered,
             };
             let stored = message
                 .reply

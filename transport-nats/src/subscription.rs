@@ -139,7 +139,7 @@ async fn pull(
                     let _ = p.sweeps.send(p.queue.clone());
                     continue;
                 }
-                Pulled::End => break,
+                Pulled::End | Pulled::Unanswered => break,
                 Pulled::Lost => {
                     p.receiver.revive(generation).await;
                     break;

@@ -492,6 +492,53 @@ impl NatsTransport {
         })
     }
 
+    /// One pull of one message from `queue`, waiting at most the fetch wait.
+    async fn pull_one(
+        &self,
+        queue: &str,
+    ) -> Result<Option<async_nats::jetstream::Message>, TransportError> {
+        let config = &self.inner.config;
+        let (generation, receiver) = self.inner.receiver.client();
+        let pulled = Pull::start(
+            &receiver,
+            &self.inner.js,
+            queue,
+            1,
+            config.fetch_wait(),
+            config.operation_timeout(),
+        )
+        .await;
+        let mut pull = match pulled {
+            Ok(pull) => pull,
+            Err(e) => {
+                self.inner.receiver.revive(generation).await;
+                return Err(e);
+            }
+        };
+        match pull.next().await {
+            Pulled::Message(m) => Ok(Some(m)),
+            Pulled::End => Ok(None),
+            Pulled::Misread => {
+                let _ = self.inner.sweeps.send(queue.to_owned());
+                Ok(None)
+            }
+            Pulled::Failed(why) => Err(why),
+            // The message the server handed this pull, if any, comes back redelivered
+            // through no crash: the consumer must not charge it one.
+            Pulled::Unanswered => Err(TransportError::FetchLost {
+                queue: queue.to_owned(),
+                context: "the pull's expiry passed without the server's word that it ended".into(),
+            }),
+            Pulled::Lost => {
+                self.inner.receiver.revive(generation).await;
+                Err(TransportError::FetchLost {
+                    queue: queue.to_owned(),
+                    context: "the pull's subscription ended with its connection".into(),
+                })
+            }
+        }
+    }
+
     /// Whether `queue` has no message to hand out and none handed out unacknowledged
     /// (which the server hands out again once its ack wait has passed).
     async fn idle(&self, consumer: &PullConsumer, queue: &str) -> Result<bool, TransportError> {
@@ -700,38 +747,8 @@ impl Transport for NatsTransport {
         if self.idle(&consumer, queue).await? {
             return Ok(None);
         }
-        let (generation, receiver) = self.inner.receiver.client();
-        let pulled = Pull::start(
-            &receiver,
-            &self.inner.js,
-            queue,
-            1,
-            config.fetch_wait(),
-            config.operation_timeout(),
-        )
-        .await;
-        let mut pull = match pulled {
-            Ok(pull) => pull,
-            Err(e) => {
-                self.inner.receiver.revive(generation).await;
-                return Err(e);
-            }
-        };
-        let message = match pull.next().await {
-            Pulled::Message(m) => m,
-            Pulled::End => return Ok(None),
-            Pulled::Misread => {
-                let _ = self.inner.sweeps.send(queue.to_owned());
-                return Ok(None);
-            }
-            Pulled::Failed(why) => return Err(why),
-            Pulled::Lost => {
-                self.inner.receiver.revive(generation).await;
-                return Err(TransportError::connection_failed(
-                    format!("fetching from {queue}"),
-                    "the pull's subscription ended with its connection",
-                ));
-            }
+        let Some(message) = self.pull_one(queue).await? else {
+            return Ok(None);
         };
         let delivery = delivery_of(
             &self.inner.client,

@@ -1,0 +1,209 @@
+//! The isolation queue between processes, against the local NATS server (`NATS_URL`; skipped
+//! loudly without one unless `REQUIRE_NATS` is set):
+//! - a pull whose message is lost on its way in fails the fetch with `FetchLost`.
+//!
+//! It runs the transport through [`Proxy`], a TCP relay of the test's own that
+//! can swallow what one direction of a connection carries, and cut every connection.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use retry_core::{RetryPolicy, Settlement, TopologyPlan, Transport, TransportError};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+use transport_nats::testing::{self, nats_url};
+use transport_nats::{NatsConfig, NatsTransport};
+
+fn unique(what: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("tn-isolation-{what}-{}-{nanos:x}", std::process::id())
+}
+
+async fn connect(url: &str, ack_wait: Duration) -> Option<NatsTransport> {
+    let config = NatsConfig::new(url)
+        .with_ack_wait(ack_wait)
+        .with_pull_wait(Duration::from_millis(500))
+        .with_operation_timeout(Duration::from_secs(1));
+    testing::connect_or_skip("transport-nats' isolation tests", config).await
+}
+
+/// A plan provisioned with `ack_wait` (the consumers' ack wait), and one suspect published
+/// to its isolation queue.
+async fn one_suspect(admin: &NatsTransport, what: &str, id: &str) -> TopologyPlan {
+    let queue = unique(what);
+    let policy = RetryPolicy::delays([Duration::from_secs(1)])
+        .build()
+        .expect("policy");
+    let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
+    admin.provision(&plan).await.expect("provision");
+    testing::publish(admin.client(), plan.isolation_queue(), id, id, &[]).await;
+    plan
+}
+
+fn id_of(d: &retry_core::Delivery<transport_nats::NatsTag>) -> String {
+    d.message
+        .properties()
+        .message_id
+        .clone()
+        .unwrap_or_default()
+}
+
+/// A TCP relay to the NATS server, connection by connection, that can swallow what one
+/// direction carries (upstream: the client's; downstream: the server's), for the
+/// connections it accepted in an order the test names, and can cut them all.
+struct Proxy {
+    url: String,
+    accepted: Arc<AtomicUsize>,
+    swallow_down: Arc<Mutex<Vec<usize>>>,
+    pipes: Arc<Mutex<Vec<AbortHandle>>>,
+    listener: AbortHandle,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.listener.abort();
+        self.cut();
+    }
+}
+
+impl Proxy {
+    async fn to(server: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        let url = format!("nats://{}", listener.local_addr().expect("its address"));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (swallow_up, swallow_down) = (Arc::<Mutex<Vec<usize>>>::default(), Arc::default());
+        let pipes = Arc::<Mutex<Vec<AbortHandle>>>::default();
+        let (n, up, down, all) = (
+            Arc::clone(&accepted),
+            Arc::clone(&swallow_up),
+            Arc::clone(&swallow_down),
+            Arc::clone(&pipes),
+        );
+        let listener = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = TcpStream::connect(server).await else {
+                    continue;
+                };
+                let index = n.fetch_add(1, Ordering::SeqCst);
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = upstream.into_split();
+                let a = tokio::spawn(relay(client_read, server_write, index, Arc::clone(&up)));
+                let b = tokio::spawn(relay(server_read, client_write, index, Arc::clone(&down)));
+                all.lock()
+                    .unwrap()
+                    .extend([a.abort_handle(), b.abort_handle()]);
+            }
+        })
+        .abort_handle();
+        Proxy {
+            url,
+            accepted,
+            swallow_down,
+            pipes,
+            listener,
+        }
+    }
+
+    /// Swallows what the server sends on connection `index`, or stops.
+    fn swallow_down(&self, index: usize, on: bool) {
+        toggle(&self.swallow_down, index, on);
+    }
+
+    /// Closes every connection relayed so far: the clients reconnect.
+    fn cut(&self) {
+        for pipe in self.pipes.lock().unwrap().drain(..) {
+            pipe.abort();
+        }
+    }
+}
+
+fn toggle(set: &Mutex<Vec<usize>>, index: usize, on: bool) {
+    let mut set = set.lock().unwrap();
+    set.retain(|i| *i != index);
+    if on {
+        set.push(index);
+    }
+}
+
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    index: usize,
+    swallowed: Arc<Mutex<Vec<usize>>>,
+) {
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if swallowed.lock().unwrap().contains(&index) {
+            continue;
+        }
+        if to.write_all(&buffer[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The server's address, from `NATS_URL`.
+fn server_address() -> SocketAddr {
+    let url = nats_url();
+    let host = url.rsplit('@').next().unwrap_or(&url);
+    let host = host.trim_start_matches("nats://");
+    host.parse().expect("NATS_URL names an IP address and port")
+}
+
+/// A transport through a [`Proxy`]: its first connection (index 0 of the proxy) is the one
+/// for everything but pulls, which is where a fetched delivery's double ack goes; the
+/// second (index 1) is the one pulls are made on.
+async fn proxied(ack_wait: Duration) -> Option<(Proxy, NatsTransport, NatsTransport)> {
+    let admin = connect(&nats_url(), ack_wait).await?;
+    let proxy = Proxy::to(server_address()).await;
+    let transport = connect(&proxy.url, ack_wait).await?;
+    assert_eq!(proxy.accepted.load(Ordering::SeqCst), 2, "two connections");
+    Some((proxy, transport, admin))
+}
+
+const PULLS: usize = 1;
+
+/// A pull whose message never arrives (lost on the pulling connection) fails the fetch with
+/// `FetchLost`: the message comes back redelivered through no crash, and the consumer must
+/// not charge it one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_whose_message_is_lost_on_its_way_in_is_fetch_lost() {
+    const ACK_WAIT: Duration = Duration::from_secs(2);
+    let Some((proxy, t, admin)) = proxied(ACK_WAIT).await else {
+        return;
+    };
+    let plan = one_suspect(&admin, "lost", "suspect").await;
+    let isolation = plan.isolation_queue();
+
+    proxy.swallow_down(PULLS, true);
+    let lost = t.fetch(isolation).await;
+    assert!(
+        matches!(&lost, Err(TransportError::FetchLost { queue, .. }) if queue == isolation),
+        "{lost:?}"
+    );
+    proxy.swallow_down(PULLS, false);
+    proxy.cut();
+
+    // It comes back, redelivered, once its ack wait has passed.
+    let started = Instant::now();
+    let back = loop {
+        assert!(started.elapsed() < 5 * ACK_WAIT, "never came back");
+        if let Ok(Some(d)) = t.fetch(isolation).await {
+            break d;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(id_of(&back), "suspect");
+    assert!(back.facts.redelivered);
+    t.settle(&back.tag, Settlement::Ack).await.expect("ack");
+    testing::delete_plan(admin.client(), &plan).await;
+}
