@@ -220,6 +220,20 @@ impl NatsTag {
         }
     }
 
+    /// The stream, sequence and ack subject of a fetched delivery.
+    pub(crate) fn fetched(&self) -> Option<(&str, u64, &Subject)> {
+        match &self.0.kind {
+            TagKind::Delivered {
+                stream,
+                sequence,
+                reply,
+                fetched: true,
+                ..
+            } => Some((stream, *sequence, reply)),
+            _ => None,
+        }
+    }
+
     /// The queue and sequence of a stored message.
     pub(crate) fn stored(&self) -> Option<(&str, u64)> {
         match &self.0.kind {

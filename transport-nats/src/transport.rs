@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use async_nats::Client;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::{GetStreamError, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::Stream;
 use async_nats::jetstream::{self, Context, ErrorCode};
+use async_nats::{Client, Subject};
 use async_trait::async_trait;
 use retry_core::{
     BrokerSignals, Capabilities, Delivery, HeaderValue, Headers, Message, MessageParts,
@@ -18,6 +18,7 @@ use retry_core::{
     TopologyPlan, Transport, TransportError,
 };
 use tokio::task::AbortHandle;
+use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
 use crate::codec::{
@@ -83,6 +84,21 @@ struct Inner {
     quarantine: Quarantine,
     /// Queues a pull found a message async-nats misreads in, for a sweep.
     sweeps: tokio::sync::mpsc::UnboundedSender<String>,
+    /// Fetched deliveries whose settlement failed, by stream: see [`Owed`].
+    owed: Mutex<HashMap<String, Vec<Owed>>>,
+}
+
+/// A fetched delivery whose settlement failed (a double ack that timed out, or lost with
+/// its connection). Unless the server did take the settlement, the message is still in its
+/// stream, handed out to this transport with nothing keeping it alive, and the server hands
+/// it out again after the ack wait: the consumer claims it with a fetch before any work
+/// runs, and that fetch must bring it back, not miss it because it is not back yet. So
+/// the next fetch of its queue naks it (redelivered at once) and waits for it until `until`,
+/// by which the server hands it out again even without the nak.
+struct Owed {
+    sequence: u64,
+    reply: Subject,
+    until: Instant,
 }
 
 impl Drop for Inner {
@@ -231,6 +247,7 @@ impl NatsTransport {
                 losses: events.losses,
                 quarantine: Quarantine::default(),
                 sweeps,
+                owed: Mutex::new(HashMap::new()),
             }),
         };
         let sweeper = tokio::spawn(sweep_when_asked(
@@ -492,6 +509,108 @@ impl NatsTransport {
         })
     }
 
+    /// Remembers a fetched delivery whose settlement failed (see [`Owed`]).
+    fn owe(&self, tag: &NatsTag) {
+        let Some((stream, sequence, reply)) = tag.fetched() else {
+            return;
+        };
+        let config = &self.inner.config;
+        let until =
+            Instant::now() + config.ack_wait() + config.fetch_wait() + Duration::from_secs(1);
+        if let Ok(mut owed) = self.inner.owed.lock() {
+            owed.entry(stream.to_owned()).or_default().push(Owed {
+                sequence,
+                reply: reply.clone(),
+                until,
+            });
+        }
+    }
+
+    /// The fetched deliveries of `queue` whose settlement failed that are still in its
+    /// stream and not yet past their time; the others are forgotten.
+    async fn still_owed(
+        &self,
+        queue: &str,
+    ) -> Result<Vec<(u64, Subject, Instant)>, TransportError> {
+        let stream = stream_name(queue);
+        let now = Instant::now();
+        let candidates: Vec<(u64, Subject, Instant)> = match self.inner.owed.lock() {
+            Ok(mut owed) => {
+                let Some(list) = owed.get_mut(&stream) else {
+                    return Ok(Vec::new());
+                };
+                list.retain(|o| o.until > now);
+                let found = list
+                    .iter()
+                    .map(|o| (o.sequence, o.reply.clone(), o.until))
+                    .collect();
+                if list.is_empty() {
+                    owed.remove(&stream);
+                }
+                found
+            }
+            Err(_) => return Ok(Vec::new()),
+        };
+        let mut kept = Vec::new();
+        for (sequence, reply, until) in candidates {
+            let stored = next_stored(
+                &self.inner.client,
+                self.inner.config.operation_timeout(),
+                queue,
+                sequence,
+            )
+            .await?;
+            if stored.is_some_and(|m| m.sequence == sequence) {
+                kept.push((sequence, reply, until));
+            } else {
+                // The server took the settlement after all: acked, it is gone.
+                self.forget_owed(&stream, sequence);
+            }
+        }
+        Ok(kept)
+    }
+
+    fn forget_owed(&self, stream: &str, sequence: u64) {
+        if let Ok(mut owed) = self.inner.owed.lock()
+            && let Some(list) = owed.get_mut(stream)
+        {
+            list.retain(|o| o.sequence != sequence);
+            if list.is_empty() {
+                owed.remove(stream);
+            }
+        }
+    }
+
+    /// A fetch of `queue` while deliveries it handed out are `owed`: each is naked, so the
+    /// server hands it out again at once, and pulls go on until a message comes or the
+    /// last of them is past its time.
+    async fn reclaim(
+        &self,
+        queue: &str,
+        owed: &[(u64, Subject, Instant)],
+    ) -> Result<Option<async_nats::jetstream::Message>, TransportError> {
+        for (_, reply, _) in owed {
+            // A nak the server does not get costs only the wait for the ack wait.
+            let _ = self
+                .inner
+                .client
+                .publish(reply.clone(), bytes::Bytes::from_static(b"-NAK"))
+                .await;
+        }
+        let until = owed.iter().map(|o| o.2).max().unwrap_or_else(Instant::now);
+        loop {
+            if let Some(message) = self.pull_one(queue).await? {
+                if let Ok(info) = message.info() {
+                    self.forget_owed(info.stream, info.stream_sequence);
+                }
+                return Ok(Some(message));
+            }
+            if Instant::now() >= until {
+                return Ok(None);
+            }
+        }
+    }
+
     /// One pull of one message from `queue`, waiting at most the fetch wait.
     async fn pull_one(
         &self,
@@ -741,13 +860,20 @@ impl Transport for NatsTransport {
         let consumer = self.consumer(queue).await?;
         self.sweep_first_read(queue).await;
         let config = &self.inner.config;
-        // A queue with nothing to hand out and nothing handed out answers at once, rather
-        // than after the fetch wait: the consumer's first look at its isolation queue, which
-        // is empty nearly always, waits for this before its work queue is consumed.
-        if self.idle(&consumer, queue).await? {
-            return Ok(None);
-        }
-        let Some(message) = self.pull_one(queue).await? else {
+        let owed = self.still_owed(queue).await?;
+        let message = if owed.is_empty() {
+            // A queue with nothing to hand out and nothing handed out answers at once,
+            // rather than after the fetch wait: the consumer's first look at its isolation
+            // queue, which is empty nearly always, waits for this before its work queue is
+            // consumed.
+            if self.idle(&consumer, queue).await? {
+                return Ok(None);
+            }
+            self.pull_one(queue).await?
+        } else {
+            self.reclaim(queue, &owed).await?
+        };
+        let Some(message) = message else {
             return Ok(None);
         };
         let delivery = delivery_of(
@@ -846,7 +972,13 @@ impl Transport for NatsTransport {
 
     async fn settle(&self, tag: &NatsTag, settlement: Settlement) -> Result<(), TransportError> {
         match tag.stored() {
-            None => tag.settle_delivery(settlement).await,
+            None => {
+                let settled = tag.settle_delivery(settlement).await;
+                if settled.is_err() {
+                    self.owe(tag);
+                }
+                settled
+            }
             Some((queue, sequence)) if settlement == Settlement::Ack => {
                 let stream = self.stream(queue).await?;
                 bounded(

@@ -1,8 +1,11 @@
 //! The isolation queue between processes, against the local NATS server (`NATS_URL`; skipped
 //! loudly without one unless `REQUIRE_NATS` is set):
+//! - a fetched suspect whose double ack failed is brought back by the next fetch, the claim
+//!   the consumer makes before any work, instead of that fetch missing it;
+//! - a double ack the server took, though its answer was lost, leaves nothing to wait for;
 //! - a pull whose message is lost on its way in fails the fetch with `FetchLost`.
 //!
-//! It runs the transport through [`Proxy`], a TCP relay of the test's own that
+//! The last three run the transport through [`Proxy`], a TCP relay of the test's own that
 //! can swallow what one direction of a connection carries, and cut every connection.
 
 use std::net::SocketAddr;
@@ -59,6 +62,7 @@ fn id_of(d: &retry_core::Delivery<transport_nats::NatsTag>) -> String {
 struct Proxy {
     url: String,
     accepted: Arc<AtomicUsize>,
+    swallow_up: Arc<Mutex<Vec<usize>>>,
     swallow_down: Arc<Mutex<Vec<usize>>>,
     pipes: Arc<Mutex<Vec<AbortHandle>>>,
     listener: AbortHandle,
@@ -103,10 +107,16 @@ impl Proxy {
         Proxy {
             url,
             accepted,
+            swallow_up,
             swallow_down,
             pipes,
             listener,
         }
+    }
+
+    /// Swallows what the client of connection `index` sends, or stops.
+    fn swallow_up(&self, index: usize, on: bool) {
+        toggle(&self.swallow_up, index, on);
     }
 
     /// Swallows what the server sends on connection `index`, or stops.
@@ -170,7 +180,94 @@ async fn proxied(ack_wait: Duration) -> Option<(Proxy, NatsTransport, NatsTransp
     Some((proxy, transport, admin))
 }
 
+const CONTROL: usize = 0;
 const PULLS: usize = 1;
+
+/// The consumer claims a suspect whose settlement failed with a fetch before any work runs
+/// (the claim is only worth it if that fetch brings the suspect back). The double ack is
+/// lost on its way; the server still holds the message as handed out, for the whole ack
+/// wait: the next fetch must bring it back, not answer "nothing".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_whose_double_ack_failed_is_brought_back_by_the_next_fetch() {
+    const ACK_WAIT: Duration = Duration::from_secs(10);
+    let Some((proxy, t, admin)) = proxied(ACK_WAIT).await else {
+        return;
+    };
+    let plan = one_suspect(&admin, "claim", "suspect").await;
+    let isolation = plan.isolation_queue();
+    let fetched = t
+        .fetch(isolation)
+        .await
+        .expect("fetch")
+        .expect("the suspect");
+
+    proxy.swallow_up(CONTROL, true);
+    let settled = t.settle(&fetched.tag, Settlement::Ack).await;
+    assert!(settled.is_err(), "the double ack is lost: {settled:?}");
+    proxy.swallow_up(CONTROL, false);
+    proxy.cut();
+
+    // As the consumer does: a fetch that fails for the connection is made again before
+    // anything else runs.
+    let started = Instant::now();
+    let claimed = loop {
+        match t.fetch(isolation).await {
+            Ok(found) => break found,
+            Err(e) => {
+                assert!(started.elapsed() < ACK_WAIT, "still failing: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let claimed = claimed.expect("the claim brings the suspect back, not nothing");
+    assert_eq!(id_of(&claimed), "suspect");
+    assert!(claimed.facts.redelivered);
+    assert!(
+        started.elapsed() < ACK_WAIT,
+        "it came back with the nak, not after the ack wait"
+    );
+    t.settle(&claimed.tag, Settlement::Ack).await.expect("ack");
+    assert_eq!(admin.count(isolation).await.expect("count"), 0);
+    testing::delete_plan(admin.client(), &plan).await;
+}
+
+/// A double ack the server took, whose answer was lost: the message is gone, and the next
+/// fetch answers "nothing" at once rather than waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_double_ack_the_server_took_leaves_nothing_to_wait_for() {
+    const ACK_WAIT: Duration = Duration::from_secs(10);
+    let Some((proxy, t, admin)) = proxied(ACK_WAIT).await else {
+        return;
+    };
+    let plan = one_suspect(&admin, "landed", "suspect").await;
+    let isolation = plan.isolation_queue();
+    let fetched = t
+        .fetch(isolation)
+        .await
+        .expect("fetch")
+        .expect("the suspect");
+
+    proxy.swallow_down(CONTROL, true);
+    let settled = t.settle(&fetched.tag, Settlement::Ack).await;
+    assert!(settled.is_err(), "the answer is lost: {settled:?}");
+    proxy.swallow_down(CONTROL, false);
+    proxy.cut();
+
+    let started = Instant::now();
+    let next = loop {
+        match t.fetch(isolation).await {
+            Ok(found) => break found,
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    assert!(next.is_none(), "acked: nothing comes");
+    assert!(
+        started.elapsed() < ACK_WAIT / 2,
+        "answered without waiting for the ack wait: {:?}",
+        started.elapsed()
+    );
+    testing::delete_plan(admin.client(), &plan).await;
+}
 
 /// A pull whose message never arrives (lost on the pulling connection) fails the fetch with
 /// `FetchLost`: the message comes back redelivered through no crash, and the consumer must
