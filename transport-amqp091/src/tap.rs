@@ -21,12 +21,17 @@
 //!
 //! The token is the tap's secret followed by a counter: a publisher that writes [`MARK`]
 //! itself cannot name a refusal, and its header is dropped as any other forged mark.
+//!
+//! For tests only, the tap can also lose `basic.get-ok`s ([`Refusals::lose_get_oks`]): the
+//! frames of such a get-ok never reach lapin, as if it were late past any timeout, so the
+//! broker holds its message unacknowledged on the get's channel until that channel closes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, Hasher};
 use std::io;
 use std::pin::Pin;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::task::{Context, Poll};
 
 use futures::{AsyncRead, AsyncWrite};
@@ -59,6 +64,10 @@ const FRAME_HEAD: usize = 7;
 const CHANNEL_CLASS: u16 = 20;
 /// `connection.tune`: the broker's `frame_max`.
 const TUNE: [u8; 4] = [0, 10, 0, 30];
+/// `basic.get-ok`.
+const GET_OK: [u8; 4] = [0, 60, 0, 71];
+/// A frame carrying a piece of a message's body.
+const FRAME_BODY: u8 = 3;
 
 /// A message the tap kept from lapin.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,11 +89,13 @@ pub(crate) enum Lookup {
     Forged,
 }
 
-/// The refused messages of one transport's connections, by token.
+/// The refused messages of one transport's connections, by token; and, for tests, how many
+/// `basic.get-ok`s their taps are still to lose.
 #[derive(Debug)]
 pub(crate) struct Refusals {
     secret: u64,
     state: Mutex<Kept>,
+    get_oks_to_lose: AtomicU32,
 }
 
 #[derive(Debug, Default)]
@@ -102,7 +113,22 @@ impl Refusals {
         Refusals {
             secret: h.finish(),
             state: Mutex::new(Kept::default()),
+            get_oks_to_lose: AtomicU32::new(0),
         }
+    }
+
+    /// The next `n` `basic.get-ok`s the taps read never reach lapin, their content frames
+    /// neither: as if each came after the fetch gave up. For tests.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) fn lose_get_oks(&self, n: u32) {
+        self.get_oks_to_lose.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// Whether a `basic.get-ok` just read is to be lost.
+    fn lose_get_ok(&self) -> bool {
+        self.get_oks_to_lose
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
@@ -172,6 +198,9 @@ pub(crate) struct Frames {
     proposed: Option<u32>,
     /// Per channel: a refusal of the method frame whose content header comes next.
     announced: HashMap<u16, Refusal>,
+    /// Per channel, a `basic.get-ok` being lost: `None` until its content header says how
+    /// many body bytes are still to drop.
+    losing: HashMap<u16, Option<u64>>,
     /// The broker refused the protocol version: everything passes untouched.
     passthrough: bool,
 }
@@ -186,6 +215,7 @@ impl Frames {
             frame_max: BEFORE_TUNE,
             proposed: proposed.filter(|&n| n > 0),
             announced: HashMap::new(),
+            losing: HashMap::new(),
             passthrough: false,
         }
     }
@@ -289,8 +319,15 @@ impl Frames {
             self.output.extend_from_slice(frame);
             return;
         }
+        if !self.losing.is_empty() && self.lost(kind, channel, payload) {
+            return;
+        }
         match kind {
             FRAME_METHOD => {
+                if payload.get(..4) == Some(&GET_OK[..]) && refusals.lose_get_ok() {
+                    self.losing.insert(channel, None);
+                    return;
+                }
                 if channel == 0
                     && payload.get(..4) == Some(&TUNE[..])
                     && let Some(b) = payload.get(6..10)
@@ -343,6 +380,30 @@ impl Frames {
             }
             _ => self.output.extend_from_slice(frame),
         }
+    }
+
+    /// Whether the frame belongs to a `basic.get-ok` being lost, and so goes no further.
+    fn lost(&mut self, kind: u8, channel: u16, payload: &[u8]) -> bool {
+        let Some(state) = self.losing.get_mut(&channel) else {
+            return false;
+        };
+        let left = match (kind, *state) {
+            (FRAME_HEADER, None) if payload.len() >= 12 => {
+                u64::from_be_bytes(payload[4..12].try_into().unwrap_or_default())
+            }
+            (FRAME_BODY, Some(left)) => left.saturating_sub(payload.len() as u64),
+            // Anything else (a channel closing, a frame out of order) ends the loss there.
+            _ => {
+                self.losing.remove(&channel);
+                return false;
+            }
+        };
+        if left == 0 {
+            self.losing.remove(&channel);
+        } else {
+            *state = Some(left);
+        }
+        true
     }
 
     fn put_frame(&mut self, kind: u8, channel: u16, payload: &[u8]) {
@@ -614,6 +675,48 @@ mod tests {
             out.ends_with(&header(3, &good)),
             "the header passes as it came"
         );
+    }
+
+    #[test]
+    fn a_get_ok_to_lose_never_reaches_lapin_and_what_follows_does() {
+        let refusals = Refusals::new();
+        refusals.lose_get_oks(1);
+        let get_ok = |channel| {
+            let mut p = GET_OK.to_vec();
+            p.extend_from_slice(&5u64.to_be_bytes());
+            p.extend_from_slice(&[0, 0, 1, b'q', 0, 0, 0, 0]);
+            frame(FRAME_METHOD, channel, &p)
+        };
+        let good = RawProperties::new().message_id(b"fine");
+        let lost = [get_ok(4), header(4, &good), body(4)].concat();
+        let kept = [get_ok(4), header(4, &good), body(4)].concat();
+        let other = [deliver(5, b"q"), header(5, &good), body(5)].concat();
+        for step in [1, 7, 1000] {
+            let refusals = Refusals::new();
+            refusals.lose_get_oks(1);
+            let mut frames = Frames::new(None);
+            let stream = [lost.clone(), other.clone(), kept.clone()].concat();
+            let out = through(&mut frames, &refusals, &stream, step);
+            assert_eq!(
+                out,
+                [other.clone(), kept.clone()].concat(),
+                "reads of {step}"
+            );
+        }
+        // Interleaved with another channel's frames, and lost only as many times as asked.
+        let mut frames = Frames::new(None);
+        let stream = [
+            get_ok(4),
+            deliver(5, b"q"),
+            header(4, &good),
+            header(5, &good),
+            body(4),
+            body(5),
+            kept.clone(),
+        ]
+        .concat();
+        let out = through(&mut frames, &refusals, &stream, 3);
+        assert_eq!(out, [other, kept].concat());
     }
 
     /// `connection.tune` with `frame_max`.
