@@ -13,12 +13,12 @@ use retry_core::{
     TopologyPlan, Transport, TransportError,
 };
 use tokio::sync::Mutex;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::acks::Acks;
 use crate::config::AmqpConfig;
 use crate::convert::received;
-use crate::error::{connection_error, queue_error, short};
+use crate::error::{closes_only_a_channel, connection_error, queue_error, short};
 use crate::link::Link;
 use crate::provision::{self, ProvisionReport};
 use crate::publisher::{Publisher, PublisherSlot};
@@ -278,6 +278,15 @@ impl AmqpTransport {
         self.link.recoveries()
     }
 
+    /// For tests: the next `n` `basic.get-ok`s from the broker never reach lapin, as if each
+    /// came after its fetch gave up; the broker holds each one's message unacknowledged on
+    /// its get channel until that channel closes. Not an API.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn lose_get_oks(&self, n: u32) {
+        self.link.refusals().lose_get_oks(n);
+    }
+
     /// Sends every subscription's batched acknowledgements now.
     pub async fn flush_acks(&self) -> Result<(), TransportError> {
         let live: Vec<Arc<Acks>> = {
@@ -292,6 +301,37 @@ impl AmqpTransport {
             }
         }
         result
+    }
+
+    /// Gives up on the get channel `channel`, whose `basic.get` from `queue` has no answer:
+    /// it leaves the slot (the next fetch opens another) and is closed, waiting at most
+    /// `timeout` for the broker to confirm, so that a message it was handed is back in the
+    /// queue, redelivered, before the next fetch asks. Returns the fetch's error.
+    async fn lose_get_channel(
+        &self,
+        channel: &Arc<Channel>,
+        queue: &str,
+        why: String,
+        timeout: Duration,
+    ) -> TransportError {
+        {
+            let mut slot = self.get_channel.lock().await;
+            if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, channel)) {
+                *slot = None;
+            }
+        }
+        let closing = channel.close(200, "basic.get abandoned".into());
+        let closed = matches!(tokio::time::timeout(timeout, closing).await, Ok(Ok(())));
+        warn!(
+            queue,
+            channel = channel.id(),
+            closed,
+            "a fetch was lost in flight ({why}); its channel was closed, so the message it may have carried is back in the queue, redelivered"
+        );
+        TransportError::FetchLost {
+            queue: queue.to_owned(),
+            context: format!("{why}; the get channel was closed"),
+        }
     }
 
     /// The channel in `slot`, opened when there is none yet or a channel error closed it (a
@@ -383,25 +423,47 @@ impl Transport for AmqpTransport {
         ))
     }
 
-    /// `basic.get` on a channel used only for it, within the request timeout (opening the
-    /// channel included). A message that cannot be read as it came is rejected, from a
-    /// queue that dead-letters into its parking queue, and the next one is fetched.
+    /// `basic.get` on a channel used only for it; opening the channel and the get each take
+    /// at most the request timeout. A message that cannot be read as it came is rejected,
+    /// from a queue that dead-letters into its parking queue, and the next one is fetched.
+    ///
+    /// A get that has no answer within the request timeout, or whose channel or connection
+    /// fails before its answer, may have a message on its way that lapin would take
+    /// unacknowledged on that channel, out of reach. So the channel is closed at once (its
+    /// `get-ok`, if one was sent, goes back to the queue at its place, redelivered) and the
+    /// fetch fails with [`TransportError::FetchLost`], for the consumer to excuse the crash
+    /// that redelivery would otherwise show. The next fetch opens a new channel.
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<AmqpTag>>, TransportError> {
         let timeout = self.config.request_timeout();
+        let name = short(queue)?;
         loop {
-            let getting = async {
-                let channel = self.channel_in(&self.get_channel).await?;
-                channel
-                    .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
-                    .await
-                    .map_err(|e| queue_error(queue, e))
-            };
-            let got = tokio::time::timeout(timeout, getting).await.map_err(|_| {
-                TransportError::Timeout {
-                    operation: "basic.get",
+            let channel = tokio::time::timeout(timeout, self.channel_in(&self.get_channel))
+                .await
+                .map_err(|_| TransportError::Timeout {
+                    operation: "channel.open (for basic.get)",
                     after: timeout,
+                })??;
+            if !channel.status().connected() {
+                // Nothing is sent on a channel that is not open: no message can be on its
+                // way. Recovery reopens it.
+                return Err(TransportError::connection_lost(format!(
+                    "basic.get from {queue}: the get channel is not open"
+                )));
+            }
+            let getting = channel.basic_get(name.clone(), BasicGetOptions { no_ack: false });
+            let got = match tokio::time::timeout(timeout, getting).await {
+                Ok(Ok(got)) => got,
+                // The broker refused the get itself (a missing queue): it sent nothing.
+                Ok(Err(e)) if closes_only_a_channel(&e) => return Err(queue_error(queue, e)),
+                Ok(Err(e)) => {
+                    let why = format!("its channel or connection failed before the get-ok: {e}");
+                    return Err(self.lose_get_channel(&channel, queue, why, timeout).await);
                 }
-            })??;
+                Err(_) => {
+                    let why = format!("no get-ok within {timeout:?}");
+                    return Err(self.lose_get_channel(&channel, queue, why, timeout).await);
+                }
+            };
             let Some(got) = got else { return Ok(None) };
             let delivery = received(
                 got.delivery,
