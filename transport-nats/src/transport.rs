@@ -84,8 +84,29 @@ struct Inner {
     quarantine: Quarantine,
     /// Queues a pull found a message async-nats misreads in, for a sweep.
     sweeps: tokio::sync::mpsc::UnboundedSender<String>,
+    /// What [`ready`](Transport::ready) last saw of each queue whose only messages are
+    /// handed out.
+    looks: Mutex<HashMap<String, Look>>,
     /// Fetched deliveries whose settlement failed, by stream: see [`Owed`].
     owed: Mutex<HashMap<String, Vec<Owed>>>,
+}
+
+/// The messages a queue's consumer has handed out and not had acked, as the consumer's
+/// info shows them: a change means one was delivered, acked or handed out again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HandedOut {
+    delivered: u64,
+    ack_floor: u64,
+    count: usize,
+}
+
+/// When one of a queue's handed-out messages could next be handed out again: not before its
+/// ack wait has passed since it was delivered (or last kept alive, which only its holder
+/// knows), so that is when [`ready`](Transport::ready) answers, and then once per ack wait
+/// while the set stays as it is.
+struct Look {
+    seen: HandedOut,
+    next: Instant,
 }
 
 /// A fetched delivery whose settlement failed (a double ack that timed out, or lost with
@@ -247,6 +268,7 @@ impl NatsTransport {
                 losses: events.losses,
                 quarantine: Quarantine::default(),
                 sweeps,
+                looks: Mutex::new(HashMap::new()),
                 owed: Mutex::new(HashMap::new()),
             }),
         };
@@ -507,6 +529,54 @@ impl NatsTransport {
         .map_err(|e| {
             TransportError::connection_failed(format!("reading the consumer of {queue}"), e)
         })
+    }
+
+    /// How long until one of the messages `queue`'s consumer has handed out (`info`) could
+    /// be handed out again, or zero when it could be now; in that case the next answer for
+    /// the same set comes an ack wait later. See [`Look`].
+    fn until_handed_out_again(
+        &self,
+        queue: &str,
+        info: &async_nats::jetstream::consumer::Info,
+    ) -> Duration {
+        let seen = HandedOut {
+            delivered: info.delivered.stream_sequence,
+            ack_floor: info.ack_floor.stream_sequence,
+            count: info.num_ack_pending,
+        };
+        let ack_wait = info.config.ack_wait;
+        let now = Instant::now();
+        // The last delivery's time is the server's clock; a message delivered then is not
+        // handed out again before an ack wait has passed since.
+        let since_delivery = info
+            .delivered
+            .last_active
+            .and_then(|at| Duration::try_from(time::OffsetDateTime::now_utc() - at).ok())
+            .unwrap_or(Duration::ZERO);
+        let estimate = now + ack_wait.saturating_sub(since_delivery);
+        let Ok(mut looks) = self.inner.looks.lock() else {
+            return Duration::ZERO;
+        };
+        let look = looks.entry(queue.to_owned()).or_insert(Look {
+            seen,
+            next: estimate,
+        });
+        if look.seen != seen {
+            // Those handed out before keep their time; one handed out since comes later.
+            look.seen = seen;
+            look.next = look.next.min(estimate);
+        }
+        if now >= look.next {
+            look.next = now + ack_wait;
+            return Duration::ZERO;
+        }
+        look.next - now
+    }
+
+    fn forget_look(&self, queue: &str) {
+        if let Ok(mut looks) = self.inner.looks.lock() {
+            looks.remove(queue);
+        }
     }
 
     /// Remembers a fetched delivery whose settlement failed (see [`Owed`]).
@@ -895,14 +965,22 @@ impl Transport for NatsTransport {
             if info.num_pending > 0 {
                 return Ok(());
             }
-            // A message handed out and not acked (its consumer may have died with it) is not
-            // pending: the server hands it out again after the ack wait, and only a fetch
-            // can tell. Such a queue is looked at again with a fetch once every `poll`.
-            if info.num_ack_pending > 0 {
-                tokio::time::sleep(poll).await;
-                return Ok(());
-            }
-            tokio::time::sleep(poll).await;
+            // A message handed out and not acked is not pending: its holder may have died
+            // with it, and then the server hands it out again once its ack wait has passed
+            // without a keep-alive; only a fetch can tell. The answer comes when that could
+            // have happened, not every `poll`: a long suspect another process runs, kept
+            // alive, would otherwise have every consumer drain its work and fetch nothing,
+            // every `poll`, for as long as it runs.
+            let wait = if info.num_ack_pending > 0 {
+                match self.until_handed_out_again(queue, &info) {
+                    Duration::ZERO => return Ok(()),
+                    wait => wait.min(poll),
+                }
+            } else {
+                self.forget_look(queue);
+                poll
+            };
+            tokio::time::sleep(wait).await;
         }
     }
 

@@ -1,5 +1,7 @@
 //! The isolation queue between processes, against the local NATS server (`NATS_URL`; skipped
 //! loudly without one unless `REQUIRE_NATS` is set):
+//! - a suspect another process holds (kept alive) does not make a watcher answer every poll,
+//!   and once its holder is gone the watcher finds it;
 //! - a fetched suspect whose double ack failed is brought back by the next fetch, the claim
 //!   the consumer makes before any work, instead of that fetch missing it;
 //! - a double ack the server took, though its answer was lost, leaves nothing to wait for;
@@ -54,6 +56,73 @@ fn id_of(d: &retry_core::Delivery<transport_nats::NatsTag>) -> String {
         .message_id
         .clone()
         .unwrap_or_default()
+}
+
+/// While another process runs a long suspect (fetched, unacked, kept alive), the watch of
+/// the isolation queue answers only when the suspect could have been handed out again (an
+/// ack wait after its delivery), not every poll: each answer costs every consumer process a
+/// drain, a flush and an empty fetch. Once the holder is gone without settling, the
+/// watcher finds the suspect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_another_process_holds_does_not_wake_the_watch_every_poll() {
+    const ACK_WAIT: Duration = Duration::from_secs(3);
+    const POLL: Duration = Duration::from_millis(100);
+    let Some(holder) = connect(&nats_url(), ACK_WAIT).await else {
+        return;
+    };
+    let Some(watcher) = connect(&nats_url(), ACK_WAIT).await else {
+        return;
+    };
+    let plan = one_suspect(&holder, "watch", "long-suspect").await;
+    let isolation = plan.isolation_queue();
+    let held = holder
+        .fetch(isolation)
+        .await
+        .expect("fetch")
+        .expect("the suspect");
+
+    // Two ack waits: at most one answer per ack wait while the holder keeps it alive.
+    let window = Instant::now() + 2 * ACK_WAIT;
+    let (mut answers, mut empty) = (0, 0);
+    while let Ok(ready) =
+        tokio::time::timeout_at(window.into(), watcher.ready(isolation, POLL)).await
+    {
+        ready.expect("watch");
+        answers += 1;
+        match watcher.fetch(isolation).await.expect("fetch") {
+            None => empty += 1,
+            Some(d) => panic!("the held suspect was handed out again: {}", id_of(&d)),
+        }
+    }
+    println!(
+        "{answers} answers and {empty} empty fetches in {:?} (poll {POLL:?}, ack wait {ACK_WAIT:?})",
+        2 * ACK_WAIT
+    );
+    assert!(
+        answers <= 2 && empty <= 2,
+        "{answers} answers and {empty} empty fetches in {:?} (poll {POLL:?}, ack wait {ACK_WAIT:?})",
+        2 * ACK_WAIT
+    );
+
+    // The holder dies with it: no settlement, no more keep-alives.
+    drop(held);
+    let deadline = Instant::now() + 3 * ACK_WAIT;
+    let found = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        tokio::time::timeout(left, watcher.ready(isolation, POLL))
+            .await
+            .expect("the watch answers once the holder is gone")
+            .expect("watch");
+        if let Some(d) = watcher.fetch(isolation).await.expect("fetch") {
+            break d;
+        }
+    };
+    assert_eq!(id_of(&found), "long-suspect");
+    watcher
+        .settle(&found.tag, Settlement::Ack)
+        .await
+        .expect("ack");
+    testing::delete_plan(holder.client(), &plan).await;
 }
 
 /// A TCP relay to the NATS server, connection by connection, that can swallow what one
