@@ -18,8 +18,10 @@
 //! | parking `Q.parking` | `Q_parking` | limits (browsable) | none: tools read it by sequence |
 //!
 //! * **Confirms.** A clone is published with the stream's acknowledgement awaited (a
-//!   PubAck), and the engine settles the original only after it. No stream for the subject
-//!   is [`Returned`](retry_core::PublishResult::Returned); a full stream that discards new
+//!   PubAck), and the engine settles the original only after it. A publish no stream answers
+//!   ("no responders") is [`Returned`](retry_core::PublishResult::Returned) only if the
+//!   server says the stream does not exist; otherwise (a restarted server restoring its
+//!   streams answers so) it failed, and is tried again. A full stream that discards new
 //!   messages is [`Refused`](retry_core::PublishResult::Refused). Each clone carries a
 //!   `Nats-Msg-Id` made of the stream and sequence it is a clone of and where it goes, so
 //!   a publish repeated after a lost acknowledgement is stored once.
@@ -39,7 +41,17 @@
 //! * **Settlement:** ack `+ACK`, requeue `-NAK`, reject `+TERM`. Deliveries of a
 //!   subscription are acked without waiting for an answer (the subscription's
 //!   [`flush`](retry_core::Subscription::flush) flushes the connection); a fetched suspect
-//!   is double-acked.
+//!   is double-acked. One whose double ack fails is naked and brought back by the next fetch
+//!   of its queue (the consumer's claim of it, before any work), unless the server did take
+//!   the ack. A fetch whose message may have been lost in flight fails with
+//!   [`FetchLost`](retry_core::TransportError::FetchLost).
+//! * **Watching the isolation queue.** [`ready`](retry_core::Transport::ready) answers for a
+//!   message handed out and not acked (another process's suspect) only when it could have
+//!   been handed out again: an ack wait after its delivery, then once per ack wait while
+//!   nothing changes, not every poll.
+//! * **Counts.** [`count`](NatsTransport::count) first purges copies of acked messages
+//!   that a killed server left below the consumer's ack floor (never delivered again), as
+//!   the transport also does after each reconnection.
 //!
 //! * **Two connections.** Pulls run on a connection of their own, with the acks and
 //!   keep-alives of a subscription's deliveries; publishes and API requests on the other.
