@@ -43,6 +43,10 @@ fn lost_fetches(queue: &str) -> usize {
         .count()
 }
 
+/// The request timeout: the lost get-ok never comes, so this only bounds how long a fetch
+/// waits for it; a short one would also give up on real answers on a loaded machine.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
 fn policy() -> RetryPolicy {
     RetryPolicy::delays([ms(300)])
         .with_crash_delay(ms(200))
@@ -55,7 +59,7 @@ async fn a_get_whose_get_ok_is_lost_fails_with_fetch_lost_and_its_message_comes_
     let Some(config) = broker("lost-get-ok").await else {
         return;
     };
-    let config = config.with_request_timeout(ms(300));
+    let config = config.with_request_timeout(REQUEST_TIMEOUT);
     let q = unique("lost-get-ok");
     let plan = TopologyPlan::new(&q, &policy()).unwrap();
     let mut cleanup = Cleanup::new(&config);
@@ -90,7 +94,7 @@ async fn an_innocent_suspect_whose_get_ok_is_late_is_not_charged_a_crash() {
     let Some(config) = broker("late-get-ok").await else {
         return;
     };
-    let config = config.with_request_timeout(ms(300));
+    let config = config.with_request_timeout(REQUEST_TIMEOUT);
     let q = unique("late-get-ok");
     let plan = TopologyPlan::new(&q, &policy()).unwrap();
     let mut cleanup = Cleanup::new(&config);
