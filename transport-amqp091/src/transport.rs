@@ -35,7 +35,9 @@ use crate::{RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};
 ///   acknowledgement batching: an [`AmqpSubscription`]. Two subscriptions never share a
 ///   channel, so a `multiple` ack of one can never cover the other's deliveries.
 /// * [`fetch`](Transport::fetch) is `basic.get` on a channel used only for it, and its
-///   deliveries are settled at once, never batched. [`ready`](Transport::ready) counts a
+///   deliveries are settled at once, never batched. A get with no answer in time closes
+///   that channel, so a message on its way goes back to the queue redelivered, and fails
+///   with [`TransportError::FetchLost`]. [`ready`](Transport::ready) counts a
 ///   queue's ready messages with a passive declare, on a channel used only for that (a
 ///   missing queue closes the channel it is asked on).
 /// * Clones are published `mandatory`, and only a plain positive confirm counts: a returned
