@@ -377,7 +377,7 @@ impl NatsTransport {
         let timeout = self.inner.config.operation_timeout();
         let info = match consumer_info(&self.inner.client, timeout, queue).await {
             Ok(info) => info,
-            Err(TransportError::MissingAddress { .. }) => return Ok(0),
+            Err(e) if no_consumer(&e) => return Ok(0),
             Err(e) => return Err(e),
         };
         let floor = info.ack_floor.stream_sequence;
@@ -1114,6 +1114,21 @@ fn unanswered_publish(
         ),
     };
     PublishResult::Failed(TransportError::connection_failed(why, e))
+}
+
+/// Whether `e`, from reading a queue's consumer, says the stream has no such consumer (a
+/// parking queue's stream has none).
+fn no_consumer(e: &TransportError) -> bool {
+    match e {
+        TransportError::MissingAddress { .. } => true,
+        TransportError::Connection {
+            source: Some(source),
+            ..
+        } => source
+            .downcast_ref::<async_nats::jetstream::Error>()
+            .is_some_and(|server| server.error_code() == ErrorCode::CONSUMER_NOT_FOUND),
+        _ => false,
+    }
 }
 
 /// A publish the stream refused for its limits: a message larger than it takes, or a full
