@@ -439,16 +439,18 @@ impl Broker {
     ///
     /// let broker = Broker::new();
     /// broker.declare_queue("work.suspect", QueueOptions::new())?;
-    /// broker.publish(Outgoing::to_queue("work.suspect", b"innocent".to_vec()))?;
+    /// for body in ["innocent", "next"] {
+    ///     broker.publish(Outgoing::to_queue("work.suspect", body.as_bytes().to_vec()))?;
+    /// }
     /// broker.lose_fetches(1);
     ///
     /// let conn = broker.connect();
     /// let lost = conn.fetch("work.suspect").now_or_never().expect("ready");
     /// assert!(matches!(lost, Err(TransportError::FetchLost { .. })));
-    /// // Back at the head, flagged redelivered, through no crash of its own.
+    /// // Back at the head, before "next", flagged redelivered through no crash of its own.
     /// let again = conn.fetch("work.suspect").now_or_never().expect("ready")?.expect("a message");
-    /// assert!(again.facts.redelivered);
     /// assert_eq!(again.message.body(), b"innocent");
+    /// assert!(again.facts.redelivered);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn lose_fetches(&self, n: u32) {
