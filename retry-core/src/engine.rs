@@ -566,15 +566,20 @@ impl<D> Engine<D> {
             // Only a quorum queue sets x-delivery-count; on any other, a publisher did.
             facts.x_delivery_count = 0;
         }
-        if lane == Lane::Isolation
-            && facts.crash_evidence() > 0
-            && (self.take_excuse(facts.excuse_key())
-                || self.excused.take_lost_fetch(self.plan.isolation_queue()))
-        {
+        if lane != Lane::Isolation || facts.crash_evidence() == 0 {
+            return facts;
+        }
+        if self.take_excuse(facts.excuse_key()) {
             // It went back to the isolation queue through no crash of its own.
             facts.redelivered = false;
             facts.delivery_count = 0;
             facts.x_delivery_count = 0;
+        } else if self.excused.take_lost_fetch(self.plan.isolation_queue()) {
+            // One of its deliveries was a fetch lost in flight. A broker that counts
+            // deliveries still shows the crashes before it; a bare flag cannot tell.
+            facts.delivery_count = facts.delivery_count.saturating_sub(1);
+            facts.x_delivery_count = facts.x_delivery_count.saturating_sub(1);
+            facts.redelivered = facts.delivery_count.max(facts.x_delivery_count) > 0;
         }
         facts
     }
@@ -666,11 +671,14 @@ impl<D> Engine<D> {
     /// Remembers that a fetch from the isolation queue was lost in flight
     /// ([`TransportError::FetchLost`](crate::TransportError::FetchLost)): whichever message
     /// it carried comes back redelivered through no crash of its own, so the next suspect
-    /// from the isolation queue that shows a crash, and has no excuse of its own, is not
-    /// charged one. The [`Consumer`](crate::Consumer) does this itself. A message the
-    /// broker hands to another process first is charged there (see the guide's known
-    /// limitations); so a lost fetch can cost a poison message one more run, never a
-    /// healthy one a crash in this process.
+    /// from the isolation queue that shows a crash, and has no excuse of its own, is
+    /// charged one delivery fewer: with a bare redelivered flag (a classic queue), no
+    /// crash; where the broker counts deliveries (a quorum queue, AMQP 1.0, NATS), the
+    /// crashes before the lost fetch still count. The [`Consumer`](crate::Consumer) does
+    /// this itself. A message the broker hands to another process first is charged there
+    /// (see the guide's known limitations); so a lost fetch can cost a poison message one
+    /// more run where deliveries are not counted, never a healthy one a crash in this
+    /// process.
     ///
     /// ```
     /// use retry_core::*;
@@ -689,6 +697,14 @@ impl<D> Engine<D> {
     ///
     /// // The excuse is used once: the next one is charged a crash, and not run.
     /// engine.handle_delivery(now, Lane::Isolation, suspect(), 2);
+    /// assert!(matches!(engine.poll_action(), Some(Action::Publish { .. })));
+    ///
+    /// // Delivered twice, on a broker that counts: the delivery before the lost fetch was
+    /// // a crash, and still counts as one.
+    /// engine.excuse_lost_fetch();
+    /// let counted = BrokerSignals { redelivered: true, delivery_count: Some(2) };
+    /// let facts = DeliveryFacts::decode(&Headers::new(), counted, 8);
+    /// engine.handle_delivery(now, Lane::Isolation, facts, 3);
     /// assert!(matches!(engine.poll_action(), Some(Action::Publish { .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
