@@ -447,6 +447,8 @@ struct Tail {
     accounted: HashSet<String>,
     /// Per process, the suspects it holds from the isolation queue.
     solo: HashMap<u32, HashSet<String>>,
+    /// Copies on their way to the parking lot, by process, waiting for their confirm.
+    parking: HashSet<(u32, String)>,
 }
 
 impl Tail {
@@ -458,6 +460,7 @@ impl Tail {
             partial: Vec::new(),
             accounted: HashSet::new(),
             solo: HashMap::new(),
+            parking: HashSet::new(),
         }
     }
 
@@ -496,6 +499,20 @@ impl Tail {
                     self.accounted.insert(id.to_owned());
                 }
                 "terminal" if fields.contains("t=parked") => {
+                    self.accounted.insert(id.to_owned());
+                }
+                // A parking copy carries its reason; a retry or an isolation copy has none.
+                "publish" if fields.contains("reason=") && !fields.contains("reason=-") => {
+                    self.parking.insert((pid, id.to_owned()));
+                }
+                // Once the broker confirmed the parking copy, the message is parked, even if
+                // its process dies before it journals the terminal: were the original's ack
+                // lost with it, the original comes back, and the reconciliation counts the
+                // second copy.
+                "published"
+                    if self.parking.remove(&(pid, id.to_owned()))
+                        && fields.contains("result=confirmed") =>
+                {
                     self.accounted.insert(id.to_owned());
                 }
                 "recv" if fields.contains("lane=isolation") => {
@@ -1377,5 +1394,31 @@ pub async fn graceful_shutdown(
         handled: runs.len(),
         duplicates: runs.values().filter(|n| **n > 1).count(),
         journal: journal_path,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_whose_parking_copy_was_confirmed_is_accounted_for() {
+        let path = std::env::temp_dir().join(format!("chaos-tail-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            "1 7 publish m1-perm to=q attempts=1 crashes=0 reason=permanent\n\
+             1 7 publish m2-once to=q.retry.300ms attempts=1 crashes=0 reason=-\n\
+             1 7 published m2-once to=q.retry.300ms result=confirmed\n\
+             1 7 publish m3-perm to=q attempts=1 crashes=0 reason=permanent\n\
+             1 7 published m3-perm to=q result=failed err=connection lost\n\
+             1 7 published m1-perm to=q result=confirmed\n",
+        )
+        .unwrap();
+        let mut tail = Tail::new(&path);
+        tail.poll();
+        let _ = std::fs::remove_file(&path);
+        // m1's process died before it journaled the terminal; m2 was only retried; m3's
+        // parking copy failed.
+        assert_eq!(tail.accounted, HashSet::from(["m1-perm".to_owned()]));
     }
 }
