@@ -178,17 +178,8 @@ impl State {
         };
         let q = taken.unacked().queue;
         let m = self.connections.restore(conn, taken);
-        self.queues.get_mut(q).settled();
         *self.lost_fetches.entry(m.label.clone()).or_default() += 1;
-        let message = MessageRef::new(m.key, &m.label);
-        let queue = self.queues.get(q).name().clone();
-        self.record(|| EventKind::Requeued {
-            message,
-            queue,
-            tag,
-            by_consumer: false,
-        });
-        self.return_to_queue(q, m);
+        self.put_back_unacked(tag, q, m);
         self.pump();
     }
 
@@ -899,19 +890,25 @@ impl State {
             reason,
         });
         for (tag, q, m) in closed.returned {
-            self.queues.get_mut(q).settled();
-            let message = MessageRef::new(m.key, &m.label);
-            let queue = self.queues.get(q).name().clone();
-            self.record(|| EventKind::Requeued {
-                message,
-                queue,
-                tag,
-                by_consumer: false,
-            });
-            self.return_to_queue(q, m);
+            self.put_back_unacked(tag, q, m);
         }
         self.pump();
         true
+    }
+
+    /// Delivery `tag`, taken off its connection unacknowledged, goes back to queue `q`
+    /// flagged redelivered, as the broker requeues what a closed channel held.
+    fn put_back_unacked(&mut self, tag: u64, q: QueueIndex, m: Stored) {
+        self.queues.get_mut(q).settled();
+        let message = MessageRef::new(m.key, &m.label);
+        let queue = self.queues.get(q).name().clone();
+        self.record(|| EventKind::Requeued {
+            message,
+            queue,
+            tag,
+            by_consumer: false,
+        });
+        self.return_to_queue(q, m);
     }
 
     // Time.
