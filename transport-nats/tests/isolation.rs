@@ -252,6 +252,62 @@ async fn proxied(ack_wait: Duration) -> Option<(Proxy, NatsTransport, NatsTransp
 const CONTROL: usize = 0;
 const PULLS: usize = 1;
 
+/// Which way the relay loses a fetched suspect's double ack.
+#[derive(Clone, Copy)]
+enum Lost {
+    /// The ack itself, on its way to the server.
+    Ack,
+    /// The server's answer to it.
+    Answer,
+}
+
+/// A plan named after `what` with one suspect, fetched through the proxied transport `t`;
+/// its double ack then fails as `lost` says, and the proxy cuts every connection. Returns
+/// the plan.
+async fn settlement_lost(
+    proxy: &Proxy,
+    t: &NatsTransport,
+    admin: &NatsTransport,
+    what: &str,
+    lost: Lost,
+) -> TopologyPlan {
+    let plan = one_suspect(admin, what, "suspect").await;
+    let fetched = t
+        .fetch(plan.isolation_queue())
+        .await
+        .expect("fetch")
+        .expect("the suspect");
+    let swallow = |on| match lost {
+        Lost::Ack => proxy.swallow_up(CONTROL, on),
+        Lost::Answer => proxy.swallow_down(CONTROL, on),
+    };
+    swallow(true);
+    let settled = t.settle(&fetched.tag, Settlement::Ack).await;
+    assert!(settled.is_err(), "the double ack fails: {settled:?}");
+    swallow(false);
+    proxy.cut();
+    plan
+}
+
+/// As the consumer does: a fetch that fails for the connection is made again, before
+/// anything else runs, until one answers; within `limit`.
+async fn fetch_answered(
+    t: &NatsTransport,
+    queue: &str,
+    limit: Duration,
+) -> Option<retry_core::Delivery<transport_nats::NatsTag>> {
+    let started = Instant::now();
+    loop {
+        match t.fetch(queue).await {
+            Ok(found) => return found,
+            Err(e) => {
+                assert!(started.elapsed() < limit, "still failing: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
 /// The consumer claims a suspect whose settlement failed with a fetch before any work runs
 /// (the claim is only worth it if that fetch brings the suspect back). The double ack is
 /// lost on its way; the server still holds the message as handed out, for the whole ack
@@ -262,33 +318,12 @@ async fn a_suspect_whose_double_ack_failed_is_brought_back_by_the_next_fetch() {
     let Some((proxy, t, admin)) = proxied(ACK_WAIT).await else {
         return;
     };
-    let plan = one_suspect(&admin, "claim", "suspect").await;
+    let plan = settlement_lost(&proxy, &t, &admin, "claim", Lost::Ack).await;
     let isolation = plan.isolation_queue();
-    let fetched = t
-        .fetch(isolation)
-        .await
-        .expect("fetch")
-        .expect("the suspect");
-
-    proxy.swallow_up(CONTROL, true);
-    let settled = t.settle(&fetched.tag, Settlement::Ack).await;
-    assert!(settled.is_err(), "the double ack is lost: {settled:?}");
-    proxy.swallow_up(CONTROL, false);
-    proxy.cut();
-
-    // As the consumer does: a fetch that fails for the connection is made again before
-    // anything else runs.
     let started = Instant::now();
-    let claimed = loop {
-        match t.fetch(isolation).await {
-            Ok(found) => break found,
-            Err(e) => {
-                assert!(started.elapsed() < ACK_WAIT, "still failing: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    };
-    let claimed = claimed.expect("the claim brings the suspect back, not nothing");
+    let claimed = fetch_answered(&t, isolation, ACK_WAIT)
+        .await
+        .expect("the claim brings the suspect back, not nothing");
     assert_eq!(id_of(&claimed), "suspect");
     assert!(claimed.facts.redelivered);
     assert!(
@@ -308,27 +343,10 @@ async fn a_double_ack_the_server_took_leaves_nothing_to_wait_for() {
     let Some((proxy, t, admin)) = proxied(ACK_WAIT).await else {
         return;
     };
-    let plan = one_suspect(&admin, "landed", "suspect").await;
+    let plan = settlement_lost(&proxy, &t, &admin, "landed", Lost::Answer).await;
     let isolation = plan.isolation_queue();
-    let fetched = t
-        .fetch(isolation)
-        .await
-        .expect("fetch")
-        .expect("the suspect");
-
-    proxy.swallow_down(CONTROL, true);
-    let settled = t.settle(&fetched.tag, Settlement::Ack).await;
-    assert!(settled.is_err(), "the answer is lost: {settled:?}");
-    proxy.swallow_down(CONTROL, false);
-    proxy.cut();
-
     let started = Instant::now();
-    let next = loop {
-        match t.fetch(isolation).await {
-            Ok(found) => break found,
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    };
+    let next = fetch_answered(&t, isolation, ACK_WAIT).await;
     assert!(next.is_none(), "acked: nothing comes");
     assert!(
         started.elapsed() < ACK_WAIT / 2,
