@@ -21,13 +21,13 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::engine::{Engine, Terminal};
+use crate::Message;
+use crate::RetryPolicy;
+use crate::TopologyPlan;
 use crate::gate::SoloGate;
 use crate::handler::Handler;
-use crate::message::Message;
-use crate::policy::RetryPolicy;
-use crate::topology::TopologyPlan;
 use crate::transport::Transport;
+use crate::{Engine, Terminal};
 
 pub use builder::ConsumerBuilder;
 pub use config_error::ConsumerConfigError;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll, Waker};
 
-use crate::excuses::Excuses;
+use crate::Excuses;
 
 /// The gate that consumers sharing one failure domain (a process) pass through to run
 /// suspects alone; see [`ConsumerBuilder::with_solo_gate`](crate::ConsumerBuilder::with_solo_gate).

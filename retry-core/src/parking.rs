@@ -19,13 +19,13 @@ use std::ops::ControlFlow;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::engine::{Confirm, Publish};
-use crate::facts::ParkedRecord;
+use crate::ParkedRecord;
+use crate::Timestamp;
 use crate::headers::{self, DeadLetterReason, EngineHeaders, HeaderValue, Headers};
-use crate::message::{Delivery, Message, MessageParts};
-use crate::time::Timestamp;
-use crate::topology::{Route, TopologyPlan};
 use crate::transport::{PublishResult, QueueWalk, Transport, TransportError};
+use crate::{Confirm, Publish};
+use crate::{Delivery, Message, MessageParts};
+use crate::{Route, TopologyPlan};
 
 /// Why a message is in the parking queue, as its headers tell.
 ///

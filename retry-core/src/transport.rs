@@ -7,11 +7,11 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 
-use crate::engine::{Confirm, Publish, Settlement};
+use crate::Timestamp;
+use crate::TopologyPlan;
 use crate::gate::SoloGate;
-use crate::message::{Delivery, Message};
-use crate::time::Timestamp;
-use crate::topology::TopologyPlan;
+use crate::{Confirm, Publish, Settlement};
+use crate::{Delivery, Message};
 
 /// What a transport can do; the driver and the conformance suite read it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,5 +1,5 @@
 //! The retry engine inside a lapin consumer of your own: plain `basic_consume`,
-//! `basic_publish` with confirms and `basic_ack`, with retry-core's `Engine`, `TopologyPlan`
+//! `basic_publish` with confirms and `basic_ack`, with retry-proto's `Engine`, `TopologyPlan`
 //! and header helpers deciding what a failure means. No `Consumer` driver, no
 //! `AmqpTransport`.
 //!
@@ -21,7 +21,7 @@ use std::time::{Duration, SystemTime};
 use futures::StreamExt;
 use lapin::options::{BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Connection};
-use retry_core::{
+use retry_proto::{
     Action, Delivery, Engine, HandlerError, Lane, Message, ParkedRecord, RetryPolicy, Settlement,
     Timestamp, TopologyPlan,
 };

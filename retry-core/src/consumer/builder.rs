@@ -6,13 +6,13 @@ use std::time::Duration;
 use super::config_error::ConsumerConfigError;
 use super::storm::StormControl;
 use super::{Config, Consumer, Observer, StormObserver};
-use crate::engine::{Engine, Terminal};
+use crate::Message;
+use crate::RetryPolicy;
 use crate::gate::SoloGate;
 use crate::handler::Handler;
-use crate::message::Message;
-use crate::policy::RetryPolicy;
-use crate::topology::{TopologyBuilder, TopologyPlan};
 use crate::transport::Transport;
+use crate::{Engine, Terminal};
+use crate::{TopologyBuilder, TopologyPlan};
 
 const DEFAULT_PREFETCH: u16 = 10;
 const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);

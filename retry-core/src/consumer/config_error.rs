@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use crate::engine::PlanMismatch;
-use crate::topology::TopologyError;
+use crate::PlanMismatch;
+use crate::TopologyError;
 
 /// A duration for people to read; `Duration::MAX` (no limit) reads as "forever".
 fn human(d: &Duration) -> String {

@@ -1,6 +1,6 @@
 //! `ConsumerError`: why a consumer run stopped early.
 
-use crate::engine::EngineError;
+use crate::EngineError;
 use crate::transport::TransportError;
 
 /// Why a consumer run stopped early.

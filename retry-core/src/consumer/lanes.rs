@@ -39,11 +39,11 @@ use tracing::{debug, info, warn};
 
 use super::error::ConsumerError;
 use super::storm::{Storm, StormControl, StormEvent};
-use crate::decision::Lane;
+use crate::Delivery;
+use crate::Lane;
 use crate::gate::GateMember;
-use crate::message::Delivery;
-use crate::time::{Timestamp, format_delay};
 use crate::transport::TransportError;
+use crate::{Timestamp, format_delay};
 
 /// The first wait before trying again after a lost connection; it doubles per failure.
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
@@ -729,9 +729,9 @@ fn error_once(previous: &Option<ConsumerError>, fatal: &ConsumerError) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::facts::BrokerSignals;
+    use crate::BrokerSignals;
+    use crate::MessageParts;
     use crate::gate::SoloGate;
-    use crate::message::MessageParts;
 
     fn settings() -> LaneSettings {
         LaneSettings {

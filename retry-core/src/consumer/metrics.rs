@@ -12,9 +12,9 @@ use metrics::{
     describe_histogram, gauge, histogram,
 };
 
-use crate::decision::Lane;
-use crate::engine::{Confirm, Terminal};
+use crate::Lane;
 use crate::headers::DeadLetterReason;
+use crate::{Confirm, Terminal};
 
 /// `retry_deliveries_total{queue, lane}`.
 pub const DELIVERIES: &str = "retry_deliveries_total";
@@ -31,12 +31,7 @@ pub const HANDLED_ATTEMPT: &str = "retry_handled_attempt";
 /// `retry_storm_paused{queue}`.
 pub const STORM_PAUSED: &str = "retry_storm_paused";
 
-const REASONS: [DeadLetterReason; 4] = [
-    DeadLetterReason::AttemptsExhausted,
-    DeadLetterReason::MaxElapsed,
-    DeadLetterReason::Permanent,
-    DeadLetterReason::CrashLoop,
-];
+const REASONS: [DeadLetterReason; 4] = DeadLetterReason::ALL;
 const CONFIRMS: [Confirm; 4] = [
     Confirm::Ack,
     Confirm::Nack,
@@ -75,15 +70,6 @@ impl RunOutcome {
             RunOutcome::Panic => "panic",
             RunOutcome::Timeout => "timeout",
         }
-    }
-}
-
-fn reason_index(reason: DeadLetterReason) -> usize {
-    match reason {
-        DeadLetterReason::AttemptsExhausted => 0,
-        DeadLetterReason::MaxElapsed => 1,
-        DeadLetterReason::Permanent => 2,
-        DeadLetterReason::CrashLoop => 3,
     }
 }
 
@@ -213,8 +199,8 @@ impl Metrics {
             Terminal::Retried { .. } => m.retried.increment(1),
             Terminal::Isolated => m.isolated.increment(1),
             Terminal::Diverted { .. } => m.diverted.increment(1),
-            Terminal::DeadLettered { reason } => m.parked[reason_index(reason)].increment(1),
-            Terminal::Dropped { reason } => m.dropped[reason_index(reason)].increment(1),
+            Terminal::DeadLettered { reason } => m.parked[reason.index()].increment(1),
+            Terminal::Dropped { reason } => m.dropped[reason.index()].increment(1),
             Terminal::Requeued { cause } => m.requeued[confirm_index(cause)].increment(1),
         }
     }

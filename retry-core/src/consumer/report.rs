@@ -1,6 +1,6 @@
 //! `RunReport`: what a consumer run did, counted.
 
-use crate::engine::Terminal;
+use crate::Terminal;
 
 /// Counts of what happened during [`Consumer::run`](super::Consumer::run).
 ///

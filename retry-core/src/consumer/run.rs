@@ -27,13 +27,14 @@ use super::lanes::{Io, LaneSettings, Lanes};
 use super::metrics::{Metrics, RunOutcome, lane_label};
 use super::storm::StormEvent;
 use super::{Config, Consumer, Observer, RunReport, StormObserver};
-use crate::decision::{Lane, Outcome};
-use crate::engine::{Action, DeliveryId, Engine, EngineError, Settlement, Terminal};
-use crate::handler::{Handler, HandlerError};
+use crate::HandlerError;
+use crate::handler::Handler;
 use crate::headers;
-use crate::message::{Delivery, Message};
-use crate::time::{Timestamp, format_delay};
 use crate::transport::{PublishResult, Subscription, Transport, TransportError};
+use crate::{Action, DeliveryId, Engine, EngineError, Settlement, Terminal};
+use crate::{Delivery, Message};
+use crate::{Lane, Outcome};
+use crate::{Timestamp, format_delay};
 
 /// How long the last flush of acknowledgements may take when the consumer stops.
 const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::config_error::ConsumerConfigError;
-use crate::time::Timestamp;
+use crate::Timestamp;
 
 const DEFAULT_COOL_DOWN: Duration = Duration::from_secs(5);
 const DEFAULT_MAX_COOL_DOWN: Duration = Duration::from_secs(60);

@@ -14,12 +14,12 @@ const CAPACITY: usize = 1024;
 /// copy, and used once: its next redelivery from the isolation queue is not a crash.
 ///
 /// Any consumer of the process may fetch the suspect next, so the engines of one process
-/// share their excuses: each [`Consumer`](crate::Consumer) uses those of its
-/// [`SoloGate`](crate::SoloGate), and an embedder running several engines shares one with
+/// share their excuses: each `retry_core::Consumer` uses those of its
+/// `retry_core::SoloGate`, and an embedder running several engines shares one with
 /// [`Engine::with_excuses`](crate::Engine::with_excuses). The last 1,024 are kept.
 ///
 /// ```
-/// use retry_core::Excuses;
+/// use retry_proto::Excuses;
 ///
 /// let shared = Excuses::new();
 /// let other_engine = shared.clone();
@@ -65,13 +65,13 @@ impl Excuses {
     }
 
     /// A fetch from `queue` was lost in flight
-    /// ([`TransportError::FetchLost`](crate::TransportError::FetchLost)): the message it
+    /// (`retry_core::TransportError::FetchLost`): the message it
     /// carried, whichever it was, comes back redelivered. The next suspect fetched from
     /// `queue` that shows a crash and has no excuse of its own uses this one. At most 1,024
     /// are kept per queue.
     ///
     /// ```
-    /// use retry_core::Excuses;
+    /// use retry_proto::Excuses;
     ///
     /// let excuses = Excuses::new();
     /// excuses.add_lost_fetch("comments.suspect");

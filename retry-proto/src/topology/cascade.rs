@@ -45,7 +45,7 @@ pub const DEFAULT_CASCADE_PREFIX: &str = "retry.cascade";
 /// Settings of a binary delay cascade: its unit, its number of levels and its names' prefix.
 ///
 /// ```
-/// use retry_core::{Cascade, DelayStrategy, RetryPolicy, TopologyPlan};
+/// use retry_proto::{Cascade, DelayStrategy, RetryPolicy, TopologyPlan};
 /// use std::time::Duration;
 ///
 /// let policy = RetryPolicy::delays([Duration::from_secs(10), Duration::from_secs(60)]).build()?;
@@ -136,7 +136,7 @@ pub struct ExchangeBindingSpec {
 /// before the plan's own, and never delete them with one work queue's topology.
 ///
 /// ```
-/// use retry_core::{Cascade, DelayStrategy, RetryPolicy, TopologyPlan};
+/// use retry_proto::{Cascade, DelayStrategy, RetryPolicy, TopologyPlan};
 /// use std::time::Duration;
 ///
 /// let policy = RetryPolicy::delays([Duration::from_secs(1)]).build()?;

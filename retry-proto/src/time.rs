@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Milliseconds since the Unix epoch.
 ///
 /// ```
-/// use retry_core::Timestamp;
+/// use retry_proto::Timestamp;
 /// use std::time::Duration;
 ///
 /// let t = Timestamp::from_millis(1_000);
@@ -77,7 +77,7 @@ pub(crate) fn duration_millis(d: Duration) -> u64 {
 /// `2d`. Deterministic and free of characters that need quoting in a queue name.
 ///
 /// ```
-/// use retry_core::format_delay;
+/// use retry_proto::format_delay;
 /// use std::time::Duration;
 ///
 /// assert_eq!(format_delay(Duration::from_secs(30)), "30s");

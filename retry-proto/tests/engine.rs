@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use retry_core::headers::{self, Origin};
-use retry_core::*;
+use retry_proto::headers::{self, Origin};
+use retry_proto::*;
 
 const T0: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 

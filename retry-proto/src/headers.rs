@@ -120,6 +120,40 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    /// Every reason, in the order of their header spellings' documentation: what a metrics
+    /// layer or a report keeps one counter per reason with.
+    ///
+    /// ```
+    /// use retry_proto::DeadLetterReason;
+    ///
+    /// let spellings = DeadLetterReason::ALL.map(DeadLetterReason::as_str);
+    /// assert_eq!(spellings, ["attempts-exhausted", "max-elapsed", "permanent", "crash-loop"]);
+    /// ```
+    pub const ALL: [DeadLetterReason; 4] = [
+        DeadLetterReason::AttemptsExhausted,
+        DeadLetterReason::MaxElapsed,
+        DeadLetterReason::Permanent,
+        DeadLetterReason::CrashLoop,
+    ];
+
+    /// Where this reason stands in [`DeadLetterReason::ALL`].
+    ///
+    /// ```
+    /// use retry_proto::DeadLetterReason;
+    ///
+    /// for (i, reason) in DeadLetterReason::ALL.into_iter().enumerate() {
+    ///     assert_eq!(reason.index(), i);
+    /// }
+    /// ```
+    pub fn index(self) -> usize {
+        match self {
+            DeadLetterReason::AttemptsExhausted => 0,
+            DeadLetterReason::MaxElapsed => 1,
+            DeadLetterReason::Permanent => 2,
+            DeadLetterReason::CrashLoop => 3,
+        }
+    }
+
     /// The header spelling.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -153,7 +187,7 @@ impl HeaderValue {
     /// number or any other type.
     ///
     /// ```
-    /// use retry_core::HeaderValue;
+    /// use retry_proto::HeaderValue;
     ///
     /// assert_eq!(HeaderValue::Int(3).as_u64(), Some(3));
     /// assert_eq!(HeaderValue::UInt(3).as_u64(), Some(3));
@@ -172,7 +206,7 @@ impl HeaderValue {
     /// `i64::MAX` or any other type.
     ///
     /// ```
-    /// use retry_core::HeaderValue;
+    /// use retry_proto::HeaderValue;
     ///
     /// assert_eq!(HeaderValue::Int(-2).as_i64(), Some(-2));
     /// assert_eq!(HeaderValue::UInt(u64::MAX).as_i64(), None);
@@ -189,7 +223,7 @@ impl HeaderValue {
     /// write some fields, such as `x-death`'s `queue`, as either).
     ///
     /// ```
-    /// use retry_core::HeaderValue;
+    /// use retry_proto::HeaderValue;
     ///
     /// assert_eq!(HeaderValue::from("rejected").as_str(), Some("rejected"));
     /// assert_eq!(HeaderValue::Bytes(b"expired".to_vec()).as_str(), Some("expired"));
@@ -207,7 +241,7 @@ impl HeaderValue {
     /// since the Unix epoch (how the engine writes its `x-retry-*-failure` headers).
     ///
     /// ```
-    /// use retry_core::{HeaderValue, Timestamp};
+    /// use retry_proto::{HeaderValue, Timestamp};
     ///
     /// let t = Timestamp::from_millis(1_700_000_000_000);
     /// assert_eq!(HeaderValue::Timestamp(t).as_timestamp(), Some(t));
@@ -269,7 +303,7 @@ impl From<bool> for HeaderValue {
 /// rewriting them allocates nothing.
 ///
 /// ```
-/// use retry_core::{HeaderValue, Headers};
+/// use retry_proto::{HeaderValue, Headers};
 ///
 /// let mut h = Headers::new();
 /// h.insert("x-retry-attempts", 2i64);
@@ -439,7 +473,7 @@ impl Headers {
     /// names known when compiling, such as this module's constants.
     ///
     /// ```
-    /// use retry_core::{headers, HeaderValue, Headers};
+    /// use retry_proto::{headers, HeaderValue, Headers};
     ///
     /// let mut h = Headers::new();
     /// h.insert_static(headers::ATTEMPTS, 1i64);
@@ -580,8 +614,8 @@ impl EngineHeaders {
     /// form and one with every header written read the same.
     ///
     /// ```
-    /// use retry_core::headers::{self, EngineHeaders};
-    /// use retry_core::{Headers, ParkedRecord, Timestamp};
+    /// use retry_proto::headers::{self, EngineHeaders};
+    /// use retry_proto::{Headers, ParkedRecord, Timestamp};
     ///
     /// let t = Timestamp::from_millis(5);
     /// let update = EngineHeaders {
@@ -657,8 +691,8 @@ fn millis_value(ms: u64) -> HeaderValue {
 /// [`ORIGIN_QUEUE`] is there.
 ///
 /// ```
-/// use retry_core::headers::{self, EngineHeaders, Origin};
-/// use retry_core::{Headers, ParkedRecord, Timestamp};
+/// use retry_proto::headers::{self, EngineHeaders, Origin};
+/// use retry_proto::{Headers, ParkedRecord, Timestamp};
 ///
 /// let original: Headers = [("x-death", "…"), ("tenant", "acme")].into_iter().collect();
 /// let update = EngineHeaders {
@@ -709,7 +743,7 @@ pub fn clone_headers(original: &Headers, origin: Origin<'_>, update: &EngineHead
 /// `cause` cut to at most [`MAX_ERROR_LEN`] bytes at a character boundary.
 ///
 /// ```
-/// use retry_core::headers::{truncate_error, MAX_ERROR_LEN};
+/// use retry_proto::headers::{truncate_error, MAX_ERROR_LEN};
 ///
 /// let long = "é".repeat(2000);
 /// let cut = truncate_error(&long);

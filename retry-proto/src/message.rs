@@ -74,7 +74,7 @@ pub struct MessageParts {
 /// are, whatever their transports kept.
 ///
 /// ```
-/// use retry_core::NativeParts;
+/// use retry_proto::NativeParts;
 ///
 /// let native = NativeParts::new(vec![("count", 7u16)]);
 /// assert_eq!(native.get::<Vec<(&str, u16)>>(), Some(&vec![("count", 7u16)]));
@@ -114,7 +114,7 @@ impl PartialEq for NativeParts {
 /// A received message as a handler sees it: cheap to clone, immutable.
 ///
 /// ```
-/// use retry_core::{Message, MessageParts};
+/// use retry_proto::{Message, MessageParts};
 ///
 /// let msg = Message::new(MessageParts { body: b"hello".to_vec(), ..Default::default() });
 /// assert_eq!(msg.body(), b"hello");
@@ -207,7 +207,7 @@ impl<T> Delivery<T> {
     /// ([`message_identity`](crate::message_identity)).
     ///
     /// ```
-    /// use retry_core::{BrokerSignals, Delivery, Headers, MessageParts};
+    /// use retry_proto::{BrokerSignals, Delivery, Headers, MessageParts};
     ///
     /// let mut headers = Headers::new();
     /// headers.insert("x-retry-attempts", 2i64);

@@ -8,7 +8,7 @@
 
 use std::alloc::System;
 
-use retry_core::*;
+use retry_proto::*;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 
 #[global_allocator]

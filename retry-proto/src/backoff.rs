@@ -10,7 +10,7 @@ use crate::time::duration_millis;
 /// takes the 0-based index of the delayed retry (0 for the first delay).
 ///
 /// ```
-/// use retry_core::Backoff;
+/// use retry_proto::Backoff;
 /// use std::time::Duration;
 ///
 /// let spring = Backoff::Exponential {

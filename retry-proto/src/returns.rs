@@ -34,7 +34,7 @@
 //!   so its original is requeued (a duplicate at worst, never a loss).
 //!
 //! ```
-//! use retry_core::{Answer, Confirm, ReturnMatcher};
+//! use retry_proto::{Answer, Confirm, ReturnMatcher};
 //!
 //! let mut matcher = ReturnMatcher::new();
 //! let routable = matcher.register();

@@ -1,12 +1,12 @@
 //! The decision path: header decoding, a success, a retry, and the pure decision function.
 //!
-//! Run with `cargo bench -p retry-core --bench decision`.
+//! Run with `cargo bench -p retry-proto --bench decision`.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use retry_core::*;
+use retry_proto::*;
 
 fn engine_headers() -> Headers {
     [

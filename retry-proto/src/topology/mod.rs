@@ -164,7 +164,7 @@ impl QueueArguments {
     /// The arguments as an AMQP argument table.
     ///
     /// ```
-    /// use retry_core::{HeaderValue, QueueArguments};
+    /// use retry_proto::{HeaderValue, QueueArguments};
     /// use std::time::Duration;
     ///
     /// let args = QueueArguments {
@@ -330,7 +330,7 @@ pub enum TopologyError {
 /// Everything a work queue needs on the broker for a policy.
 ///
 /// ```
-/// use retry_core::{QueueRole, RetryPolicy, TopologyPlan};
+/// use retry_proto::{QueueRole, RetryPolicy, TopologyPlan};
 /// use std::time::Duration;
 ///
 /// let spring = RetryPolicy::exponential(Duration::from_secs(1), 3.0, Duration::from_secs(10))
@@ -388,12 +388,12 @@ impl TopologyPlan {
     /// The type of every queue of the plan.
     ///
     /// ```
-    /// use retry_core::{QueueType, RetryPolicy, TopologyPlan};
+    /// use retry_proto::{QueueType, RetryPolicy, TopologyPlan};
     ///
     /// let policy = RetryPolicy::default();
     /// let plan = TopologyPlan::builder("orders", &policy).with_queue_type(QueueType::Quorum).build()?;
     /// assert_eq!(plan.queue_type(), QueueType::Quorum);
-    /// # Ok::<(), retry_core::TopologyError>(())
+    /// # Ok::<(), retry_proto::TopologyError>(())
     /// ```
     pub fn queue_type(&self) -> QueueType {
         self.queues[0].arguments.queue_type
@@ -430,7 +430,7 @@ impl TopologyPlan {
     /// The name of `work_queue`'s parking queue, whatever the policy: `Q.parking`.
     ///
     /// ```
-    /// use retry_core::TopologyPlan;
+    /// use retry_proto::TopologyPlan;
     ///
     /// assert_eq!(TopologyPlan::parking_queue_of("comments"), "comments.parking");
     /// ```
@@ -457,12 +457,12 @@ impl TopologyPlan {
     /// The queue a lane takes its deliveries from: the work queue or the isolation queue.
     ///
     /// ```
-    /// use retry_core::{Lane, RetryPolicy, TopologyPlan};
+    /// use retry_proto::{Lane, RetryPolicy, TopologyPlan};
     ///
     /// let plan = TopologyPlan::new("comments", &RetryPolicy::default())?;
     /// assert_eq!(plan.lane_queue(Lane::Work), "comments");
     /// assert_eq!(plan.lane_queue(Lane::Isolation), "comments.suspect");
-    /// # Ok::<(), retry_core::TopologyError>(())
+    /// # Ok::<(), retry_proto::TopologyError>(())
     /// ```
     pub fn lane_queue(&self, lane: Lane) -> &str {
         match lane {
@@ -488,7 +488,7 @@ impl TopologyPlan {
     /// and the isolation queue itself for a zero delay (or one the plan has no queue for).
     ///
     /// ```
-    /// use retry_core::{CrashAction, RetryPolicy, TopologyPlan};
+    /// use retry_proto::{CrashAction, RetryPolicy, TopologyPlan};
     /// use std::time::Duration;
     ///
     /// let policy = RetryPolicy::builder()
@@ -533,7 +533,7 @@ impl TopologyPlan {
     /// plan's).
     ///
     /// ```
-    /// use retry_core::{QueueRole, RetryPolicy, Route, TopologyPlan};
+    /// use retry_proto::{QueueRole, RetryPolicy, Route, TopologyPlan};
     /// use std::time::Duration;
     ///
     /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
@@ -566,7 +566,7 @@ impl TopologyPlan {
     /// the unit (and cut to the longest the cascade holds).
     ///
     /// ```
-    /// use retry_core::{RetryPolicy, TopologyPlan};
+    /// use retry_proto::{RetryPolicy, TopologyPlan};
     /// use std::time::Duration;
     ///
     /// let policy = RetryPolicy::delays([10, 60].map(Duration::from_secs)).build()?;
@@ -625,7 +625,7 @@ impl TopologyBuilder<'_> {
     /// Refused at [`build`](Self::build) for classic queues and for 0.
     ///
     /// ```
-    /// use retry_core::{HeaderValue, QueueType, RetryPolicy, TopologyPlan};
+    /// use retry_proto::{HeaderValue, QueueType, RetryPolicy, TopologyPlan};
     ///
     /// let policy = RetryPolicy::default();
     /// let plan = TopologyPlan::builder("orders", &policy)
@@ -636,7 +636,7 @@ impl TopologyBuilder<'_> {
     ///     let args = queue.arguments.to_headers();
     ///     assert_eq!(args.get("x-quorum-initial-group-size"), Some(&HeaderValue::Int(3)));
     /// }
-    /// # Ok::<(), retry_core::TopologyError>(())
+    /// # Ok::<(), retry_proto::TopologyError>(())
     /// ```
     pub fn with_replication_factor(mut self, nodes: u32) -> Self {
         self.replication_factor = Some(nodes);

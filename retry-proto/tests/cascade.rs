@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use retry_core::headers;
-use retry_core::*;
+use retry_proto::headers;
+use retry_proto::*;
 
 const T0: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 

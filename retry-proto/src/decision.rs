@@ -131,7 +131,7 @@ impl Decision {
 /// * Anything else runs.
 ///
 /// ```
-/// use retry_core::{admit, Admission, Decision, DeliveryFacts, Lane, RetryPolicy};
+/// use retry_proto::{admit, Admission, Decision, DeliveryFacts, Lane, RetryPolicy};
 ///
 /// let policy = RetryPolicy::default();
 /// let fresh = DeliveryFacts::default();
@@ -176,7 +176,7 @@ pub fn admit(policy: &RetryPolicy, lane: Lane, facts: &DeliveryFacts) -> Admissi
 /// Decides what follows a handler run. `state.attempt` is the run that just ended.
 ///
 /// ```
-/// use retry_core::{decide, AttemptState, Decision, Outcome, RetryPolicy, Timestamp};
+/// use retry_proto::{decide, AttemptState, Decision, Outcome, RetryPolicy, Timestamp};
 /// use std::time::Duration;
 ///
 /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
@@ -187,7 +187,7 @@ pub fn admit(policy: &RetryPolicy, lane: Lane, facts: &DeliveryFacts) -> Admissi
 ///     decide(&policy, &state, &Outcome::Transient("db down".into()), now),
 ///     Decision::Retry { delay: Duration::from_secs(30) },
 /// );
-/// # Ok::<(), retry_core::PolicyError>(())
+/// # Ok::<(), retry_proto::PolicyError>(())
 /// ```
 pub fn decide(
     policy: &RetryPolicy,

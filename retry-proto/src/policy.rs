@@ -94,7 +94,7 @@ pub enum Retry {
 /// The two classic configurations, one expression each:
 ///
 /// ```
-/// use retry_core::RetryPolicy;
+/// use retry_proto::RetryPolicy;
 /// use std::time::Duration;
 ///
 /// // Delay levels 30s, 10m, 1h, then dead-letter.
@@ -107,7 +107,7 @@ pub enum Retry {
 ///     .build()?;
 /// let delays: Vec<u64> = spring.base_delays().map(|d| d.as_secs()).collect();
 /// assert_eq!(delays, [1, 3, 9, 10]);
-/// # Ok::<(), retry_core::PolicyError>(())
+/// # Ok::<(), retry_proto::PolicyError>(())
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 #[cfg_attr(feature = "serde", derive(serde::Deserialize))]
@@ -227,7 +227,7 @@ impl RetryPolicy {
     /// The wait before publish retry `n` (1-based): the first wait, doubled per retry.
     ///
     /// ```
-    /// use retry_core::RetryPolicy;
+    /// use retry_proto::RetryPolicy;
     /// use std::time::Duration;
     ///
     /// let p = RetryPolicy::default();
@@ -276,14 +276,14 @@ impl RetryPolicy {
     /// that retries forever has as few levels as its backoff has distinct delays:
     ///
     /// ```
-    /// use retry_core::RetryPolicy;
+    /// use retry_proto::RetryPolicy;
     /// use std::time::Duration;
     ///
     /// let forever = RetryPolicy::exponential(Duration::from_secs(1), 2.0, Duration::from_secs(60))
     ///     .with_max_attempts(u32::MAX)
     ///     .build()?;
     /// assert_eq!(forever.delay_levels().len(), 7); // 1, 2, 4, 8, 16, 32, 60 s
-    /// # Ok::<(), retry_core::PolicyError>(())
+    /// # Ok::<(), retry_proto::PolicyError>(())
     /// ```
     pub fn delay_levels(&self) -> &[Duration] {
         &self.levels
@@ -310,7 +310,7 @@ impl RetryPolicy {
     /// jitter seed is `seed`; `None` when `attempt` was the last one allowed.
     ///
     /// ```
-    /// use retry_core::{Retry, RetryPolicy};
+    /// use retry_proto::{Retry, RetryPolicy};
     /// use std::time::Duration;
     ///
     /// let p = RetryPolicy::delays([Duration::from_secs(30)])
@@ -319,7 +319,7 @@ impl RetryPolicy {
     /// assert_eq!(p.retry_after_attempt(1, 0), Some(Retry::Immediate { wait: Duration::from_millis(100) }));
     /// assert_eq!(p.retry_after_attempt(2, 0), Some(Retry::Delayed { delay: Duration::from_secs(30), index: 0 }));
     /// assert_eq!(p.retry_after_attempt(3, 0), None);
-    /// # Ok::<(), retry_core::PolicyError>(())
+    /// # Ok::<(), retry_proto::PolicyError>(())
     /// ```
     pub fn retry_after_attempt(&self, attempt: u32, seed: u64) -> Option<Retry> {
         if attempt >= self.max_attempts {
@@ -364,7 +364,7 @@ impl RetryPolicy {
     /// Every retry the policy allows for the message seeded `seed`, in order.
     ///
     /// ```
-    /// use retry_core::{Jitter, RetryPolicy};
+    /// use retry_proto::{Jitter, RetryPolicy};
     /// use std::time::Duration;
     ///
     /// let p = RetryPolicy::exponential(Duration::from_secs(1), 2.0, Duration::from_secs(60))
@@ -373,7 +373,7 @@ impl RetryPolicy {
     /// let a: Vec<_> = p.schedule(7).collect();
     /// assert_eq!(a.len(), 4);
     /// assert_eq!(a, p.schedule(7).collect::<Vec<_>>()); // same seed, same schedule
-    /// # Ok::<(), retry_core::PolicyError>(())
+    /// # Ok::<(), retry_proto::PolicyError>(())
     /// ```
     pub fn schedule(&self, seed: u64) -> impl Iterator<Item = Retry> + '_ {
         (1..self.max_attempts).filter_map(move |a| self.retry_after_attempt(a, seed))
@@ -453,7 +453,7 @@ impl PolicyError {
     /// The configuration field at fault, as it is spelled in TOML or JSON.
     ///
     /// ```
-    /// use retry_core::RetryPolicy;
+    /// use retry_proto::RetryPolicy;
     ///
     /// let err = RetryPolicy::delays([]).build().unwrap_err();
     /// assert_eq!(err.field(), "backoff.delays");
@@ -483,7 +483,7 @@ fn count_text(count: u64) -> String {
 /// Builds a [`RetryPolicy`]; every setting has the default documented there.
 ///
 /// ```
-/// use retry_core::{CrashAction, Exhausted, Jitter, RetryPolicy};
+/// use retry_proto::{CrashAction, Exhausted, Jitter, RetryPolicy};
 /// use std::time::Duration;
 ///
 /// let policy = RetryPolicy::exponential(Duration::from_secs(1), 2.0, Duration::from_secs(300))
@@ -496,7 +496,7 @@ fn count_text(count: u64) -> String {
 ///     .with_on_exhausted(Exhausted::DeadLetter)
 ///     .build()?;
 /// assert_eq!(policy.delayed_retries(), 5);
-/// # Ok::<(), retry_core::PolicyError>(())
+/// # Ok::<(), retry_proto::PolicyError>(())
 /// ```
 #[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `build()` is called"]

@@ -144,7 +144,7 @@ impl Terminal {
     /// will be delivered again.
     ///
     /// ```
-    /// use retry_core::{DeadLetterReason, Terminal};
+    /// use retry_proto::{DeadLetterReason, Terminal};
     /// use std::time::Duration;
     ///
     /// assert!(Terminal::DeadLettered { reason: DeadLetterReason::Permanent }.is_final());
@@ -161,7 +161,7 @@ impl Terminal {
 /// A short phrase for logs and tools.
 ///
 /// ```
-/// use retry_core::{Confirm, DeadLetterReason, Terminal};
+/// use retry_proto::{Confirm, DeadLetterReason, Terminal};
 /// use std::time::Duration;
 ///
 /// assert_eq!(Terminal::Handled { attempt: 2 }.to_string(), "handled on attempt 2");
@@ -217,8 +217,8 @@ impl Publish {
     /// headers here.
     ///
     /// ```
-    /// use retry_core::headers::{self, EngineHeaders};
-    /// use retry_core::{Headers, Message, MessageParts, Publish, Route};
+    /// use retry_proto::headers::{self, EngineHeaders};
+    /// use retry_proto::{Headers, Message, MessageParts, Publish, Route};
     ///
     /// let original = Message::new(MessageParts {
     ///     queue: "comments".into(),
@@ -396,7 +396,7 @@ fn random_seed() -> u64 {
 /// [`Action::Settle`] or [`forget`](Self::forget), so a driver needs no map of its own.
 ///
 /// ```
-/// use retry_core::{
+/// use retry_proto::{
 ///     Action, BrokerSignals, Confirm, DeliveryFacts, Engine, Headers, Lane, Outcome,
 ///     RetryPolicy, Settlement, Terminal, Timestamp, TopologyPlan,
 /// };
@@ -593,7 +593,7 @@ impl<D> Engine<D> {
     /// [`poll_action`](Self::poll_action) next.
     ///
     /// ```
-    /// use retry_core::*;
+    /// use retry_proto::*;
     /// use std::time::Duration;
     ///
     /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
@@ -669,19 +669,19 @@ impl<D> Engine<D> {
     }
 
     /// Remembers that a fetch from the isolation queue was lost in flight
-    /// ([`TransportError::FetchLost`](crate::TransportError::FetchLost)): whichever message
+    /// (`retry_core::TransportError::FetchLost`): whichever message
     /// it carried comes back redelivered through no crash of its own, so the next suspect
     /// from the isolation queue that shows a crash, and has no excuse of its own, is
     /// charged one delivery fewer: with a bare redelivered flag (a classic queue), no
     /// crash; where the broker counts deliveries (a quorum queue, AMQP 1.0, NATS), the
-    /// crashes before the lost fetch still count. The [`Consumer`](crate::Consumer) does
+    /// crashes before the lost fetch still count. The `retry_core::Consumer` does
     /// this itself. A message the broker hands to another process first is charged there
     /// (see the guide's known limitations); so a lost fetch can cost a poison message one
     /// more run where deliveries are not counted, never a healthy one a crash in this
     /// process.
     ///
     /// ```
-    /// use retry_core::*;
+    /// use retry_proto::*;
     /// use std::time::Duration;
     ///
     /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use retry_core::*;
+use retry_proto::*;
 
 fn secs(n: u64) -> Duration {
     Duration::from_secs(n)

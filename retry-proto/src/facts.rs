@@ -27,7 +27,7 @@ pub struct BrokerSignals {
 /// Headers whose values were present but unusable, as a small set.
 ///
 /// ```
-/// use retry_core::{BrokerSignals, DeliveryFacts, Headers};
+/// use retry_proto::{BrokerSignals, DeliveryFacts, Headers};
 ///
 /// let headers: Headers = [("x-retry-attempts", "many")].into_iter().collect();
 /// let facts = DeliveryFacts::decode(&headers, BrokerSignals::default(), 0);
@@ -97,7 +97,7 @@ impl fmt::Debug for Malformed {
 /// allocating.
 ///
 /// ```
-/// use retry_core::{BrokerSignals, DeliveryFacts, Headers, Timestamp};
+/// use retry_proto::{BrokerSignals, DeliveryFacts, Headers, Timestamp};
 ///
 /// let headers: Headers = [
 ///     ("x-retry-attempts", 2i64),
@@ -197,7 +197,7 @@ impl DeliveryFacts {
 /// parking-queue listener reads to report why a message was parked.
 ///
 /// ```
-/// use retry_core::{DeadLetterReason, Headers, ParkedRecord};
+/// use retry_proto::{DeadLetterReason, Headers, ParkedRecord};
 ///
 /// let headers: Headers = [
 ///     ("x-retry-reason", "crash-loop"),

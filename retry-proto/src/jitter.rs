@@ -29,7 +29,7 @@ pub enum Jitter {
 /// has one, else of the body. Stable across processes and releases.
 ///
 /// ```
-/// use retry_core::message_identity;
+/// use retry_proto::message_identity;
 ///
 /// assert_eq!(message_identity(Some("order-7"), b"ignored"), message_identity(Some("order-7"), b""));
 /// assert_ne!(message_identity(None, b"a"), message_identity(None, b"b"));
@@ -57,7 +57,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// SplitMix64 sequence of `seed`.
 ///
 /// ```
-/// use retry_core::splitmix64;
+/// use retry_proto::splitmix64;
 ///
 /// // The first output of SplitMix64 seeded with 0.
 /// assert_eq!(splitmix64(0), 0xe220_a839_7b1d_cdaf);

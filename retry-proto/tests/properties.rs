@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use retry_core::headers::{self, Origin};
-use retry_core::*;
+use retry_proto::headers::{self, Origin};
+use retry_proto::*;
 
 const T0: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
