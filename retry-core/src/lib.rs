@@ -70,6 +70,7 @@
 #![warn(missing_docs)]
 
 mod consumer;
+mod dynamic;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -77,6 +78,7 @@ mod gate;
 mod handler;
 mod node_list;
 mod parking;
+mod registry;
 pub mod tls;
 mod transport;
 
@@ -98,6 +100,7 @@ pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, StormControl,
     StormEvent,
 };
+pub use dynamic::{DynSubscription, DynTag, DynTransport};
 pub use gate::SoloGate;
 pub use handler::Handler;
 pub use node_list::{NodeListError, PASSWORD_MASK, redact_url};
@@ -106,6 +109,7 @@ pub use parking::{
     ParkedSummary, ParkingError, ParkingLot, ParkingReport, ParseReasonError, Pick, ReplayOptions,
     error_fingerprint, parked_at, replay_headers,
 };
+pub use registry::{ConnectError, ConnectOptions, Endpoint, Registration, Registry};
 pub use tls::{TlsConfig, TlsFailure};
 pub use transport::{
     Capabilities, PublishResult, QueueWalk, Subscription, Transport, TransportError,
