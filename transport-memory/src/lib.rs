@@ -182,6 +182,7 @@
 #![warn(missing_docs)]
 
 mod broker;
+mod registration;
 mod simulation;
 mod transport;
 
@@ -195,6 +196,7 @@ pub use broker::trace::{
     DeathReason, Event, EventKind, MessageRef, PublishOutcome, Publisher, Trace,
 };
 pub use broker::{Broker, BrokerBuilder, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_START, QueueStats};
+pub use registration::registration;
 pub use simulation::builder::{DEFAULT_HORIZON, SimulationBuilder};
 pub use simulation::error::SimulationError;
 pub use simulation::report::{

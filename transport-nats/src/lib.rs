@@ -121,6 +121,7 @@ mod names;
 mod provision;
 mod pull;
 mod quarantine;
+mod registration;
 mod stored;
 mod subscription;
 mod tag;
@@ -134,6 +135,7 @@ pub use codec::{
 pub use config::{ConfigError, DEFAULT_DUPLICATE_WINDOW, NatsConfig};
 pub use header_block::{ClientFailure, HeaderBlockError, HeaderBlockProblem, check_header_block};
 pub use names::{CONSUMER, check_queue_name, stream_name};
+pub use registration::registration;
 pub use subscription::NatsSubscription;
 pub use tag::NatsTag;
 pub use transport::{MIN_SERVER_VERSION, NatsTransport};
