@@ -161,6 +161,7 @@ pub mod amqp10;
 pub mod chaos;
 pub mod differential;
 pub mod drive;
+pub mod erased;
 #[cfg(doctest)]
 mod guide;
 pub mod harness;
@@ -178,6 +179,7 @@ mod verdict;
 
 pub use amqp10::Amqp10Harness;
 pub use amqp091::Amqp091Harness;
+pub use erased::ErasedHarness;
 pub use harness::{
     Harness, HarnessCapabilities, Need, ParkedMessage, Stopwatch, TestMessage, Timing,
     TopologyFaults,
