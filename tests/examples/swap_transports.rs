@@ -1,6 +1,9 @@
 //! One handler and one policy on four transports: the in-memory broker, RabbitMQ over
 //! AMQP 0-9-1, RabbitMQ over AMQP 1.0 and NATS JetStream. The outcomes printed are the same
-//! on each.
+//! on each. The consumer's transport comes from a URL, through the registry
+//! (`retry_transports::connect_with`): the code that consumes is one function, over one
+//! type (`DynTransport`), whichever broker the URL names. Only the set-up that puts the
+//! comments on the broker speaks each broker's own client.
 //!
 //! ```sh
 //! cargo run -p conformance --example swap_transports -- memory
@@ -25,10 +28,10 @@ use futures::channel::oneshot;
 use lapin::BasicProperties;
 use lapin::options::BasicPublishOptions;
 use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan, Transport};
-use transport_amqp10::{Amqp10Config, Amqp10Transport};
+use retry_transports::{ConnectOptions, DynTransport};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
-use transport_memory::{Broker, Outgoing};
-use transport_nats::{NatsConfig, NatsTransport};
+use transport_memory::{MemoryTransport, Outgoing};
+use transport_nats::NatsTransport;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -49,9 +52,15 @@ fn policy() -> RetryPolicy {
     RetryPolicy::delays(delays).build().expect("a valid policy")
 }
 
-/// Consumes `queue` on any transport until every comment has been handled or parked, and
-/// returns what happened to each, in the order of `COMMENTS`.
-async fn consume<T: Transport>(transport: T, queue: &str) -> Result<String, BoxError> {
+/// Connects to `url` through the registry, with the transport called `protocol`.
+async fn connect(url: &str, protocol: &str) -> Result<DynTransport, BoxError> {
+    let options = ConnectOptions::new().with_protocol(protocol);
+    Ok(retry_transports::connect_with(url, options).await?)
+}
+
+/// Consumes `queue` until every comment has been handled or parked, and returns what
+/// happened to each, in the order of `COMMENTS`.
+async fn consume(transport: DynTransport, queue: &str) -> Result<String, BoxError> {
     // What happened to each comment, and the comments whose journey is over.
     let paths: Arc<Mutex<BTreeMap<String, Vec<String>>>> = Arc::default();
     let ended: Mutex<BTreeSet<String>> = Mutex::default();
@@ -94,8 +103,13 @@ async fn consume<T: Transport>(transport: T, queue: &str) -> Result<String, BoxE
 
 /// On the in-memory broker, in virtual time.
 fn on_memory() -> Result<String, BoxError> {
-    let broker = Broker::new();
-    let transport = broker.connect();
+    let transport = runtime().block_on(connect("memory://", "memory"))?;
+    // `memory://` is a new broker, on a virtual clock that moves inside its `block_on`.
+    let broker = transport
+        .downcast_ref::<MemoryTransport>()
+        .expect("memory:// is transport-memory")
+        .broker()
+        .clone();
     broker.block_on(async {
         let plan = TopologyPlan::new("comments", &policy())?;
         transport.provision(&plan).await?;
@@ -110,8 +124,7 @@ fn on_memory() -> Result<String, BoxError> {
 /// 3.x cannot declare queues with arguments over AMQP 1.0, so the topology is always
 /// declared over AMQP 0-9-1, and deleted afterwards.
 async fn on_rabbitmq(broker: &BrokerEnv, amqp10: bool, queue: &str) -> Result<String, BoxError> {
-    let config = AmqpConfig::new(&broker.amqp091_url);
-    let setup = AmqpTransport::connect(config.clone()).await?;
+    let setup = AmqpTransport::connect(AmqpConfig::new(&broker.amqp091_url)).await?;
     let plan = TopologyPlan::new(queue, &policy())?;
     setup.provision(&plan).await?;
     let channel = setup.connection().create_channel().await?;
@@ -125,12 +138,12 @@ async fn on_rabbitmq(broker: &BrokerEnv, amqp10: bool, queue: &str) -> Result<St
             .await?;
     }
     let consumed = async {
-        if amqp10 {
-            let config = Amqp10Config::new(&broker.amqp10_url);
-            consume(Amqp10Transport::connect(config).await?, queue).await
+        let transport = if amqp10 {
+            connect(&broker.amqp10_url, "amqp10").await?
         } else {
-            consume(AmqpTransport::connect(config).await?, queue).await
-        }
+            connect(&broker.amqp091_url, "amqp091").await?
+        };
+        consume(transport, queue).await
     };
     let outcome = tokio::time::timeout(Duration::from_secs(60), consumed).await;
     setup.teardown(&plan).await?;
@@ -141,10 +154,14 @@ async fn on_rabbitmq(broker: &BrokerEnv, amqp10: bool, queue: &str) -> Result<St
 /// are published as any NATS application would, with the stream's acknowledgement and an
 /// id in a `message-id` header.
 async fn on_nats(url: &str, queue: &str) -> Result<String, BoxError> {
-    let transport = NatsTransport::connect(NatsConfig::new(url)).await?;
+    let transport = connect(url, "nats").await?;
     let plan = TopologyPlan::new(queue, &policy())?;
     transport.provision(&plan).await?;
-    let js = async_nats::jetstream::new(transport.client().clone());
+    let nats = transport
+        .downcast_ref::<NatsTransport>()
+        .expect("nats:// is transport-nats")
+        .clone();
+    let js = async_nats::jetstream::new(nats.client().clone());
     for (i, comment) in COMMENTS.into_iter().enumerate() {
         // transport-nats reads the `message-id` header as the message id (`comment-3`), as
         // `retryctl parked` shows it.
@@ -163,7 +180,7 @@ async fn on_nats(url: &str, queue: &str) -> Result<String, BoxError> {
                 .await?;
         }
     }
-    transport.close().await;
+    nats.close().await;
     outcome.map_err(|_| "not every comment was handled or parked within a minute")?
 }
 
