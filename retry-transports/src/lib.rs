@@ -100,3 +100,8 @@ pub async fn connect_with(
 ) -> Result<DynTransport, ConnectError> {
     registry().connect_with(url, options).await
 }
+
+// The README's Rust example is compiled and run with the doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

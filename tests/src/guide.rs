@@ -43,6 +43,10 @@ struct Tls;
 #[doc = include_str!("../../docs/transports.md")]
 struct Transports;
 
+/// `docs/new-transport.md`.
+#[doc = include_str!("../../docs/new-transport.md")]
+struct NewTransport;
+
 /// `docs/benchmarks.md`.
 #[doc = include_str!("../../docs/benchmarks.md")]
 struct Benchmarks;

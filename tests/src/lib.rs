@@ -12,14 +12,14 @@
 //! ```text
 //! cargo test -p conformance                          # everything
 //! cargo test -p conformance seeded_storm             # one scenario, on every transport
-//! cargo test -p conformance --test memory            # one transport (memory, amqp091, amqp10)
+//! cargo test -p conformance --test memory            # one transport (memory, amqp091, amqp10, nats)
 //! cargo test -p conformance --test amqp10 scenario::retry_after   # one scenario, one transport
 //! cargo test -p conformance scenario:: -- --nocapture # what each scenario observed
 //! ```
 //!
 //! Every scenario is a test of its own on every transport, named `scenario::NAME` in the
-//! transport's test target (`memory`, `amqp091`, `amqp10`, `nats`, and `fourth_transport`, the
-//! example below). A filter matches any test whose name contains it: `success` also runs
+//! transport's test target (`memory`, `amqp091`, `amqp10`, `nats`, `erased`, and
+//! `fourth_transport`, the example below). A filter matches any test whose name contains it: `success` also runs
 //! `transient_then_success`, `scenario::success` only the one. The RabbitMQ targets use the broker at `AMQP_URL` / `AMQP10_URL`
 //! (loopback by default); without one they skip with a loud message, and with
 //! `REQUIRE_BROKER=1` they fail instead. A scenario that skips on a transport prints why,
@@ -59,6 +59,9 @@
 //!   topology declared over AMQP 0-9-1 (the plugin cannot declare queues with arguments).
 //! * [`NatsHarness`]: transport-nats on the local NATS server with JetStream (`NATS_URL`,
 //!   `REQUIRE_NATS`), which declares its plans itself.
+//! * [`ErasedHarness`]: any of these with its transport behind a
+//!   [`DynTransport`](retry_core::DynTransport), as a registry hands it out
+//!   (`tests/erased.rs` runs the suite on transport-memory that way).
 //!
 //! The RabbitMQ harnesses run each scenario on a tokio runtime of their own
 //! ([`rabbitmq::run_scenario`]), within a time limit, and delete the scenario's queues and

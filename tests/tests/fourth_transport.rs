@@ -10,7 +10,13 @@
 //!    faults and tells the time, plus a runner that runs one scenario on a harness of its
 //!    own;
 //! 3. [`conformance::conformance_tests!`] with the harness, the runner and the scenarios
-//!    the transport is expected to skip: one `#[test]` per scenario.
+//!    the transport is expected to skip: one `#[test]` per scenario, here run twice: on
+//!    [`Fourth`] itself and behind a [`DynTransport`] ([`conformance::ErasedHarness`]), as
+//!    a registry hands it out;
+//! 4. a [`Registration`] (here [`registration`], for `fourth://` URLs), which a program
+//!    adds to its registry with one line, and then connects to by URL.
+//!
+//! `docs/new-transport.md` is the whole recipe.
 //!
 //! A transport over a real broker has the same shape: its runner builds a tokio runtime,
 //! connects, and runs the scenario with `conformance::suite::run_and_clean_up`, as
@@ -23,15 +29,15 @@ use async_trait::async_trait;
 use conformance::harness::assert_declares;
 use conformance::suite::Scenario;
 use conformance::{
-    Harness, HarnessCapabilities, MemoryHarness, ParkedMessage, Stopwatch, TestMessage,
-    TopologyFaults, Verdict,
+    ErasedHarness, Harness, HarnessCapabilities, MemoryHarness, ParkedMessage, Stopwatch,
+    TestMessage, TopologyFaults, Verdict,
 };
 use futures::future::BoxFuture;
 use retry_core::{
-    Capabilities, Delivery, Message, Publish, PublishResult, Settlement, Timestamp, TopologyPlan,
-    Transport, TransportError,
+    Capabilities, ConnectError, ConnectOptions, Delivery, DynTransport, Endpoint, Message, Publish,
+    PublishResult, Registration, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
 };
-use transport_memory::MemoryTransport;
+use transport_memory::{Broker, MemoryTransport};
 
 /// What [`Fourth`] declares, written down here rather than asked of it: the harness checks
 /// every connection against it, so a transport that loses a capability fails its tests
@@ -213,4 +219,61 @@ conformance::conformance_tests! {
         run: FourthHarness::run,
         skips: EXPECTED_SKIPS,
     }
+}
+
+conformance::conformance_tests! {
+    /// Every scenario on [`Fourth`] behind a [`DynTransport`].
+    mod erased_scenario {
+        harness: ErasedHarness<FourthHarness>,
+        run: |s| {
+            let h = ErasedHarness::new(FourthHarness {
+                memory: MemoryHarness::new(transport_memory_capabilities()),
+            });
+            h.inner().memory.block_on(s.run(&h))
+        },
+        skips: EXPECTED_SKIPS,
+    }
+}
+
+/// [`Fourth`] for a registry: `fourth://`, a connection to a new in-memory broker each
+/// time, with no settings.
+fn registration() -> Registration {
+    Registration::new(
+        "fourth",
+        "the fourth transport",
+        ["fourth"],
+        |_: Endpoint| async { Ok(DynTransport::new(Fourth(Broker::new().connect()))) },
+    )
+}
+
+/// One line joins the registry of the workspace's transports; the URL then picks it, and
+/// the registry checks what it is given before connecting.
+#[test]
+fn the_fourth_transport_joins_a_registry_with_one_line() {
+    let mut registry = retry_transports::registry();
+    registry.register(registration());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let t = registry.connect("fourth://").await.expect("connects");
+        assert!(t.downcast_ref::<Fourth>().is_some(), "{t:?}");
+        assert_eq!(t.capabilities(), EXPECTED);
+        let err = registry
+            .connect_with(
+                "fourth://",
+                ConnectOptions::new().with_setting("window", "9"),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ConnectError::UnknownSetting { key, .. } if key == "window"),
+            "{err}"
+        );
+        // The built-in transports are still there.
+        assert_eq!(
+            registry.resolve("memory://", None).unwrap().name(),
+            "memory"
+        );
+    });
 }

@@ -13,7 +13,7 @@ use crate::Broker;
 /// use retry_core::{Registry, TopologyPlan, RetryPolicy, Transport};
 /// use transport_memory::{MemoryTransport, Outgoing};
 ///
-/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// # futures::executor::block_on(async {
 /// let registry = Registry::new().with(transport_memory::registration());
 /// let transport = registry.connect("memory://").await?;
 /// let broker = transport.downcast_ref::<MemoryTransport>().unwrap().broker().clone();
