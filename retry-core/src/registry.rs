@@ -26,7 +26,10 @@ type ConnectFn =
 ///
 /// ```
 /// use retry_core::{ConnectError, DynTransport, Endpoint, Registration};
-/// # async fn connect_mine(url: &str, window: usize) -> Result<DynTransport, ConnectError> { unimplemented!() }
+/// # use retry_core::TransportError;
+/// # async fn connect_mine(_url: &str, _window: usize) -> Result<DynTransport, ConnectError> {
+/// #     Err(TransportError::Closed.into())
+/// # }
 ///
 /// // A transport of your own, for `mq://` and `mqs://` URLs, with one setting of its own.
 /// let mine = Registration::new("mq", "MyQueue", ["mq", "mqs"], |endpoint: Endpoint| async move {
@@ -202,7 +205,8 @@ impl ConnectOptions {
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     url: String,
-    protocol: String,
+    /// The registration's title, for errors.
+    title: String,
     client_name: Option<String>,
     tls: Option<TlsConfig>,
     settings: BTreeMap<String, String>,
@@ -241,7 +245,7 @@ impl Endpoint {
     ///     |endpoint: Endpoint| async move {
     ///         let window = endpoint.parse_setting::<u16>("window")?;
     ///         # let _ = window;
-    ///         # Err(ConnectError::NotRegistered)
+    ///         # Err(ConnectError::from(TransportError::Closed))
     ///     },
     /// ).with_settings(["window"]));
     /// let options = ConnectOptions::new().with_setting("window", "lots");
@@ -280,7 +284,7 @@ impl Endpoint {
     /// The refusal of `key`'s value, for `why`.
     pub fn bad_setting(&self, key: &str, why: impl fmt::Display) -> ConnectError {
         ConnectError::BadSetting {
-            protocol: self.protocol.clone(),
+            protocol: self.title.clone(),
             key: key.to_owned(),
             value: self.setting(key).unwrap_or_default().to_owned(),
             why: why.to_string(),
@@ -292,8 +296,9 @@ impl Endpoint {
 ///
 /// ```
 /// use retry_core::{ConnectError, ConnectOptions, Registration, Registry};
+/// # use retry_core::TransportError;
 /// # async fn demo() {
-/// # let connect = |_| async { Err(ConnectError::NotRegistered) };
+/// # let connect = |_| async { Err(ConnectError::from(TransportError::Closed)) };
 /// let registry = Registry::new()
 ///     .with(Registration::new("amqp091", "AMQP 0-9-1", ["amqp", "amqps"], connect))
 ///     .with(Registration::new("amqp10", "AMQP 1.0", ["amqp", "amqps"], connect));
@@ -447,7 +452,7 @@ impl Registry {
         }
         let endpoint = Endpoint {
             url: url.to_owned(),
-            protocol: registration.title.clone(),
+            title: registration.title.clone(),
             client_name: options.client_name,
             tls: options.tls,
             settings: options.settings,
@@ -564,10 +569,6 @@ pub enum ConnectError {
         /// The transport's title.
         protocol: String,
     },
-    /// A registration's connect function had nothing to connect with: what a stand-in
-    /// registration returns.
-    #[error("this registration does not connect")]
-    NotRegistered,
     /// The transport was chosen, and connecting failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -578,7 +579,7 @@ mod tests {
     use super::*;
 
     fn never(_: Endpoint) -> impl Future<Output = Result<DynTransport, ConnectError>> {
-        std::future::ready(Err(ConnectError::NotRegistered))
+        std::future::ready(Err(ConnectError::from(TransportError::Closed)))
     }
 
     fn registry() -> Registry {
@@ -680,7 +681,10 @@ mod tests {
             "amqp://n1",
             ConnectOptions::new().with_tls(TlsConfig::new()),
         );
-        assert!(matches!(err, ConnectError::NotRegistered), "{err}");
+        assert!(
+            matches!(err, ConnectError::Transport(TransportError::Closed)),
+            "{err}"
+        );
     }
 
     #[test]
@@ -695,7 +699,7 @@ mod tests {
     fn settings_parse_or_name_the_bad_value() {
         let endpoint = Endpoint {
             url: "nats://n1".into(),
-            protocol: "NATS JetStream".into(),
+            title: "NATS JetStream".into(),
             client_name: None,
             tls: None,
             settings: [
