@@ -31,7 +31,6 @@ pub const HANDLED_ATTEMPT: &str = "retry_handled_attempt";
 /// `retry_storm_paused{queue}`.
 pub const STORM_PAUSED: &str = "retry_storm_paused";
 
-const REASONS: [DeadLetterReason; 4] = DeadLetterReason::ALL;
 const CONFIRMS: [Confirm; 4] = [
     Confirm::Ack,
     Confirm::Nack,
@@ -131,8 +130,8 @@ impl LaneMetrics {
             retried: terminal("retried", None),
             isolated: terminal("isolated", None),
             diverted: terminal("diverted", None),
-            parked: REASONS.map(|r| terminal("parked", Some(r.as_str()))),
-            dropped: REASONS.map(|r| terminal("dropped", Some(r.as_str()))),
+            parked: DeadLetterReason::ALL.map(|r| terminal("parked", Some(r.as_str()))),
+            dropped: DeadLetterReason::ALL.map(|r| terminal("dropped", Some(r.as_str()))),
             requeued: CONFIRMS.map(|c| terminal("requeued", Some(confirm_label(c)))),
             handler: RunOutcome::ALL.map(|o| {
                 histogram!(
