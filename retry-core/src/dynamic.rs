@@ -23,7 +23,7 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 
 use crate::{
-    Capabilities, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement, SoloGate,
+    Admin, AppliedObject, CheckReport, Depth, PlanOptions, Capabilities, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement, SoloGate,
     Subscription, Timestamp, TopologyPlan, Transport, TransportError,
 };
 
@@ -139,6 +139,7 @@ trait ErasedTransport: Send + Sync + 'static {
         &'a self,
         queue: &'q str,
     ) -> BoxFuture<'f, Result<Box<dyn QueueWalk<DynTag> + 'a>, TransportError>>;
+    fn close(&self) -> BoxFuture<'_, ()>;
     fn now(&self) -> Timestamp;
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;
     fn solo_gate(&self) -> Option<SoloGate>;
@@ -227,6 +228,10 @@ impl<T: Transport> ErasedTransport for T {
         })
     }
 
+    fn close(&self) -> BoxFuture<'_, ()> {
+        Transport::close(self)
+    }
+
     fn now(&self) -> Timestamp {
         Transport::now(self)
     }
@@ -290,23 +295,135 @@ impl<T: Transport> ErasedTransport for T {
 /// # }).unwrap();
 /// ```
 #[derive(Clone)]
-pub struct DynTransport(Arc<dyn ErasedTransport>);
+pub struct DynTransport {
+    inner: Arc<dyn ErasedTransport>,
+    /// The same transport as an [`Admin`], when it was erased with
+    /// [`with_admin`](DynTransport::with_admin).
+    admin: Option<Arc<dyn ErasedAdmin>>,
+}
 
 impl DynTransport {
-    /// Erases `transport`.
+    /// Erases `transport`. Its [`Admin`] calls are refused with
+    /// [`TransportError::Unsupported`]: [`with_admin`](Self::with_admin) keeps them.
     pub fn new<T: Transport>(transport: T) -> Self {
-        DynTransport(Arc::new(transport))
+        DynTransport {
+            inner: Arc::new(transport),
+            admin: None,
+        }
+    }
+
+    /// Erases `transport`, keeping what it offers operators' tools ([`Admin`]): what a
+    /// [`Registration`](crate::Registration) hands out for `retryctl`.
+    pub fn with_admin<T: Admin>(transport: T) -> Self {
+        let shared = Arc::new(transport);
+        DynTransport {
+            inner: Arc::clone(&shared) as Arc<dyn ErasedTransport>,
+            admin: Some(shared),
+        }
+    }
+
+    /// Whether [`Admin`] calls reach the transport inside ([`with_admin`](Self::with_admin)).
+    pub fn has_admin(&self) -> bool {
+        self.admin.is_some()
     }
 
     /// The transport inside, if it is a `T` (the type given to [`new`](Self::new)).
     pub fn downcast_ref<T: Transport>(&self) -> Option<&T> {
-        (*self.0).as_any().downcast_ref()
+        (*self.inner).as_any().downcast_ref()
     }
 
     /// The name of the transport type inside, such as
     /// `transport_amqp091::transport::AmqpTransport`.
     pub fn type_name(&self) -> &'static str {
-        (*self.0).type_name()
+        (*self.inner).type_name()
+    }
+
+    fn admin(&self) -> Result<&dyn ErasedAdmin, TransportError> {
+        self.admin
+            .as_deref()
+            .ok_or_else(|| TransportError::Unsupported {
+                what: "administering the broker".into(),
+                why: format!(
+                    "{} was erased with DynTransport::new, which keeps only the data path: \
+                     erase a transport that implements Admin with DynTransport::with_admin",
+                    self.type_name()
+                ),
+            })
+    }
+}
+
+/// What [`DynTransport`] calls for [`Admin`]: the trait with its futures boxed.
+trait ErasedAdmin: Send + Sync + 'static {
+    fn depth<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, Result<Depth, TransportError>>;
+    fn apply<'a>(
+        &'a self,
+        plan: &'a TopologyPlan,
+    ) -> BoxFuture<'a, Result<Vec<AppliedObject>, TransportError>>;
+    fn check<'a>(
+        &'a self,
+        plan: &'a TopologyPlan,
+        options: &'a PlanOptions,
+    ) -> BoxFuture<'a, Result<CheckReport, TransportError>>;
+    fn may_hide_headers(&self) -> bool;
+    fn hidden_headers(&self, message: &Message) -> Option<String>;
+}
+
+impl<T: Admin> ErasedAdmin for T {
+    fn depth<'a>(&'a self, queue: &'a str) -> BoxFuture<'a, Result<Depth, TransportError>> {
+        Admin::depth(self, queue)
+    }
+
+    fn apply<'a>(
+        &'a self,
+        plan: &'a TopologyPlan,
+    ) -> BoxFuture<'a, Result<Vec<AppliedObject>, TransportError>> {
+        Admin::apply(self, plan)
+    }
+
+    fn check<'a>(
+        &'a self,
+        plan: &'a TopologyPlan,
+        options: &'a PlanOptions,
+    ) -> BoxFuture<'a, Result<CheckReport, TransportError>> {
+        Admin::check(self, plan, options)
+    }
+
+    fn may_hide_headers(&self) -> bool {
+        Admin::may_hide_headers(self)
+    }
+
+    fn hidden_headers(&self, message: &Message) -> Option<String> {
+        Admin::hidden_headers(self, message)
+    }
+}
+
+/// The [`Admin`] of the transport inside, when it was erased with
+/// [`with_admin`](DynTransport::with_admin); else every call is
+/// [`TransportError::Unsupported`], and nothing hides headers.
+#[async_trait]
+impl Admin for DynTransport {
+    async fn depth(&self, queue: &str) -> Result<Depth, TransportError> {
+        self.admin()?.depth(queue).await
+    }
+
+    async fn apply(&self, plan: &TopologyPlan) -> Result<Vec<AppliedObject>, TransportError> {
+        self.admin()?.apply(plan).await
+    }
+
+    async fn check(
+        &self,
+        plan: &TopologyPlan,
+        options: &PlanOptions,
+    ) -> Result<CheckReport, TransportError> {
+        self.admin()?.check(plan, options).await
+    }
+
+    fn may_hide_headers(&self) -> bool {
+        self.admin.as_ref().is_some_and(|a| a.may_hide_headers())
+    }
+
+    fn hidden_headers(&self, message: &Message) -> Option<String> {
+        self.admin.as_ref()?.hidden_headers(message)
     }
 }
 
@@ -324,27 +441,27 @@ impl Transport for DynTransport {
     type Subscription = DynSubscription;
 
     fn capabilities(&self) -> Capabilities {
-        self.0.capabilities()
+        self.inner.capabilities()
     }
 
     async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        self.0.provision(plan).await
+        self.inner.provision(plan).await
     }
 
     async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        self.0.verify(plan).await
+        self.inner.verify(plan).await
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<DynSubscription, TransportError> {
-        self.0.consume(queue, prefetch).await
+        self.inner.consume(queue, prefetch).await
     }
 
     async fn fetch(&self, queue: &str) -> Result<Option<Delivery<DynTag>>, TransportError> {
-        self.0.fetch(queue).await
+        self.inner.fetch(queue).await
     }
 
     async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
-        self.0.ready(queue, poll).await
+        self.inner.ready(queue, poll).await
     }
 
     // The two calls of every delivery hand back the inner transport's future as it is,
@@ -360,7 +477,7 @@ impl Transport for DynTransport {
         'life2: 'async_trait,
         Self: 'async_trait,
     {
-        self.0.publish(original, publish)
+        self.inner.publish(original, publish)
     }
 
     fn settle<'life0, 'life1, 'async_trait>(
@@ -373,26 +490,30 @@ impl Transport for DynTransport {
         'life1: 'async_trait,
         Self: 'async_trait,
     {
-        self.0.settle(tag, settlement)
+        self.inner.settle(tag, settlement)
     }
 
     async fn walk<'a>(
         &'a self,
         queue: &str,
     ) -> Result<Box<dyn QueueWalk<DynTag> + 'a>, TransportError> {
-        self.0.walk(queue).await
+        self.inner.walk(queue).await
+    }
+
+    async fn close(&self) {
+        self.inner.close().await
     }
 
     fn now(&self) -> Timestamp {
-        self.0.now()
+        self.inner.now()
     }
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
-        self.0.sleep(duration)
+        self.inner.sleep(duration)
     }
 
     fn solo_gate(&self) -> Option<SoloGate> {
-        self.0.solo_gate()
+        self.inner.solo_gate()
     }
 }
 

@@ -69,6 +69,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod admin;
 mod consumer;
 mod dynamic;
 #[cfg(feature = "fuzzing")]
@@ -86,6 +87,10 @@ mod transport;
 // an item added there appears here without a change.
 pub use retry_proto::*;
 
+pub use admin::{
+    Admin, Applied, AppliedObject, CheckReport, Checked, DefaultLayout, Depth, Layout, ObjectCheck,
+    PlanError, PlanOption, PlanOptions, PlanView,
+};
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerConfigError, ConsumerError, RunReport, StormControl,
     StormEvent,

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::{DynTransport, TlsConfig, TransportError, redact_url};
+use crate::{DefaultLayout, DynTransport, Layout, TlsConfig, TransportError, redact_url};
 
 /// How a [`Registration`] connects: given the endpoint, a transport or why not.
 type ConnectFn =
@@ -49,6 +49,7 @@ pub struct Registration {
     settings: Vec<String>,
     tls: bool,
     connect: Arc<ConnectFn>,
+    layout: Arc<dyn Layout>,
 }
 
 impl Registration {
@@ -79,6 +80,7 @@ impl Registration {
             settings: Vec::new(),
             tls: false,
             connect: Arc::new(move |endpoint| Box::pin(connect(endpoint))),
+            layout: Arc::new(DefaultLayout),
         }
     }
 
@@ -98,6 +100,18 @@ impl Registration {
     pub fn with_tls(mut self) -> Self {
         self.tls = true;
         self
+    }
+
+    /// How this transport lays a plan out, when not as RabbitMQ does ([`DefaultLayout`]):
+    /// what `retryctl topology` plans and shows without connecting.
+    pub fn with_layout(mut self, layout: impl Layout) -> Self {
+        self.layout = Arc::new(layout);
+        self
+    }
+
+    /// How this transport lays a plan out.
+    pub fn layout(&self) -> &dyn Layout {
+        &*self.layout
     }
 
     /// Its name, such as `amqp091`.

@@ -370,6 +370,11 @@ pub trait Transport: Send + Sync + 'static {
         }))
     }
 
+    /// Ends the transport's connections: what its subscriptions held unsettled goes back to
+    /// the broker, and every call after it fails. The default does nothing, for a transport
+    /// that holds no connection. A transport that wraps another must forward it.
+    async fn close(&self) {}
+
     /// The current time.
     fn now(&self) -> Timestamp {
         Timestamp::from_system_time(SystemTime::now())
@@ -615,6 +620,10 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
         queue: &str,
     ) -> Result<Box<dyn QueueWalk<Self::Tag> + 'a>, TransportError> {
         (**self).walk(queue).await
+    }
+
+    async fn close(&self) {
+        (**self).close().await
     }
 
     fn now(&self) -> Timestamp {

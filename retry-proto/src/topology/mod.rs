@@ -131,6 +131,28 @@ pub enum QueueRole {
     },
 }
 
+impl QueueRole {
+    /// How long a message waits in a queue of this role before it expires onward: the TTL
+    /// of a delay, crash-delay or cascade queue; `None` for the others.
+    ///
+    /// ```
+    /// use retry_proto::QueueRole;
+    /// use std::time::Duration;
+    ///
+    /// let delay = QueueRole::Delay { ttl: Duration::from_secs(30) };
+    /// assert_eq!(delay.ttl(), Some(Duration::from_secs(30)));
+    /// assert_eq!(QueueRole::Parking.ttl(), None);
+    /// ```
+    pub fn ttl(self) -> Option<Duration> {
+        match self {
+            QueueRole::Delay { ttl }
+            | QueueRole::CrashDelay { ttl }
+            | QueueRole::CascadeLevel { ttl, .. } => Some(ttl),
+            QueueRole::Work | QueueRole::Isolation | QueueRole::Parking => None,
+        }
+    }
+}
+
 /// `x-overflow` behaviours the plan uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Overflow {
