@@ -58,6 +58,16 @@
 //!   Only pulls bring stored messages in, so a message that takes a connection down (next)
 //!   takes down the pulling one only: publishing clones and parking go on.
 //!
+//! ## Operators' tools
+//!
+//! [`NatsTransport`] implements [`Admin`](retry_core::Admin), what `retryctl` asks of a
+//! broker: a queue's depth (its stream's [`count`](NatsTransport::count)), applying a plan
+//! (its streams and consumers, each reported created or verified) and checking the server
+//! against it object by object (nothing is probed: the server holds the delays itself).
+//! [`NatsLayout`] lays a plan out as streams without connecting (refusing queue types and a
+//! probe TTL, taking a replication factor as the streams' replicas), and
+//! [`registration`] hands out both.
+//!
 //! ## Messages async-nats cannot read
 //!
 //! async-nats 0.49 parses every incoming message's header block on its connection's task,
@@ -108,6 +118,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod admin;
 mod codec;
 mod config;
 mod connection;
@@ -128,7 +139,9 @@ mod tag;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod transport;
+mod view;
 
+pub use admin::NatsLayout;
 pub use codec::{
     HEADER_BLOCK_HEADER, HEADER_BLOCK_LENGTH_HEADER, UNDECODABLE_HEADER, decode_value, encode_value,
 };

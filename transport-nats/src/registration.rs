@@ -2,7 +2,7 @@
 
 use retry_core::{DynTransport, Endpoint, Registration};
 
-use crate::{NatsConfig, NatsTransport};
+use crate::{NatsConfig, NatsLayout, NatsTransport};
 
 /// NATS JetStream for a [`Registry`](retry_core::Registry): the name `nats`, the schemes
 /// `nats` and `tls` (one server, or several separated by commas, as [`NatsConfig::new`]
@@ -10,7 +10,8 @@ use crate::{NatsConfig, NatsTransport};
 /// name, and the settings `replicas` (each stream of a plan kept on that many servers),
 /// `ack_wait`, `publish_timeout` and `operation_timeout` (human durations, "30s"). TLS
 /// settings of a [`TlsConfig`](retry_core::TlsConfig) are refused: NATS takes its TLS from
-/// the URL.
+/// the URL. The transport it connects keeps [`Admin`](retry_core::Admin)
+/// ([`DynTransport::with_admin`]), and plans are laid out by [`NatsLayout`].
 ///
 /// ```
 /// use retry_core::{ConnectError, ConnectOptions, Registry};
@@ -47,7 +48,9 @@ pub fn registration() -> Registration {
             if let Some(t) = endpoint.duration_setting("operation_timeout")? {
                 config = config.with_operation_timeout(t);
             }
-            Ok(DynTransport::new(NatsTransport::connect(config).await?))
+            Ok(DynTransport::with_admin(
+                NatsTransport::connect(config).await?,
+            ))
         },
     )
     .with_settings([
@@ -56,4 +59,5 @@ pub fn registration() -> Registration {
         "publish_timeout",
         "operation_timeout",
     ])
+    .with_layout(NatsLayout)
 }

@@ -1087,6 +1087,12 @@ impl Transport for NatsTransport {
             next: 1,
         }))
     }
+
+    /// [`NatsTransport::close`]: stops every pull and mover and drains the connection.
+    async fn close(&self) {
+        // The inherent method, not this one.
+        NatsTransport::close(self).await
+    }
 }
 
 /// What a publish no stream answered is, given the lookup of its `queue`'s stream:
