@@ -126,7 +126,7 @@ async fn measure(setup: Setup, retry: bool, round: usize, n: u64) -> Result<f64,
         report.handled
     };
     transport.teardown(&plan).await?;
-    transport.close().await?;
+    (*transport).close().await?;
     if expected != n {
         return Err(format!("{n} messages, but the consumer reports {report:?}").into());
     }

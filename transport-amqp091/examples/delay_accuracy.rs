@@ -178,7 +178,7 @@ async fn measure(
     if let Some(cascade) = plan.cascade() {
         transport.teardown_cascade(cascade).await?;
     }
-    transport.close().await?;
+    (*transport).close().await?;
     result
 }
 

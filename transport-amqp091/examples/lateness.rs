@@ -243,7 +243,7 @@ async fn ours(conn: &Connection, tag: &str, n: u64, rate: f64) -> Result<Clock, 
     }
     .await;
     transport.teardown(&plan).await?;
-    transport.close().await?;
+    (*transport).close().await?;
     result
 }
 

@@ -129,7 +129,7 @@ async fn main() -> Result<(), BoxError> {
         }
         transport.teardown(&plan).await?;
     }
-    transport.close().await?;
+    (*transport).close().await?;
     conn.close(200, "done".into()).await?;
     Ok(())
 }

@@ -310,7 +310,7 @@ async fn ours(
     // `run` returns once the last batched acks are written.
     let report = consumer.run(done.notified()).await?;
     let took = meter.stop();
-    transport.close().await?;
+    (*transport).close().await?;
     let expected = if fail { report.retried } else { report.handled };
     if expected != n || report.accounted() != n {
         return Err(format!("{n} messages, but the consumer reports {report:?}").into());

@@ -47,6 +47,12 @@
 //!   connection goes to the first that answers and fails over to another, each failed node
 //!   backing off ([`NodeOrder`], [`NodeListError`]). [`AmqpConfig::queue_type`] is quorum
 //!   for a cluster.
+//! * Operators' tools: [`AmqpTransport`] implements [`Admin`](retry_core::Admin), which
+//!   `retryctl` calls through the [`registration`] (a
+//!   [`DynTransport::with_admin`](retry_core::DynTransport::with_admin)): a queue's depth by
+//!   passive declare, a plan applied object by object (created, verified or declared), and
+//!   a plan checked from outside, with a probe sent through each delay queue that must come
+//!   back, dead-lettered as expired, where the plan says.
 //! * The password never appears in logs, errors or `Debug` output ([`AmqpConfig`]).
 //! * `testing` (feature `testing`): one reading of `REQUIRE_BROKER` for tests that need a broker.
 //!
@@ -64,6 +70,7 @@
 #![warn(missing_docs)]
 
 mod acks;
+mod admin;
 mod amqp10_sections;
 mod config;
 mod convert;

@@ -128,7 +128,7 @@ impl<'a> Inspector<'a> {
     }
 }
 
-fn kind(k: ExchangeKind) -> LapinKind {
+pub(crate) fn kind(k: ExchangeKind) -> LapinKind {
     match k {
         ExchangeKind::Direct => LapinKind::Direct,
         ExchangeKind::Fanout => LapinKind::Fanout,

@@ -578,4 +578,13 @@ impl Transport for AmqpTransport {
     fn sleep(&self, duration: Duration) -> futures::future::BoxFuture<'static, ()> {
         Box::pin(tokio::time::sleep(duration))
     }
+
+    /// [`AmqpTransport::close`]: every subscription's batched acknowledgements are sent,
+    /// then the connection is closed. A failure (the connection already lost) is logged at
+    /// DEBUG: the broker has put back what it held either way.
+    async fn close(&self) {
+        if let Err(e) = AmqpTransport::close(self).await {
+            debug!(error = %e, "closing the transport failed");
+        }
+    }
 }

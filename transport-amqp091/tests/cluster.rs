@@ -579,7 +579,7 @@ async fn five_thousand_messages_survive_stopping_and_killing_nodes_with_nothing_
         ));
     }
     let report = running.stop().await;
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
 
     let conn = raw(&urls).await;
     let parked = drain_ids(&conn, plan.parking_queue()).await;
@@ -707,6 +707,6 @@ async fn the_consumer_recovers_by_itself_after_every_node_was_down_for_ten_secon
     ));
     assert_eq!(handled.unique(), N);
     assert_eq!(depth(&q).await, 0);
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
     teardown(&urls, &plan).await;
 }

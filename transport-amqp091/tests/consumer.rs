@@ -337,7 +337,7 @@ async fn a_publish_refused_every_time_requeues_once_then_runs_as_a_suspect_uncou
     assert_eq!(report.diverted + report.dead_lettered + report.retried, 0);
     // The solo run, of the suspect's copy, saw no crash recorded on the message.
     assert_eq!(*seen.lock().unwrap(), [(false, 0), (true, 0)]);
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
     assert_eq!(message_count(&ch, &q).await, 0);
     assert_eq!(message_count(&ch, &delay_queue).await, 0);
     let config = broker("refused-teardown").await.unwrap();
@@ -578,7 +578,7 @@ async fn a_graceful_shutdown_mid_handler_sends_every_ack_before_run_returns() {
     // message would still be unacknowledged here.
     tokio::time::sleep(ms(300)).await;
     assert_eq!(ready_and_unacked(&q).await, ((N - handled.len()) as u64, 0));
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
     assert_eq!(ready_and_unacked(&q).await, ((N - handled.len()) as u64, 0));
     let mut left = Vec::new();
     while let Some(got) = get(&ch, &q).await {
@@ -685,7 +685,7 @@ async fn two_consumers_on_one_transport_each_see_and_settle_only_their_own_queue
     assert!(running_b.until(ms(10_000), |t| t.len() == B).await);
     let report_b = running_b.stop().await;
     let report_a = running_a.stop().await;
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
 
     assert_eq!(*strangers_a.lock().unwrap(), Vec::<String>::new());
     assert_eq!(*strangers_b.lock().unwrap(), Vec::<String>::new());

@@ -124,7 +124,7 @@ async fn an_innocent_suspect_whose_get_ok_is_late_is_not_charged_a_crash() {
     let done = first.until(ms(10_000), handled).await;
     let mut terminals = first.of("innocent");
     first.stop().await;
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
     if !done {
         // Still held on the first transport's get channel: closing it sent the message back
         // redelivered. A consumer elsewhere takes it from there.

@@ -68,7 +68,7 @@ impl Setup {
 
     async fn close(self) {
         let _ = self.conn.close(200, "done".into()).await;
-        self.transport.close().await.unwrap();
+        (*self.transport).close().await.unwrap();
     }
 }
 

@@ -173,5 +173,5 @@ async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consu
     sub.flush().await.unwrap();
     t.provision(&plan).await.unwrap();
     assert_eq!(ready_and_unacked_settled(&q).await, (0, 0));
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
 }

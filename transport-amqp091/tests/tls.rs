@@ -218,7 +218,7 @@ async fn a_consumer_over_tls_handles_retries_and_parks() {
     assert_eq!(common::message_count(&ch, &q).await, 0);
     assert_eq!(common::message_count(&ch, plan.parking_queue()).await, 0);
     assert_eq!(runs.0.lock().unwrap()["retried"], 2);
-    t.close().await.unwrap();
+    (*t).close().await.unwrap();
     let _ = conn.close(200, "done".into()).await;
 }
 
