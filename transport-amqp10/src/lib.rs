@@ -105,6 +105,11 @@
 //! * **Nothing is declared.** RabbitMQ's plugin cannot declare queues with arguments, so the
 //!   topology is declared over AMQP 0-9-1 (transport-amqp091) and verified here.
 //! * **Links are detached, never closed** (closing misbehaves on RabbitMQ 3.10).
+//! * **Operators' tools.** [`Amqp10Transport`] implements [`Admin`](retry_core::Admin):
+//!   a check of a plan object by object (the probes of `verify`, nothing sent), an `apply`
+//!   refused (apply over AMQP 0-9-1), an unknown depth (walk the queue), and
+//!   [`hidden_headers`](retry_core::Admin::hidden_headers) for a message RabbitMQ 3.x shows
+//!   without the headers it was published with over AMQP 0-9-1.
 //!
 //! ## Profiles
 //!
@@ -201,6 +206,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod admin;
 mod codec;
 mod config;
 mod connection;

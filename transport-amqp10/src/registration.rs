@@ -11,7 +11,10 @@ use crate::{Amqp10Config, Amqp10Transport};
 /// settings ([`Amqp10Config::with_tls`]), the client name as the container id, and the
 /// settings `connect_timeout`, `publish_timeout` and `operation_timeout` as human durations
 /// ("10s"). The broker profile is RabbitMQ's ([`BrokerProfile`](crate::BrokerProfile)):
-/// another profile needs [`Amqp10Transport::connect`] with a configuration of its own.
+/// another profile needs [`Amqp10Transport::connect`] with a configuration of its own. The
+/// transport it connects keeps [`Admin`](retry_core::Admin)
+/// ([`DynTransport::with_admin`]): `retryctl` checks a plan and reads parked messages
+/// through it.
 ///
 /// ```
 /// use retry_core::{ConnectOptions, Registry};
@@ -43,7 +46,9 @@ pub fn registration() -> Registration {
             if let Some(t) = endpoint.duration_setting("operation_timeout")? {
                 config = config.with_operation_timeout(t);
             }
-            Ok(DynTransport::new(Amqp10Transport::connect(config).await?))
+            Ok(DynTransport::with_admin(
+                Amqp10Transport::connect(config).await?,
+            ))
         },
     )
     .with_tls()

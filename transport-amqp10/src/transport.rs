@@ -147,7 +147,7 @@ fn queue_probe(profile: &BrokerProfile) -> Probe {
 
 /// What [`Amqp10Transport::verify`] checks: (what, address, probe). With native delays the
 /// TTL queues are left out: nothing is sent to them.
-fn checks(plan: &TopologyPlan, profile: &BrokerProfile) -> Vec<(String, String, Probe)> {
+pub(crate) fn checks(plan: &TopologyPlan, profile: &BrokerProfile) -> Vec<(String, String, Probe)> {
     let mut checks = Vec::new();
     for queue in plan.queues() {
         let delayed_natively = matches!(
@@ -674,6 +674,13 @@ impl Transport for Amqp10Transport {
             &self.shared.config,
             queue,
         )))
+    }
+
+    /// [`Amqp10Transport::close`]: stops every subscription and fetch link and closes every
+    /// connection.
+    async fn close(&self) {
+        // The inherent method, not this one.
+        Amqp10Transport::close(self).await
     }
 }
 
