@@ -41,7 +41,9 @@
 //!   woken when a delivery arrives; `fetch` is `basic.get`; `ready` wakes exactly when a
 //!   message becomes ready in the watched queue; and it recovers a closed connection the
 //!   way lapin's automatic recovery does. A clone the engine publishes of a delivery keeps
-//!   the delivery's [`MessageKey`].
+//!   the delivery's [`MessageKey`]. It implements [`Admin`](retry_core::Admin) for
+//!   operators' tools: a queue's ready count, a plan applied object by object, and a check
+//!   that the plan's exchanges and queues exist.
 //! * [`Simulation`] (`simulation/`): a single-threaded executor that polls consumer futures
 //!   until none can make progress, then moves the clock to the earliest deadline and fires
 //!   it, until nothing is left (or a virtual-time horizon is reached). Handlers follow

@@ -7,7 +7,8 @@ use crate::Broker;
 /// The in-memory broker for a [`Registry`](retry_core::Registry): the name `memory` and the
 /// URL `memory://`, which connects to a new [`Broker`] of its own each time. Its clock is
 /// virtual and moves only inside [`Broker::block_on`]: reach the broker through the
-/// transport, as below, to publish to it and to run a consumer on it.
+/// transport, as below, to publish to it and to run a consumer on it. The transport keeps
+/// [`Admin`](retry_core::Admin) ([`DynTransport::with_admin`]).
 ///
 /// ```
 /// use retry_core::{Registry, TopologyPlan, RetryPolicy, Transport};
@@ -49,7 +50,7 @@ pub fn registration() -> Registration {
                         .to_owned(),
                 }));
             }
-            Ok(DynTransport::new(Broker::new().connect()))
+            Ok(DynTransport::with_admin(Broker::new().connect()))
         },
     )
 }

@@ -220,6 +220,10 @@ impl State {
 
     // Topology.
 
+    pub(crate) fn has_exchange(&self, name: &str) -> bool {
+        self.topology.has_exchange(name)
+    }
+
     pub(crate) fn declare_exchange(
         &mut self,
         name: &str,

@@ -41,6 +41,11 @@ impl Topology {
         self.exchanges.push(Exchange::new(kind));
     }
 
+    /// Whether exchange `name` exists (the default exchange, `""`, is not one).
+    pub(crate) fn has_exchange(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
     /// Declares an exchange; `Ok(true)` when it is new, `Ok(false)` when it exists with the
     /// same type.
     pub(crate) fn declare_exchange(

@@ -220,7 +220,7 @@ impl MemoryTransport {
 
     /// The open connection to use for a new operation: a closed one is recovered first
     /// (unless recovery is off).
-    fn ensure_open(&self) -> Result<usize, TransportError> {
+    pub(crate) fn ensure_open(&self) -> Result<usize, TransportError> {
         let mut link = self.link();
         self.broker.shared.with(|s| {
             if let Some(reason) = s.connections().closed(link.id) {
@@ -403,6 +403,18 @@ impl Transport for MemoryTransport {
     ) -> Result<(), TransportError> {
         self.settle_now(tag, settlement)
             .map_err(TransportError::from)
+    }
+
+    /// Closes the connection for good, as a drop does, and turns recovery off
+    /// ([`without_recovery`](MemoryTransport::without_recovery)): its unacknowledged
+    /// deliveries go back to their queues flagged redelivered, its consumers are cancelled,
+    /// and every call after it fails.
+    async fn close(&self) {
+        self.link().recover = false;
+        let id = self.id();
+        self.broker
+            .shared
+            .with(|s| s.close_connection(id, "closed by the client"));
     }
 
     fn now(&self) -> Timestamp {

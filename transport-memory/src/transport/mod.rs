@@ -9,6 +9,7 @@
 //!   consumer;
 //! * [`link`]: which connection a transport uses now, and recovery onto a new one.
 
+pub(crate) mod admin;
 pub(crate) mod confirms;
 pub(crate) mod connection;
 pub(crate) mod delivery;

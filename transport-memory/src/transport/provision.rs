@@ -74,7 +74,7 @@ impl Broker {
 
 /// Declares `cascade` under the broker's lock: exchanges first, so the level queues'
 /// dead-letter exchanges exist before anything can expire into them.
-fn declare_cascade(s: &mut State, cascade: &CascadePlan) -> Result<(), BrokerError> {
+pub(crate) fn declare_cascade(s: &mut State, cascade: &CascadePlan) -> Result<(), BrokerError> {
     declare(s, cascade.exchanges(), cascade.queues(), cascade.bindings())?;
     for b in cascade.exchange_bindings() {
         s.bind_exchange(&b.source, &b.destination, &b.routing_key)?;
@@ -83,7 +83,7 @@ fn declare_cascade(s: &mut State, cascade: &CascadePlan) -> Result<(), BrokerErr
 }
 
 /// Declares `exchanges`, then `queues`, then the `bindings` between them.
-fn declare(
+pub(crate) fn declare(
     s: &mut State,
     exchanges: &[ExchangeSpec],
     queues: &[QueueSpec],
