@@ -1,146 +1,141 @@
-//! The connection, and questions to the broker that leave it as it is.
+//! The broker a command talks to: the URL, the transport the registry picks for it, and the
+//! connection options. `retryctl` knows no broker of its own: what it asks of one goes
+//! through [`Admin`](retry_core::Admin) on the [`DynTransport`] the registry connects.
 
-use std::sync::OnceLock;
-use std::time::Duration;
-
-use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
-use retry_core::{ExchangeKind, TlsConfig, TransportError};
-use transport_amqp091::{AmqpConfig, AmqpTransport};
+use retry_core::{
+    Admin, ConnectError, ConnectOptions, Depth, DynTransport, Registration, Registry,
+    TransportError, redact_url,
+};
 
 use crate::error::CliError;
 
-const NOT_FOUND: u16 = 404;
+/// The connection setting a transport may take to stay down once its connection is lost:
+/// a command that loses it fails and says so, rather than waiting for it to come back.
+const AUTO_RECOVER: &str = "auto_recover";
 
-/// How long connecting may take before the command gives up.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// The TLS settings of the `--tls-*` options: one command, one broker, set once.
-static TLS: OnceLock<TlsConfig> = OnceLock::new();
-
-/// Connects with `tls` (`--tls-*`) from now on.
-pub fn use_tls(tls: TlsConfig) {
-    let _ = TLS.set(tls);
+/// The broker of a command: `--url`, `--protocol` and the `--tls-*` options, and the
+/// registry of transports that may speak it.
+#[derive(Clone, Debug)]
+pub struct Broker {
+    registry: Registry,
+    url: String,
+    options: ConnectOptions,
 }
 
-/// Connects to `url`, with the `--tls-*` settings. The connection does not recover by
-/// itself: a command that loses it fails and says so.
-pub async fn connect(url: &str) -> Result<AmqpTransport, CliError> {
-    let mut config = AmqpConfig::new(url)
-        .with_connection_name("retryctl")
-        .with_auto_recover(false);
-    if let Some(tls) = TLS.get() {
-        config = config.with_tls(tls.clone());
+impl Broker {
+    /// The broker at `url`, connected with `options` through `registry`.
+    pub fn new(registry: Registry, url: impl Into<String>, options: ConnectOptions) -> Self {
+        Broker {
+            registry,
+            url: url.into(),
+            options: options.with_client_name("retryctl"),
+        }
     }
-    let at = config.redacted_url();
-    match tokio::time::timeout(CONNECT_TIMEOUT, AmqpTransport::connect(config)).await {
-        Ok(Ok(transport)) => Ok(transport),
-        // Not "connection lost": there was none yet.
-        Ok(Err(TransportError::Connection {
+
+    /// The URL as given.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The URL as printed: every password masked.
+    pub fn shown(&self) -> String {
+        redact_url(&self.url)
+    }
+
+    /// The transport that speaks the URL: a usage error naming the URL's scheme, or the
+    /// protocol asked for, when none does.
+    pub fn registration(&self) -> Result<&Registration, CliError> {
+        self.registry
+            .resolve(&self.url, self.options.protocol())
+            .map_err(|e| connect_error(&self.registry, e))
+    }
+
+    /// Connects, with `settings` of the transport's own beside the options.
+    pub async fn connect(&self, settings: &[(String, String)]) -> Result<DynTransport, CliError> {
+        let registration = self.registration()?;
+        let mut options = self.options.clone();
+        if registration.settings().iter().any(|s| s == AUTO_RECOVER) {
+            options = options.with_setting(AUTO_RECOVER, "false");
+        }
+        for (key, value) in settings {
+            options = options.with_setting(key, value);
+        }
+        self.registry
+            .connect_with(&self.url, options)
+            .await
+            .map_err(|e| connect_error(&self.registry, e))
+    }
+
+    /// Connects, runs `job` on the transport, and closes it, whatever `job` returned.
+    pub async fn with_transport<T>(
+        &self,
+        settings: &[(String, String)],
+        job: impl AsyncFnOnce(&DynTransport) -> Result<T, CliError>,
+    ) -> Result<T, CliError> {
+        let transport = self.connect(settings).await?;
+        let result = job(&transport).await;
+        retry_core::Transport::close(&transport).await;
+        result
+    }
+}
+
+/// Queue `name`'s depth, or why the transport could not tell.
+pub async fn depth(transport: &DynTransport, name: &str) -> Result<Depth, CliError> {
+    transport
+        .depth(name)
+        .await
+        .map_err(|e| CliError::from_transport(format!("cannot inspect queue {name:?}"), e))
+}
+
+/// A refusal of the registry is the user's input (exit 2), worded with the option that
+/// gave it; a transport that could not connect is a failure (exit 1), reported without
+/// "connection lost": there was none yet.
+fn connect_error(registry: &Registry, e: ConnectError) -> CliError {
+    let accepted = || registry.accepted();
+    let unknown_scheme = |scheme: &str| {
+        CliError::usage(format!(
+            "URL scheme \"{scheme}://\" in --url (or AMQP_URL): retryctl accepts {}",
+            accepted()
+        ))
+    };
+    match e {
+        ConnectError::Transport(TransportError::Connection {
             context,
             source: Some(source),
-            ..
-        })) => Err(CliError::failure_from(context, source)),
-        Ok(Err(e)) => Err(e.into()),
-        Err(_) => Err(CliError::failure(format!(
-            "no answer from {at} within {CONNECT_TIMEOUT:?}"
-        ))),
-    }
-}
-
-/// A queue as a passive declare sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QueueState {
-    /// Messages ready for delivery.
-    pub messages: u32,
-    /// Consumers subscribed to it.
-    pub consumers: u32,
-}
-
-/// Queue `name` as the broker has it, or `None` when there is no such queue.
-pub async fn queue_state(conn: &Connection, name: &str) -> Result<Option<QueueState>, CliError> {
-    // A passive declare of a missing object closes its channel: one channel per question.
-    let channel = open_channel(conn).await?;
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let answer = channel
-        .queue_declare(name.into(), passive, FieldTable::default())
-        .await;
-    match answer {
-        Ok(queue) => {
-            close(channel).await;
-            Ok(Some(QueueState {
-                messages: queue.message_count(),
-                consumers: queue.consumer_count(),
-            }))
-        }
-        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Ok(None),
-        Err(e) => Err(CliError::failure_from(
-            format!("cannot inspect queue {name:?}"),
-            e,
+        }) => CliError::failure_from(context, source),
+        ConnectError::Transport(e) => CliError::failure(e),
+        ConnectError::EmptyUrl => CliError::usage("--url is empty"),
+        ConnectError::NoScheme { .. } => CliError::usage(format!(
+            "a URL without a scheme in --url (or AMQP_URL): retryctl accepts {}",
+            accepted()
         )),
-    }
-}
-
-/// Whether exchange `name` exists.
-pub async fn exchange_exists(
-    conn: &Connection,
-    name: &str,
-    kind: ExchangeKind,
-) -> Result<bool, CliError> {
-    let channel = open_channel(conn).await?;
-    let passive = ExchangeDeclareOptions {
-        passive: true,
-        ..ExchangeDeclareOptions::default()
-    };
-    let answer = channel
-        .exchange_declare(
-            name.into(),
-            lapin_kind(kind),
-            passive,
-            FieldTable::default(),
-        )
-        .await;
-    match answer {
-        Ok(()) => {
-            close(channel).await;
-            Ok(true)
-        }
-        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Ok(false),
-        Err(e) => Err(CliError::failure_from(
-            format!("cannot inspect exchange {name:?}"),
-            e,
+        ConnectError::UnknownScheme { scheme, .. } => unknown_scheme(&scheme),
+        ConnectError::UnknownProtocol { protocol, known } => CliError::usage(format!(
+            "--protocol {protocol}: no transport is called so; retryctl speaks {}",
+            known.join(", ")
         )),
-    }
-}
-
-/// A new channel on `conn`.
-pub async fn open_channel(conn: &Connection) -> Result<Channel, CliError> {
-    conn.create_channel()
-        .await
-        .map_err(|e| CliError::failure_from("cannot open a channel", e))
-}
-
-/// Closes `channel`, whatever state it is in.
-pub async fn close(channel: Channel) {
-    let _ = channel.close(200, "done".into()).await;
-}
-
-/// The AMQP reply code of a broker error, if it is one.
-pub fn amqp_code(err: &lapin::Error) -> Option<u16> {
-    match err.kind() {
-        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
-        _ => None,
-    }
-}
-
-fn lapin_kind(kind: ExchangeKind) -> lapin::ExchangeKind {
-    match kind {
-        ExchangeKind::Direct => lapin::ExchangeKind::Direct,
-        ExchangeKind::Fanout => lapin::ExchangeKind::Fanout,
-        ExchangeKind::Topic => lapin::ExchangeKind::Topic,
+        // A scheme nothing speaks is named as such, whatever was asked for.
+        ConnectError::SchemeNotSpoken { scheme, .. }
+            if !registry
+                .registrations()
+                .iter()
+                .any(|r| r.schemes().contains(&scheme)) =>
+        {
+            unknown_scheme(&scheme)
+        }
+        ConnectError::SchemeNotSpoken {
+            protocol, scheme, ..
+        } => CliError::usage(format!(
+            "--protocol {protocol} does not speak {scheme}:// URLs: retryctl accepts {}",
+            accepted()
+        )),
+        ConnectError::MixedProtocols { .. } => CliError::usage(
+            "the URLs of --url call for different transports: list the nodes of one broker",
+        ),
+        ConnectError::TlsUnsupported { protocol } => CliError::usage(format!(
+            "--tls-ca, --tls-cert, --tls-key and --tls-server-name do not apply to {protocol}: \
+             it takes no TLS settings"
+        )),
+        e => CliError::usage(e),
     }
 }

@@ -77,6 +77,17 @@ impl CliError {
     }
 }
 
+impl CliError {
+    /// A transport's error while doing `context`: what the transport does not support is
+    /// the user's to change (exit 2); anything else is a failure (exit 1).
+    pub fn from_transport(context: impl Into<String>, e: retry_core::TransportError) -> Self {
+        match e {
+            e @ retry_core::TransportError::Unsupported { .. } => CliError::usage(e),
+            e => CliError::failure_from(context, e),
+        }
+    }
+}
+
 impl From<retry_core::TransportError> for CliError {
     fn from(e: retry_core::TransportError) -> Self {
         CliError::failure(e)

@@ -39,66 +39,76 @@
 //! `--tls-ca FILE` trusts a CA of your own instead, `--tls-cert FILE --tls-key FILE`
 //! presents a client certificate, and `--tls-server-name NAME` checks the certificate (and
 //! sends SNI) for a name other than the URL's host. Adding `?auth_mechanism=external` to
-//! the URL logs in with the client certificate (SASL `EXTERNAL`). These options apply to
-//! AMQP 0-9-1 and are refused with another protocol; TLS settings with an `amqp://` URL are
-//! refused too. A refused handshake names the check that failed (unknown CA, wrong host
-//! name, expired certificate, a port that does not speak TLS, ...): see the guide's
-//! `docs/tls.md`.
+//! the URL logs in with the client certificate (SASL `EXTERNAL`). A transport that takes
+//! no TLS settings refuses them (exit 2). A refused handshake names the check that failed
+//! (unknown CA, wrong host name, expired certificate, a port that does not speak TLS, ...):
+//! see the guide's `docs/tls.md`.
 //!
-//! The protocol follows the URL's scheme: `amqp://` and `amqps://` speak AMQP 0-9-1
-//! (transport-amqp091), or AMQP 1.0 (transport-amqp10, RabbitMQ's AMQP 1.0 plugin) with
-//! `--protocol amqp10` (or `RETRYCTL_PROTOCOL=amqp10`); `nats://` and `tls://` speak NATS
-//! JetStream (transport-nats); any other scheme is refused. Over
-//! AMQP 1.0 the `parked` commands work as over 0-9-1; `topology apply` is refused (RabbitMQ
-//! cannot declare queues over AMQP 1.0: apply over 0-9-1), and `topology verify` checks
-//! that every address of the plan exists, without the probes, which need AMQP 0-9-1.
-//! RabbitMQ 3.x shows AMQP 1.0 clients none of the headers of a message parked over AMQP
-//! 0-9-1: it lists as `unknown`, and a replay over AMQP 1.0 that selects it is refused.
+//! ## Transports
 //!
-//! On NATS JetStream each queue of the plan is a stream of its own subject. The `parked`
-//! commands read the parking stream by sequence (a replayed copy is acknowledged by the
-//! stream before the original is deleted), `topology plan` prints the streams and
-//! consumers, `apply` creates them (one replica each, or `--replication-factor N`), and
-//! `verify` checks each of them, without probes. `--quorum`, `--classic` and
-//! `--max-probe-ttl` do not apply there and are refused.
+//! `retryctl` has no code for any broker. The URL's scheme picks a transport from a
+//! [`Registry`] (`--protocol NAME` picks another that speaks the scheme), and every command
+//! goes through the transport's [`Admin`](retry_core::Admin) and
+//! [`ParkingLot`](retry_core::ParkingLot), and its registration's
+//! [`Layout`](retry_core::Layout) for `topology plan`. [`main`] registers this
+//! workspace's transports (`retry_transports::registry()`):
+//!
+//! * `amqp://` and `amqps://` speak AMQP 0-9-1 (`amqp091`), or AMQP 1.0 (`amqp10`, RabbitMQ's
+//!   AMQP 1.0 plugin) with `--protocol amqp10` (or `RETRYCTL_PROTOCOL=amqp10`). Over AMQP 1.0
+//!   the `parked` commands work as over 0-9-1; `topology apply` is refused (RabbitMQ cannot
+//!   declare queues over AMQP 1.0: apply over 0-9-1), and `topology verify` checks that
+//!   every address of the plan exists, without the probes, which need AMQP 0-9-1. RabbitMQ
+//!   3.x shows AMQP 1.0 clients none of the headers of a message parked over AMQP 0-9-1: it
+//!   lists as `unknown`, and a replay over AMQP 1.0 that selects it is refused.
+//! * `nats://` and `tls://` speak NATS JetStream (`nats`). Each queue of the plan is a stream
+//!   of its own subject. The `parked` commands read the parking stream by sequence (a
+//!   replayed copy is acknowledged by the stream before the original is deleted),
+//!   `topology plan` prints the streams and consumers, `apply` creates them (one replica
+//!   each, or `--replication-factor N`), and `verify` checks each of them, without probes.
+//!   `--quorum`, `--classic` and `--max-probe-ttl` do not apply there and are refused.
+//! * `memory://` is the in-memory broker, a new one per connection: for trying the
+//!   commands, not for operating anything.
+//!
+//! A transport written elsewhere gets the whole command, console included, from a binary
+//! of its own that registers it, without a change to `retryctl` ([`main_with`]).
 //!
 //! Exit codes: 0 success; 1 failure, a mismatch found by `verify` or an unknown queue
 //! included; 2 bad usage or bad input (an unknown option, a `purge` without `--yes`, a
-//! policy file that does not parse or has an unknown key, a URL scheme no protocol speaks,
-//! `topology apply` over AMQP 1.0, a replay over AMQP 1.0 of a message whose headers it
-//! cannot see, on NATS an option that does not apply there).
+//! policy file that does not parse or has an unknown key, a URL scheme no transport
+//! speaks, an option or command the transport does not support, such as `topology apply`
+//! over AMQP 1.0, a replay over AMQP 1.0 of a message whose headers it cannot see).
 //!
 //! A crate of its own: `cargo run -p retryctl -- --help`, or `cargo install --path
-//! retryctl` to put it on the `PATH`. The library holds the whole command, so that its
-//! decoders (the console's packed index, its form and query parsing) can be fuzzed; its
-//! only interface is [`main`].
+//! retryctl` to put it on the `PATH`. The library holds the whole command, so that another
+//! registry can run it and its decoders (the console's packed index, its form and query
+//! parsing) can be fuzzed; its interface is [`main`] and [`main_with`].
 
 mod broker;
 mod error;
-mod nats;
 mod parked;
 mod policy;
-mod protocol;
+mod present;
 mod render;
+mod runtime;
 mod serve;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub use serve::fuzzing;
 mod topology;
-mod verify;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use retry_core::{ConnectOptions, Registry};
 
+use crate::broker::Broker;
 use crate::error::CliError;
-use crate::protocol::Protocol;
 
 /// The broker when neither `--url` nor `AMQP_URL` says otherwise.
 const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// Operate the retry engine's parking lot and topology on RabbitMQ or NATS JetStream.
+/// Operate the retry engine's parking lot and topology on any registered transport.
 #[derive(Debug, Parser)]
 #[command(name = "retryctl", version)]
 struct Cli {
@@ -119,9 +129,9 @@ struct Cli {
     )]
     url: String,
 
-    /// The protocol of an amqp:// or amqps:// URL: amqp091 (AMQP 0-9-1, the default) or
-    /// amqp10 (AMQP 1.0: no `topology apply`, and `topology verify` without probes); nats for
-    /// a nats:// or tls:// URL (NATS JetStream, the scheme's only protocol).
+    /// The transport to speak, when the URL's scheme has several: for an amqp:// or
+    /// amqps:// URL, amqp091 (AMQP 0-9-1, the default) or amqp10 (AMQP 1.0: no `topology
+    /// apply`, and `topology verify` without probes).
     #[arg(
         long,
         global = true,
@@ -129,14 +139,14 @@ struct Cli {
         hide_env_values = true,
         value_name = "PROTOCOL"
     )]
-    protocol: Option<Protocol>,
+    protocol: Option<String>,
 
-    /// A PEM file of CA certificates to trust for an amqps:// URL, in place of the
+    /// A PEM file of CA certificates to trust over TLS (an amqps:// URL), in place of the
     /// platform's.
     #[arg(long, global = true, env = "RETRYCTL_TLS_CA", value_name = "FILE")]
     tls_ca: Option<PathBuf>,
 
-    /// A PEM file with the client certificate to present over amqps:// (with --tls-key).
+    /// A PEM file with the client certificate to present over TLS (with --tls-key).
     #[arg(
         long,
         global = true,
@@ -208,18 +218,9 @@ enum Command {
     Serve(serve::ServeArgs),
 }
 
-/// `println!` that does not panic when standard output is closed (`retryctl ... | head`).
-macro_rules! outln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
-    }};
-}
-pub(crate) use outln;
-
-/// Runs the `retryctl` command with the process's arguments: what the binary does. The
-/// crate is a library only so that its decoders can be fuzzed (`fuzz/`); the command is
-/// its interface.
+/// Runs the `retryctl` command with the process's arguments over this workspace's
+/// transports (`retry_transports::registry()`: AMQP 0-9-1, AMQP 1.0, NATS JetStream and the
+/// in-memory broker): what the `retryctl` binary does.
 ///
 /// ```no_run
 /// fn main() -> std::process::ExitCode {
@@ -227,8 +228,53 @@ pub(crate) use outln;
 /// }
 /// ```
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match run(cli) {
+    main_with(retry_transports::registry())
+}
+
+/// Runs the `retryctl` command with the process's arguments over the transports of
+/// `registry`: how a transport written outside this workspace gets the command line and the
+/// console. Each command asks the transport for what it needs through
+/// [`Admin`](retry_core::Admin), which its [`Registration`](retry_core::Registration) hands
+/// out with [`DynTransport::with_admin`](retry_core::DynTransport::with_admin).
+///
+/// ```no_run
+/// # fn my_transport() -> retry_core::Registration { unimplemented!() }
+/// fn main() -> std::process::ExitCode {
+///     // This workspace's transports, and one of your own for `mq://` URLs.
+///     retryctl::main_with(retry_transports::registry().with(my_transport()))
+/// }
+/// ```
+pub fn main_with(registry: Registry) -> ExitCode {
+    run_with(std::env::args_os(), registry)
+}
+
+/// Runs the `retryctl` command with `args` (the program's name first, as
+/// [`std::env::args_os`] gives them) over the transports of `registry`, printing what the
+/// command prints, and returns its exit code: [`main_with`] without the process's
+/// arguments, for a program that builds them.
+///
+/// ```
+/// use std::process::ExitCode;
+///
+/// let registry = retry_transports::registry();
+/// let code = retryctl::run_with(["retryctl", "--url", "memory://", "parked", "purge", "comments", "--all"], registry);
+/// // Refused without --yes: a usage error.
+/// assert_eq!(code, ExitCode::from(2));
+/// ```
+pub fn run_with<I, T>(args: I, registry: Registry) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        // Help and version are printed to standard output and exit 0; usage errors exit 2.
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    match run(cli, registry) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("retryctl: {}", err.chain());
@@ -237,49 +283,18 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<(), CliError> {
-    let broker = Broker {
-        url: &cli.url,
-        protocol: cli.protocol,
-    };
-    if let Some(tls) = cli.tls() {
-        if broker.protocol()? != Protocol::Amqp091 {
-            return Err(CliError::usage(
-                "--tls-ca, --tls-cert, --tls-key and --tls-server-name apply to AMQP 0-9-1 only",
-            ));
-        }
-        broker::use_tls(tls);
+fn run(cli: Cli, registry: Registry) -> Result<(), CliError> {
+    let mut options = ConnectOptions::new();
+    if let Some(protocol) = &cli.protocol {
+        options = options.with_protocol(protocol);
     }
+    if let Some(tls) = cli.tls() {
+        options = options.with_tls(tls);
+    }
+    let broker = Broker::new(registry, &cli.url, options);
     match cli.command {
         Command::Parked(command) => parked::run(command, &broker),
         Command::Topology(command) => topology::run(command, &broker),
         Command::Serve(args) => serve::run(args, &broker),
     }
-}
-
-/// The broker a command talks to: its URL, and the protocol asked for.
-pub(crate) struct Broker<'a> {
-    /// `--url`.
-    pub url: &'a str,
-    /// `--protocol`, if given.
-    pub protocol: Option<Protocol>,
-}
-
-impl Broker<'_> {
-    /// The protocol to speak: see [`Protocol::for_url`].
-    pub fn protocol(&self) -> Result<Protocol, CliError> {
-        Protocol::for_url(self.protocol, self.url)
-    }
-}
-
-/// Runs `future` to completion on a single-threaded runtime: the commands talk to one
-/// broker, one request at a time.
-pub(crate) fn block_on<T>(
-    future: impl Future<Output = Result<T, CliError>>,
-) -> Result<T, CliError> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| CliError::failure_from("cannot start the async runtime", e))?
-        .block_on(future)
 }

@@ -4,30 +4,25 @@
 //! where they are, unchanged, and one message at a time is held in memory, whatever the
 //! length of the queue.
 //!
-//! The commands are generic over the transport ([`retry_core::Transport`]): AMQP 0-9-1
-//! (`AmqpTransport`), AMQP 1.0 (`Amqp10Transport`) or NATS JetStream (`NatsTransport`), as
-//! [`Protocol`] says.
+//! The commands run on whatever transport the registry connects ([`DynTransport`]): its
+//! [`Admin`] counts the queues and says which messages hide headers a replay would lose.
 
 use std::ops::ControlFlow;
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{ArgGroup, Args, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use retry_core::headers::{self, PREVIOUS_ERROR, PREVIOUS_REASON, REPLAYED_AT, REPLAYS};
 use retry_core::{
-    Headers, ParkedFilter, ParkedMessage, ParkedReason, ParkedRecord, ParkingError, ParkingLot,
-    ParkingReport, Properties, ReplayOptions, Timestamp, TopologyPlan, Transport, TransportError,
+    Admin, Depth, DynTransport, ParkedFilter, ParkedReason, ParkingError, ParkingLot,
+    ReplayOptions, Timestamp, TopologyPlan, Transport, TransportError,
 };
-use serde_json::{Value, json};
-use transport_amqp10::{Amqp10Transport, NATIVE_HEADER};
-use transport_amqp091::AmqpTransport;
-use transport_nats::NatsTransport;
 
+use crate::broker::{Broker, depth};
 use crate::error::CliError;
-use crate::protocol::{self, Protocol};
-use crate::render::{header_json, hex};
-use crate::{Broker, block_on, broker, outln};
+use crate::present::{
+    hidden_headers_refusal, message_json, message_text, parse_when, record_json, record_line,
+    replay_line, walk_error_text,
+};
+use crate::runtime::{block_on, outln};
 
 /// The `parked` subcommands.
 #[derive(Debug, Subcommand)]
@@ -167,131 +162,17 @@ fn parse_rate(text: &str) -> Result<f64, String> {
     }
 }
 
-/// An RFC 3339 time, or a duration before now.
-pub(crate) fn parse_when(text: &str) -> Result<Timestamp, String> {
-    if let Ok(t) = humantime::parse_rfc3339_weak(text) {
-        return Ok(Timestamp::from_system_time(t));
-    }
-    match humantime::parse_duration(text) {
-        Ok(ago) => Ok(Timestamp::from_system_time(
-            SystemTime::now().checked_sub(ago).unwrap_or(UNIX_EPOCH),
-        )),
-        Err(_) => Err(
-            "expected an RFC 3339 time (2026-12-01T09:30:00Z) or a duration ago (2h, 30m)".into(),
-        ),
-    }
-}
-
-/// Runs a `parked` subcommand against `broker`, over the protocol it calls for.
-pub fn run(command: ParkedCommand, broker: &Broker<'_>) -> Result<(), CliError> {
+/// Runs a `parked` subcommand against `broker`, over the transport its URL calls for.
+pub fn run(command: ParkedCommand, broker: &Broker) -> Result<(), CliError> {
     if let ParkedCommand::Purge { yes: false, .. } = command {
         return Err(CliError::usage(
             "purge removes the selected messages for good: add --yes to confirm",
         ));
     }
-    let protocol = broker.protocol()?;
-    block_on(async {
-        match protocol {
-            Protocol::Amqp091 => {
-                let transport = Arc::new(broker::connect(broker.url).await?);
-                let result = run_on(command, &transport).await;
-                let _ = transport.close().await;
-                result
-            }
-            Protocol::Amqp10 => {
-                let transport = Arc::new(protocol::connect_amqp10(broker.url).await?);
-                let result = run_on(command, &transport).await;
-                transport.close().await;
-                result
-            }
-            Protocol::Nats => {
-                let transport = Arc::new(protocol::connect_nats(broker.url, 1).await?);
-                let result = run_on(command, &transport).await;
-                transport.close().await;
-                result
-            }
-        }
-    })
+    block_on(broker.with_transport(&[], async |transport| run_on(command, transport).await))
 }
 
-/// What a queue holds, as far as the protocol can tell without taking anything.
-pub(crate) enum Depth {
-    /// There is no such queue.
-    Missing,
-    /// It exists, with this many messages ready.
-    Ready(u64),
-    /// The protocol cannot tell: the walk finds out.
-    Unknown,
-}
-
-/// What the `parked` commands ask of a transport besides walking and publishing.
-pub(crate) trait Inspect: Transport {
-    /// Whether a message can hold headers this protocol does not show, which a copy
-    /// replayed over it would lose: a replay first checks that none of the selected
-    /// messages is one ([`hides_headers`](Self::hides_headers)).
-    const MAY_HIDE_HEADERS: bool = false;
-
-    /// Whether `parked` may have headers this protocol does not show.
-    fn hides_headers(_parked: &ParkedMessage) -> bool {
-        false
-    }
-
-    /// Queue `name`'s [`Depth`].
-    async fn depth(&self, name: &str) -> Result<Depth, CliError>;
-}
-
-/// A passive declare.
-impl Inspect for AmqpTransport {
-    async fn depth(&self, name: &str) -> Result<Depth, CliError> {
-        Ok(match broker::queue_state(&self.connection(), name).await? {
-            Some(state) => Depth::Ready(u64::from(state.messages)),
-            None => Depth::Missing,
-        })
-    }
-}
-
-/// transport-amqp10 offers no count or existence check of a single queue: a missing
-/// parking queue fails the walk, a missing work queue the first replayed copy (which stays
-/// parked), and both are reported as over AMQP 0-9-1.
-///
-/// RabbitMQ 3.x shows AMQP 1.0 clients none of the headers of a message published over AMQP
-/// 0-9-1 (one parked by an AMQP 0-9-1 consumer): such a message reads as having no
-/// application properties, only the transport's own [`NATIVE_HEADER`].
-impl Inspect for Amqp10Transport {
-    const MAY_HIDE_HEADERS: bool = true;
-
-    fn hides_headers(parked: &ParkedMessage) -> bool {
-        parked
-            .message()
-            .headers()
-            .iter()
-            .all(|(name, _)| name == NATIVE_HEADER)
-    }
-
-    async fn depth(&self, _: &str) -> Result<Depth, CliError> {
-        Ok(Depth::Unknown)
-    }
-}
-
-/// The messages stored in the queue's stream (`NatsTransport::count`): a parking stream
-/// (limits retention) holds exactly what is parked, a work stream also what is being
-/// handled. Every header of a message stored on NATS is read, so nothing is hidden; a
-/// replayed copy is published to the work queue's subject with its PubAck awaited (the
-/// stream's confirm), and only then is the parked original deleted from its stream.
-impl Inspect for NatsTransport {
-    async fn depth(&self, name: &str) -> Result<Depth, CliError> {
-        match self.count(name).await {
-            Ok(n) => Ok(Depth::Ready(n)),
-            Err(TransportError::MissingAddress { .. }) => Ok(Depth::Missing),
-            Err(e) => Err(CliError::failure_from(
-                format!("cannot inspect queue {name:?}"),
-                e,
-            )),
-        }
-    }
-}
-
-async fn run_on<T: Inspect>(command: ParkedCommand, transport: &Arc<T>) -> Result<(), CliError> {
+async fn run_on(command: ParkedCommand, transport: &DynTransport) -> Result<(), CliError> {
     match command {
         ParkedCommand::List {
             queue,
@@ -313,8 +194,8 @@ async fn run_on<T: Inspect>(command: ParkedCommand, transport: &Arc<T>) -> Resul
             dry_run,
         } => {
             let (lot, total) = open(transport, &queue, true).await?;
-            if T::MAY_HIDE_HEADERS {
-                refuse_hidden_headers::<T>(&lot, &queue, &select.filter.filter()).await?;
+            if transport.may_hide_headers() {
+                refuse_hidden_headers(transport, &lot, &queue, &select.filter.filter()).await?;
             }
             let mut options = ReplayOptions::default().with_dry_run(dry_run);
             if let Some(rate) = rate {
@@ -366,21 +247,21 @@ async fn run_on<T: Inspect>(command: ParkedCommand, transport: &Arc<T>) -> Resul
 /// The parking lot of `queue`, and how many messages its parking queue has ready, when the
 /// protocol can tell. Fails, naming the queue, when the parking queue (or, for a replay, the
 /// work queue) is known not to exist.
-async fn open<T: Inspect>(
-    transport: &Arc<T>,
+async fn open(
+    transport: &DynTransport,
     queue: &QueueArgs,
     replays: bool,
-) -> Result<(ParkingLot<Arc<T>>, Option<u64>), CliError> {
+) -> Result<(ParkingLot<DynTransport>, Option<u64>), CliError> {
     let parking = queue.parking_queue();
-    let total = match transport.depth(&parking).await? {
+    let total = match depth(transport, &parking).await? {
         Depth::Missing => return Err(no_parking_queue(queue)),
         Depth::Ready(n) => Some(n),
         Depth::Unknown => None,
     };
-    if replays && matches!(transport.depth(&queue.queue).await?, Depth::Missing) {
+    if replays && matches!(depth(transport, &queue.queue).await?, Depth::Missing) {
         return Err(no_work_queue(queue));
     }
-    let lot = ParkingLot::with_queues(Arc::clone(transport), queue.queue.as_str(), parking);
+    let lot = ParkingLot::with_queues(transport.clone(), queue.queue.as_str(), parking);
     Ok((lot, total))
 }
 
@@ -404,64 +285,38 @@ fn no_work_queue(queue: &QueueArgs) -> CliError {
     ))
 }
 
-/// Refuses a replay (exit 2) when a message it selects may have headers the protocol does
+/// Refuses a replay (exit 2) when a message it selects may have headers the transport does
 /// not show: its copy would go out without them.
-async fn refuse_hidden_headers<T: Inspect>(
-    lot: &ParkingLot<Arc<T>>,
+async fn refuse_hidden_headers(
+    transport: &DynTransport,
+    lot: &ParkingLot<DynTransport>,
     queue: &QueueArgs,
     filter: &ParkedFilter,
 ) -> Result<(), CliError> {
-    let hidden = count_hidden_headers::<T>(lot, filter)
+    let (hidden, why) = count_hidden_headers(transport, lot, filter)
         .await
         .map_err(|e| walk_error("reading", queue, e))?;
-    hidden_headers_refusal(hidden, lot.parking_queue())
+    hidden_headers_refusal(hidden, lot.parking_queue(), why.as_deref())
 }
 
-/// What a replay did, as `retryctl parked replay` and the console say it: the messages the
-/// transport could not copy (left parked) are named when there are some.
-pub(crate) fn replay_line(report: &ParkingReport, work: &str, parking: &str) -> String {
-    let mut line = format!(
-        "replayed {} to {work}, left {} in {parking}",
-        report.replayed, report.left
-    );
-    if report.uncopyable > 0 {
-        line.push_str(&format!(
-            " ({} of them could not be copied: messages the transport could not read as \
-             they came; read or purge them)",
-            report.uncopyable
-        ));
-    }
-    line
-}
-
-/// How many of the messages `filter` selects may have headers the protocol does not show.
-async fn count_hidden_headers<T: Inspect>(
-    lot: &ParkingLot<Arc<T>>,
+/// How many of the messages `filter` selects may have headers the transport does not show,
+/// and what it says of the first.
+pub(crate) async fn count_hidden_headers(
+    transport: &DynTransport,
+    lot: &ParkingLot<DynTransport>,
     filter: &ParkedFilter,
-) -> Result<u64, ParkingError> {
+) -> Result<(u64, Option<String>), ParkingError> {
     let mut hidden = 0u64;
+    let mut why = None;
     lot.browse(filter, |parked| {
-        if T::hides_headers(&parked) {
+        if let Some(said) = transport.hidden_headers(parked.message()) {
             hidden += 1;
+            why.get_or_insert(said);
         }
         ControlFlow::Continue(())
     })
     .await?;
-    Ok(hidden)
-}
-
-/// The refusal of a replay that selects `hidden` messages whose headers the protocol does
-/// not show, if any.
-pub(crate) fn hidden_headers_refusal(hidden: u64, parking: &str) -> Result<(), CliError> {
-    if hidden == 0 {
-        return Ok(());
-    }
-    Err(CliError::usage(format!(
-        "nothing replayed: {hidden} of the selected messages in {parking} show no headers over \
-         AMQP 1.0, as RabbitMQ 3.x shows a message published over AMQP 0-9-1 (one parked by an \
-         AMQP 0-9-1 consumer), and a copy replayed over AMQP 1.0 would lose them: replay over \
-         AMQP 0-9-1 (without --protocol amqp10)"
-    )))
+    Ok((hidden, why))
 }
 
 /// A parking-lot error as the command reports it. A queue found missing only by the walk (a
@@ -483,18 +338,6 @@ fn walk_error(what: &str, queue: &QueueArgs, e: ParkingError) -> CliError {
         }
     }
     CliError::failure_from(walk_error_text(what, &done), e)
-}
-
-/// What a walk that failed after doing `done` says.
-pub(crate) fn walk_error_text(what: &str, done: &ParkingReport) -> String {
-    if *done == ParkingReport::default() {
-        format!("{what} failed")
-    } else {
-        format!(
-            "{what} stopped after {} replayed and {} purged; every other message is still parked",
-            done.replayed, done.purged
-        )
-    }
 }
 
 /// A progress bar on standard error, hidden when that is not a terminal; without a total, a
@@ -612,264 +455,9 @@ async fn show<T: Transport>(
     Ok(())
 }
 
-/// A time as RFC 3339, to the millisecond, in UTC.
-pub(crate) fn time_text(t: Timestamp) -> String {
-    let system = UNIX_EPOCH.checked_add(Duration::from_millis(t.as_millis()));
-    match system {
-        Some(t) => humantime::format_rfc3339_millis(t).to_string(),
-        None => format!("{} ms", t.as_millis()),
-    }
-}
-
-/// Text cut to its first line, with control characters shown as spaces and `…` where
-/// something was cut.
-pub(crate) fn one_line(text: &str, max_chars: usize) -> String {
-    let first = text.lines().next().unwrap_or("");
-    let mut out: String = first
-        .chars()
-        .take(max_chars)
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    if first.chars().count() > max_chars || first.len() < text.trim_end().len() {
-        out.push('…');
-    }
-    out
-}
-
-/// Whether a counter of the engine's record has a value on this message: its header is
-/// there, or it is attempts or crashes and the message carries the engine's record at all
-/// (clones leave out those counters when they are 0, see `EngineHeaders::write_into`).
-fn counter_known(headers: &Headers, name: &str) -> bool {
-    headers.get(name).is_some()
-        || ([headers::ATTEMPTS, headers::CRASHES].contains(&name)
-            && (headers.get(headers::ORIGIN_QUEUE).is_some()
-                || headers.get(headers::REASON).is_some()))
-}
-
-/// A counter of the engine's record as a list shows it: `malformed` when its header is
-/// unusable, `-` when the message has none.
-fn counter_field(headers: &Headers, record: &ParkedRecord<'_>, name: &str, n: u32) -> String {
-    if record.malformed.contains(name) {
-        "malformed".into()
-    } else if counter_known(headers, name) {
-        n.to_string()
-    } else {
-        "-".into()
-    }
-}
-
-fn record_line(parked: &ParkedMessage) -> String {
-    let headers = parked.message().headers();
-    let record = parked.record();
-    let attempts = counter_field(headers, &record, headers::ATTEMPTS, record.attempts);
-    let crashes = counter_field(headers, &record, headers::CRASHES, record.crashes);
-    let parked_at = match parked.parked_at() {
-        Some(t) => time_text(t),
-        None if record.malformed.contains(headers::LAST_FAILURE) => "malformed".into(),
-        None => "-".into(),
-    };
-    let error = match record.last_error {
-        Some(e) => one_line(e, 120),
-        None if record.malformed.contains(headers::LAST_ERROR) => "malformed".into(),
-        None => "-".into(),
-    };
-    format!(
-        "{:<24} {:<18} {:>8} {:>7}  {:<24}  {error}",
-        id_text(parked),
-        parked.reason().as_str(),
-        attempts,
-        crashes,
-        parked_at
-    )
-}
-
-pub(crate) fn id_text(parked: &ParkedMessage) -> String {
-    parked
-        .id()
-        .map_or_else(|| "(no id)".to_owned(), |id| one_line(id, 64))
-}
-
-/// Every diagnostic field of a parked message.
-pub(crate) fn record_json(parked: &ParkedMessage) -> Value {
-    record_json_of(parked.id(), parked.message().headers())
-}
-
-/// Every diagnostic field of a parked message with message id `id` and `headers`: a field is
-/// `"malformed"` when its header is unusable and `null` when the message has no value for
-/// it (a header left out because it held its default has one: see `ParkedRecord`).
-pub(crate) fn record_json_of(id: Option<&str>, headers: &Headers) -> Value {
-    let r = ParkedRecord::decode(headers);
-    let time = |t: Option<Timestamp>| t.map_or(Value::Null, |t| json!(time_text(t)));
-    let f = |name: &str, value: Value| {
-        if r.malformed.contains(name) {
-            json!("malformed")
-        } else {
-            value
-        }
-    };
-    let count = |name: &str, n: u32| {
-        f(
-            name,
-            if counter_known(headers, name) {
-                json!(n)
-            } else {
-                Value::Null
-            },
-        )
-    };
-    json!({
-        "id": id,
-        "reason": ParkedReason::of(headers).as_str(),
-        "attempts": count(headers::ATTEMPTS, r.attempts),
-        "crashes": count(headers::CRASHES, r.crashes),
-        "parked_at": time(retry_core::parked_at(headers)),
-        "first_failure": f(headers::FIRST_FAILURE, time(r.first_failure)),
-        "last_failure": f(headers::LAST_FAILURE, time(r.last_failure)),
-        "last_error": f(headers::LAST_ERROR, json!(r.last_error)),
-        "origin_queue": f(headers::ORIGIN_QUEUE, json!(r.origin_queue)),
-        "origin_exchange": f(headers::ORIGIN_EXCHANGE, json!(r.origin_exchange)),
-        "origin_routing_key": f(headers::ORIGIN_ROUTING_KEY, json!(r.origin_routing_key)),
-        "replays": count(REPLAYS, r.replays),
-        "replayed_at": f(REPLAYED_AT, time(r.replayed_at)),
-        "previous_reason": f(PREVIOUS_REASON, json!(r.previous_reason)),
-        "previous_error": f(PREVIOUS_ERROR, json!(r.previous_error)),
-        "malformed": r.malformed.names().collect::<Vec<_>>(),
-    })
-}
-
-pub(crate) fn properties_json(p: &Properties) -> Value {
-    json!({
-        "content_type": p.content_type,
-        "content_encoding": p.content_encoding,
-        "message_id": p.message_id,
-        "correlation_id": p.correlation_id,
-        "reply_to": p.reply_to,
-        "timestamp": p.timestamp.map(time_text),
-        "priority": p.priority,
-        "type": p.kind,
-        "app_id": p.app_id,
-        "persistent": p.persistent,
-    })
-}
-
-/// The body as JSON: text when it is UTF-8, hex otherwise.
-fn body_json(body: &[u8]) -> Value {
-    match std::str::from_utf8(body) {
-        Ok(text) => json!({ "length": body.len(), "text": text }),
-        Err(_) => json!({ "length": body.len(), "hex": hex(body) }),
-    }
-}
-
-fn message_json(parked: &ParkedMessage) -> Value {
-    let message = parked.message();
-    json!({
-        "record": record_json(parked),
-        "properties": properties_json(message.properties()),
-        "headers": Value::Object(
-            message
-                .headers()
-                .iter()
-                .map(|(k, v)| (k.to_owned(), header_json(v)))
-                .collect(),
-        ),
-        "body": body_json(message.body()),
-    })
-}
-
-/// A message in full, as text.
-fn message_text(parked: &ParkedMessage, parking: &str) -> String {
-    use std::fmt::Write as _;
-    let message = parked.message();
-    let mut out = String::new();
-    let _ = writeln!(out, "message {} in {parking}", id_text(parked));
-    let _ = writeln!(out, "\nrecord");
-    if let Value::Object(fields) = record_json(parked) {
-        for (name, value) in fields {
-            if !value.is_null() && value != json!([]) {
-                let _ = writeln!(out, "  {name:<19} {}", value_text(&value));
-            }
-        }
-    }
-    let _ = writeln!(out, "\nproperties");
-    if let Value::Object(fields) = properties_json(message.properties()) {
-        for (name, value) in fields {
-            if !value.is_null() {
-                let _ = writeln!(out, "  {name:<19} {}", value_text(&value));
-            }
-        }
-    }
-    let _ = writeln!(out, "\nheaders");
-    let width = message.headers().iter().map(|(k, _)| k.len()).max();
-    for (name, value) in message.headers().iter() {
-        let mut text = value_text(&header_json(value));
-        if [headers::FIRST_FAILURE, headers::LAST_FAILURE, REPLAYED_AT].contains(&name)
-            && let Some(ms) = value.as_u64()
-        {
-            text = format!("{text} ({})", time_text(Timestamp::from_millis(ms)));
-        }
-        let _ = writeln!(out, "  {name:<w$}  {text}", w = width.unwrap_or(0));
-    }
-    let body = message.body();
-    match std::str::from_utf8(body) {
-        Ok(text) => {
-            let _ = writeln!(out, "\nbody ({} bytes, UTF-8)", body.len());
-            for line in text.lines() {
-                let _ = writeln!(out, "  {line}");
-            }
-        }
-        Err(_) => {
-            let _ = writeln!(out, "\nbody ({} bytes, not UTF-8, in hex)", body.len());
-            for (i, chunk) in body.chunks(16).enumerate() {
-                let _ = writeln!(out, "  {:08x}  {}", i * 16, hex(chunk));
-            }
-        }
-    }
-    out
-}
-
-/// A JSON value as a line of text: strings without their quotes, but for the empty one.
-fn value_text(value: &Value) -> String {
-    match value {
-        Value::String(s) if s.is_empty() => "\"\"".into(),
-        Value::String(s) => one_line(s, 200),
-        Value::Array(items) if items.iter().all(Value::is_string) => items
-            .iter()
-            .filter_map(Value::as_str)
-            .collect::<Vec<_>>()
-            .join(", "),
-        other => other.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn one_line_cuts_at_the_first_line_and_marks_the_cut() {
-        assert_eq!(one_line("timeout", 120), "timeout");
-        assert_eq!(one_line("first\nsecond", 120), "first…");
-        assert_eq!(one_line("tab\there", 120), "tab here");
-        assert_eq!(one_line("abcdef", 3), "abc…");
-        assert_eq!(one_line("", 3), "");
-        assert_eq!(one_line("trailing newline\n", 120), "trailing newline");
-    }
-
-    #[test]
-    fn when_reads_a_time_or_a_duration_ago() {
-        assert_eq!(
-            parse_when("2026-12-01T09:30:00Z"),
-            Ok(Timestamp::from_millis(1_796_117_400_000))
-        );
-        let two_hours_ago = parse_when("2h").unwrap();
-        let now = Timestamp::from_system_time(SystemTime::now());
-        let ago = now.saturating_duration_since(two_hours_ago);
-        assert!(
-            ago >= Duration::from_secs(7199) && ago <= Duration::from_secs(7201),
-            "{ago:?}"
-        );
-        assert!(parse_when("yesterday").is_err());
-    }
 
     #[test]
     fn a_rate_must_be_above_zero() {
@@ -877,13 +465,5 @@ mod tests {
         for bad in ["0", "-1", "NaN", "inf", "fast"] {
             assert!(parse_rate(bad).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn time_text_is_rfc3339_in_utc() {
-        assert_eq!(
-            time_text(Timestamp::from_millis(1_796_117_400_123)),
-            "2026-12-01T09:30:00.123Z"
-        );
     }
 }

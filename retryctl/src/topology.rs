@@ -1,26 +1,29 @@
-//! `retryctl topology`: plan, apply and verify a work queue's topology.
+//! `retryctl topology`: plan, apply and verify a work queue's topology, through the
+//! transport's [`Layout`](retry_core::Layout) (the plan) and [`Admin`] (apply, verify).
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
 use retry_core::{
-    HeaderValue, QueueRole, QueueSpec, QueueType, TopologyPlan, format_delay, redact_url,
+    Admin, Applied, Checked, HeaderValue, PlanOptions, QueueRole, QueueSpec, QueueType,
+    TopologyPlan, format_delay,
 };
 use serde_json::{Value, json};
-use transport_nats::{CONSUMER, stream_name};
 
+use crate::broker::Broker;
 use crate::error::CliError;
-use crate::policy::{PlanArgs, role_ttl};
-use crate::protocol::Protocol;
+use crate::policy::PlanArgs;
 use crate::render::header_json;
-use crate::verify::{self, VerifyArgs, refuse_cascade};
-use crate::{Broker, DEFAULT_URL, block_on, broker, nats, outln};
+use crate::runtime::{block_on, outln};
 
 /// The `topology` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum TopologyCommand {
     /// Print the exchanges, queues (with their arguments) and bindings a work queue needs
-    /// for a policy. Needs no broker.
+    /// for a policy, or the objects the transport lays them out in (streams, on NATS).
+    /// Needs no broker.
     Plan {
         #[command(flatten)]
         plan: PlanArgs,
@@ -28,127 +31,168 @@ pub enum TopologyCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Declare the plan on the broker, idempotently, and say which objects were created and
-    /// which already existed as planned. An object that exists with other settings is an
-    /// error naming it and the setting. AMQP 0-9-1 or NATS (streams and consumers): RabbitMQ
-    /// cannot declare queues over AMQP 1.0.
+    /// Create the plan's objects on the broker, idempotently, and say which were created
+    /// and which already existed as planned. An object that exists with other settings is
+    /// an error naming it and the setting. Refused by a transport that cannot create them
+    /// (AMQP 1.0: RabbitMQ cannot declare queues over it).
     Apply {
         #[command(flatten)]
         plan: PlanArgs,
     },
-    /// Check from outside that the broker matches the plan: every object exists, and a probe
-    /// sent through each delay queue comes back where the plan says. Deletes nothing; stop
-    /// the work queue's consumers for a conclusive check. Exits 1 on any mismatch. Over AMQP
-    /// 1.0 and NATS only the objects are checked: the probes need AMQP 0-9-1.
+    /// Check from outside that the broker matches the plan: every object exists and, over
+    /// AMQP 0-9-1, a probe sent through each delay queue comes back where the plan says.
+    /// Deletes nothing; stop the work queue's consumers for a conclusive check. Exits 1 on
+    /// any mismatch.
     Verify(VerifyArgs),
 }
 
+/// `retryctl topology verify`'s arguments.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub plan: PlanArgs,
+
+    /// The longest a probe waits in a delay queue (default 10s): each probe expires after its
+    /// queue's TTL or this, whichever is shorter, and is waited for this long plus 5 s at
+    /// most. For a transport that sends probes (AMQP 0-9-1); NATS refuses it.
+    #[arg(long, value_name = "DURATION", value_parser = parse_probe_ttl)]
+    pub max_probe_ttl: Option<Duration>,
+}
+
+fn parse_probe_ttl(text: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d < Duration::from_millis(1) {
+        return Err("must be at least 1ms (broker expirations are milliseconds)".into());
+    }
+    Ok(d)
+}
+
 /// Runs a `topology` subcommand against `broker` (`plan` does not connect).
-pub fn run(command: TopologyCommand, broker: &Broker<'_>) -> Result<(), CliError> {
-    let url = broker.url;
+pub fn run(command: TopologyCommand, broker: &Broker) -> Result<(), CliError> {
     match command {
-        // The plan needs no broker: the URL only says which form it takes. A URL no protocol
-        // speaks gets the AMQP form, as before NATS.
-        TopologyCommand::Plan { plan, json } if broker.protocol().ok() == Some(Protocol::Nats) => {
-            let (plan, replicas) = plan.nats_plan()?;
-            refuse_cascade(&plan)?;
-            if json {
-                let text = serde_json::to_string_pretty(&nats_plan_json(&plan, replicas))
-                    .map_err(|e| CliError::failure_from("cannot write the plan as JSON", e))?;
-                outln!("{text}");
-            } else {
-                outln!("{}", nats_plan_text(&plan, replicas).trim_end());
-            }
+        TopologyCommand::Plan { plan: args, json } => {
+            let options = args.options(None);
+            let plan = args.plan(broker, &options)?;
+            let view = broker.registration()?.layout().view(&plan, &options);
+            let text = match (view, json) {
+                (Some(view), false) => view.text,
+                (Some(view), true) => view.json,
+                (None, false) => plan_text(&plan),
+                (None, true) => serde_json::to_string_pretty(&plan_json(&plan))
+                    .map_err(|e| CliError::failure_from("cannot write the plan as JSON", e))?,
+            };
+            outln!("{}", text.trim_end());
             Ok(())
         }
-        TopologyCommand::Plan { plan, json } => {
-            let plan = plan.plan(url)?;
-            if json {
-                let text = serde_json::to_string_pretty(&plan_json(&plan))
-                    .map_err(|e| CliError::failure_from("cannot write the plan as JSON", e))?;
-                outln!("{text}");
-            } else {
-                outln!("{}", plan_text(&plan).trim_end());
-            }
-            Ok(())
+        TopologyCommand::Apply { plan: args } => {
+            let options = args.options(None);
+            let plan = args.plan(broker, &options)?;
+            block_on(apply(&plan, &options, broker))
         }
-        TopologyCommand::Apply { plan } => match broker.protocol()? {
-            Protocol::Amqp091 => {
-                let plan = plan.plan(url)?;
-                block_on(apply(&plan, url))
-            }
-            Protocol::Amqp10 => Err(CliError::usage(format!(
-                "topology apply needs AMQP 0-9-1: RabbitMQ cannot declare queues over AMQP \
-                 1.0. Run it without --protocol amqp10, on the broker's AMQP 0-9-1 URL \
-                 (amqp://USER:PASSWORD@HOST:5672/VHOST, e.g. {}); `topology verify \
-                 --protocol amqp10` then checks the result over AMQP 1.0",
-                redact_url(DEFAULT_URL)
-            ))),
-            Protocol::Nats => {
-                let (plan, replicas) = plan.nats_plan()?;
-                block_on(nats::apply(&plan, url, replicas))
-            }
-        },
         TopologyCommand::Verify(args) => {
-            let protocol = broker.protocol()?;
-            if protocol == Protocol::Nats {
-                if args.max_probe_ttl.is_some() {
-                    return Err(CliError::usage(
-                        "--max-probe-ttl does not apply on NATS JetStream: nothing is probed, \
-                         as the server holds every delayed copy itself (no queue TTL or \
-                         dead-lettering routes it); verify checks the streams and consumers",
-                    ));
-                }
-                let (plan, replicas) = args.plan.nats_plan()?;
-                return block_on(nats::verify(&plan, url, replicas));
-            }
-            let plan = args.plan.plan(url)?;
-            match protocol {
-                Protocol::Amqp091 => block_on(verify::verify(&plan, &args, url)),
-                Protocol::Amqp10 => block_on(verify::verify_amqp10(&plan, url)),
-                Protocol::Nats => unreachable!("answered above"),
-            }
+            let options = args.plan.options(args.max_probe_ttl);
+            let plan = args.plan.plan(broker, &options)?;
+            block_on(verify(&plan, &options, broker))
         }
     }
 }
 
-/// Declares `plan` and prints, object by object, what was created and what was verified.
-async fn apply(plan: &TopologyPlan, url: &str) -> Result<(), CliError> {
-    let transport = broker::connect(url).await?;
+/// Creates `plan`'s objects and prints, object by object, what was created and what was
+/// verified.
+async fn apply(
+    plan: &TopologyPlan,
+    options: &PlanOptions,
+    broker: &Broker,
+) -> Result<(), CliError> {
+    let registration = broker.registration()?;
+    let settings = registration.layout().settings(options);
+    let title = registration.title().to_owned();
+    let report = broker
+        .with_transport(&settings, async |transport| {
+            transport
+                .apply(plan)
+                .await
+                .map_err(|e| CliError::from_transport("cannot apply the plan", e))
+        })
+        .await?;
     outln!(
-        "applying the plan of work queue `{}` on {}",
+        "applied the plan of work queue `{}` on {} ({title})",
         plan.work_queue(),
-        transport.config().redacted_url()
+        broker.shown()
     );
-    let provisioned = transport.provision_inspected(plan).await;
-    let _ = transport.close().await;
-    let report = provisioned?;
-    let objects = plan
-        .exchanges()
-        .iter()
-        .map(|e| format!("exchange {}", e.name))
-        .chain(plan.queues().iter().map(|q| format!("queue {}", q.name)));
-    for object in objects {
-        let status = if report.created.contains(&object) {
-            "created"
-        } else if report.verified.contains(&object) {
-            "verified"
-        } else {
-            "declared"
-        };
-        outln!("  {status:<9} {object}");
+    let count = |applied| report.iter().filter(|o| o.applied == applied).count();
+    for object in &report {
+        outln!("  {:<9} {}", object.applied.as_str(), object.object);
     }
-    outln!("  {:<9} {} bindings", "declared", plan.bindings().len());
     outln!(
         "{} created, {} verified",
-        report.created.len(),
-        report.verified.len()
+        count(Applied::Created),
+        count(Applied::Verified)
     );
     Ok(())
 }
 
+/// Checks the broker against `plan`; prints one line per object and fails (exit 1) on any
+/// mismatch.
+async fn verify(
+    plan: &TopologyPlan,
+    options: &PlanOptions,
+    broker: &Broker,
+) -> Result<(), CliError> {
+    let settings = broker.registration()?.layout().settings(options);
+    let work = plan.work_queue();
+    let at = broker.shown();
+    let spinner = ProgressBar::new_spinner()
+        .with_style(
+            ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        )
+        .with_message(format!("checking the broker against the plan of `{work}`"));
+    spinner.enable_steady_tick(Duration::from_millis(100));
+    let checked = broker
+        .with_transport(&settings, async |transport| {
+            transport
+                .check(plan, options)
+                .await
+                .map_err(|e| CliError::from_transport("cannot verify the plan", e))
+        })
+        .await;
+    spinner.finish_and_clear();
+    let report = checked?;
+    if report.is_missing(work) {
+        return Err(CliError::failure(format!(
+            "there is no queue `{work}` on {at}: check the name, or create its topology with \
+             `retryctl topology apply {work} --policy FILE`"
+        )));
+    }
+    match &report.scope {
+        Some(scope) => outln!("verifying work queue `{work}` on {at} {scope}"),
+        None => outln!("verifying work queue `{work}` on {at}"),
+    }
+    for object in &report.objects {
+        match &object.checked {
+            Checked::Ok(detail) if detail.is_empty() => outln!("  ok    {}", object.object),
+            Checked::Ok(detail) => outln!("  ok    {}: {detail}", object.object),
+            Checked::Missing => outln!("  FAIL  {}: missing", object.object),
+            Checked::Failed(problem) => outln!("  FAIL  {}: {problem}", object.object),
+        }
+    }
+    for note in &report.notes {
+        outln!("  note  {note}");
+    }
+    let failed = report.problems();
+    if failed > 0 {
+        return Err(CliError::failure(format!(
+            "{failed} of {} checks failed: the broker does not match the plan of `{work}`",
+            report.objects.len()
+        )));
+    }
+    outln!("the broker matches the plan of `{work}`");
+    Ok(())
+}
+
 /// What a queue is for, in words.
-pub fn role_text(role: QueueRole) -> String {
+fn role_text(role: QueueRole) -> String {
     match role {
         QueueRole::Work => "work queue".into(),
         QueueRole::Delay { ttl } => format!("delay queue, {}", format_delay(ttl)),
@@ -176,7 +220,7 @@ fn role_name(role: QueueRole) -> &'static str {
 /// The queues of `plan` that a message dead-lettered from `spec` reaches: through the default
 /// exchange, the queue named by the routing key; through another exchange of the plan, the
 /// queues bound to it with that key.
-pub fn dead_letter_destinations<'p>(plan: &'p TopologyPlan, spec: &'p QueueSpec) -> Vec<&'p str> {
+fn dead_letter_destinations<'p>(plan: &'p TopologyPlan, spec: &'p QueueSpec) -> Vec<&'p str> {
     let args = &spec.arguments;
     let (Some(exchange), Some(key)) = (&args.dead_letter_exchange, &args.dead_letter_routing_key)
     else {
@@ -242,7 +286,7 @@ fn plan_text(plan: &TopologyPlan) -> String {
         let _ = write!(out, "  {}  ({}{durable}", q.name, role_text(q.role));
         let destinations = dead_letter_destinations(plan, q);
         if !destinations.is_empty() {
-            let verb = if role_ttl(q.role).is_some() {
+            let verb = if q.role.ttl().is_some() {
                 "expires into"
             } else {
                 "dead-letters into"
@@ -267,90 +311,6 @@ fn plan_text(plan: &TopologyPlan) -> String {
     out
 }
 
-/// What a queue's stream keeps on NATS: a parking stream what nobody deleted (limits, so
-/// `retryctl parked` can read it by sequence), every other one a message until it is acked.
-fn nats_retention(role: QueueRole) -> &'static str {
-    match role {
-        QueueRole::Parking => "limits",
-        _ => "work-queue",
-    }
-}
-
-/// The consumer a queue's stream has on NATS: none on a parking stream.
-fn nats_consumer(role: QueueRole) -> Option<&'static str> {
-    (!matches!(role, QueueRole::Parking)).then_some(CONSUMER)
-}
-
-/// The plan as NATS JetStream has it: a stream per queue, capturing the queue's name as its
-/// subject, with its consumer.
-fn nats_plan_text(plan: &TopologyPlan, replicas: usize) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "plan for work queue `{}` on NATS JetStream ({} streams, {replicas} replica{} each)",
-        plan.work_queue(),
-        plan.queues().len(),
-        if replicas == 1 { "" } else { "s" }
-    );
-    let _ = writeln!(
-        out,
-        "
-streams"
-    );
-    for q in plan.queues() {
-        let _ = write!(
-            out,
-            "  {}  (subject {}; {}",
-            stream_name(&q.name),
-            q.name,
-            role_text(q.role)
-        );
-        let destinations = dead_letter_destinations(plan, q);
-        if role_ttl(q.role).is_some() && !destinations.is_empty() {
-            let _ = write!(out, "; due copies go to {}", destinations.join(", "));
-        }
-        let _ = writeln!(out, ")");
-        let _ = writeln!(out, "      retention  {}", nats_retention(q.role));
-        let consumer = nats_consumer(q.role).map_or_else(
-            || "none (retryctl parked reads it by sequence)".to_owned(),
-            |c| format!("{c} (durable pull, explicit acks)"),
-        );
-        let _ = writeln!(out, "      consumer   {consumer}");
-    }
-    out
-}
-
-/// The plan on NATS as JSON.
-fn nats_plan_json(plan: &TopologyPlan, replicas: usize) -> Value {
-    let streams: Vec<Value> = plan
-        .queues()
-        .iter()
-        .map(|q| {
-            let due_to = if role_ttl(q.role).is_some() {
-                dead_letter_destinations(plan, q)
-            } else {
-                Vec::new()
-            };
-            json!({
-                "name": stream_name(&q.name),
-                "subject": q.name,
-                "role": role_name(q.role),
-                "ttl_ms": role_ttl(q.role).map(|d| d.as_millis() as u64),
-                "retention": nats_retention(q.role),
-                "replicas": replicas,
-                "consumer": nats_consumer(q.role),
-                "due_copies_go_to": due_to,
-            })
-        })
-        .collect();
-    json!({
-        "work_queue": plan.work_queue(),
-        "protocol": "nats",
-        "replicas": replicas,
-        "streams": streams,
-    })
-}
-
 /// The plan as JSON.
 fn plan_json(plan: &TopologyPlan) -> Value {
     let exchanges: Vec<Value> = plan
@@ -372,7 +332,7 @@ fn plan_json(plan: &TopologyPlan) -> Value {
             json!({
                 "name": q.name,
                 "role": role_name(q.role),
-                "ttl_ms": role_ttl(q.role).map(|d| d.as_millis() as u64),
+                "ttl_ms": q.role.ttl().map(|d| d.as_millis() as u64),
                 "durable": q.durable,
                 "arguments": arguments,
                 "dead_letters_to": dead_letter_destinations(plan, q),

@@ -15,8 +15,10 @@ use super::auth::{VIEWER, Viewer};
 use super::index::{Entry, Group, Index, Sort};
 use super::jobs::{Action, Job};
 use super::selection::Selection;
-use super::{App, DepthShown, Queue, Snapshot};
-use crate::parked::{one_line, properties_json, record_json_of, time_text};
+use retry_core::Depth;
+
+use super::{App, Queue, Snapshot};
+use crate::present::{one_line, properties_json, record_json_of, time_text};
 use crate::render::{header_json, hex};
 
 /// HTML under construction.
@@ -158,11 +160,11 @@ fn csrf_field(h: &mut Html, csrf: &str) {
     h.hidden("csrf", csrf);
 }
 
-fn depth_text(depth: &DepthShown) -> String {
+fn depth_text(depth: &Depth) -> String {
     match depth {
-        DepthShown::Ready(n) => n.to_string(),
-        DepthShown::Missing => "absent".into(),
-        DepthShown::Unknown => "not counted over this protocol".into(),
+        Depth::Ready(n) => n.to_string(),
+        Depth::Missing => "absent".into(),
+        Depth::Unknown => "not counted over this transport".into(),
     }
 }
 
@@ -1021,7 +1023,7 @@ fn report_words(job: &Job, report: &ParkingReport, parking: &str) -> String {
             "dry run: {} would be replayed to {}; replayed 0, left {} in {parking}",
             report.matched, job.queue, report.left
         ),
-        Action::Replay { .. } => crate::parked::replay_line(report, &job.queue, parking),
+        Action::Replay { .. } => crate::present::replay_line(report, &job.queue, parking),
         Action::Purge => format!(
             "purged {}, left {} in {parking}",
             report.purged, report.left

@@ -19,8 +19,10 @@ use super::html::{self, ListView};
 use super::index::{Entry, Group, Key, Sort};
 use super::jobs::{self, Action, Job};
 use super::selection::{LIFETIME, Selection};
-use super::{App, DepthShown, Queue};
-use crate::parked::{parse_when, properties_json, record_json_of, time_text};
+use retry_core::Depth;
+
+use super::{App, Queue};
+use crate::present::{parse_when, properties_json, record_json_of, time_text};
 use crate::render::header_json;
 
 /// Every response's Content-Security-Policy: no script at all, styles and images from the
@@ -873,9 +875,9 @@ fn queue_json(queue: &Queue, groups: Option<usize>) -> Value {
         .zip(&snap.depths)
         .map(|((name, role), depth)| {
             let ready = match depth {
-                DepthShown::Ready(n) => json!(n),
-                DepthShown::Missing => json!("absent"),
-                DepthShown::Unknown => Value::Null,
+                Depth::Ready(n) => json!(n),
+                Depth::Missing => json!("absent"),
+                Depth::Unknown => Value::Null,
             };
             json!({ "queue": name, "role": role, "ready": ready })
         })

@@ -15,14 +15,16 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use retry_core::{
-    Message, ParkedFilter, ParkingLot, ParkingReport, Pick, ReplayOptions, Timestamp,
+    Admin, DynTransport, Message, ParkedFilter, ParkingLot, ParkingReport, Pick, ReplayOptions,
+    Timestamp,
 };
 
 use super::index::Key;
 use super::selection::Selection;
-use super::{App, Queue, on_transport, watched};
+use super::{App, Queue, watched};
 use crate::error::CliError;
-use crate::parked::{Inspect, hidden_headers_refusal, walk_error_text};
+use crate::present::{hidden_headers_refusal, walk_error_text};
+use crate::runtime::block_on;
 
 /// The slowest and fastest replay rates the console takes, messages a second. At the
 /// slowest, a cancelled replay stops within 10 s.
@@ -169,9 +171,9 @@ pub fn start(
                 let _busy = queue.busy.lock().unwrap_or_else(|e| e.into_inner());
                 // A panic ends the job with its message, never leaves it running for ever.
                 std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    on_transport!(&app, |transport| act(
-                        &transport, &app, &queue, action, &selection, &running
-                    ))
+                    block_on(app.broker.with_transport(&[], async |transport| {
+                        act(transport, &app, &queue, action, &selection, &running).await
+                    }))
                 }))
                 .unwrap_or_else(|panic| Err(CliError::failure(super::panic_text(&*panic))))
             };
@@ -215,8 +217,8 @@ fn picker<'a>(selection: &Selection, cancel: &'a AtomicBool) -> impl FnMut(&Mess
     }
 }
 
-async fn act<T: Inspect>(
-    transport: &Arc<T>,
+async fn act(
+    transport: &DynTransport,
     app: &App,
     queue: &Queue,
     action: Action,
@@ -224,7 +226,7 @@ async fn act<T: Inspect>(
     job: &Job,
 ) -> Result<ParkingReport, CliError> {
     let lot = ParkingLot::with_queues(
-        Arc::clone(transport),
+        transport.clone(),
         queue.name.as_str(),
         queue.parking.as_str(),
     );
@@ -242,15 +244,17 @@ async fn act<T: Inspect>(
     let run = async {
         match action {
             Action::Replay { rate, dry_run } => {
-                if T::MAY_HIDE_HEADERS && !dry_run {
+                if transport.may_hide_headers() && !dry_run {
                     let selected: HashSet<Key> = selection.keys.iter().copied().collect();
                     let mut hidden = 0u64;
+                    let mut why = None;
                     lot.browse(&all, |parked| {
                         moved.fetch_add(1, Ordering::Relaxed);
-                        if T::hides_headers(&parked)
-                            && selected.contains(&Key::of(parked.message()))
+                        if selected.contains(&Key::of(parked.message()))
+                            && let Some(said) = transport.hidden_headers(parked.message())
                         {
                             hidden += 1;
+                            why.get_or_insert(said);
                         }
                         ControlFlow::Continue(())
                     })
@@ -258,7 +262,7 @@ async fn act<T: Inspect>(
                     .map_err(|e| {
                         CliError::failure_from(format!("cannot read {}", queue.parking), e)
                     })?;
-                    hidden_headers_refusal(hidden, &queue.parking)?;
+                    hidden_headers_refusal(hidden, &queue.parking, why.as_deref())?;
                 }
                 let mut options = ReplayOptions::default().with_dry_run(dry_run);
                 if let Some(rate) = rate {

@@ -28,44 +28,13 @@ use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::time::{Duration, Instant, SystemTime};
 
 use clap::Args;
-use retry_core::{ParkingLot, QueueRole, RetryPolicy, Timestamp, TopologyPlan, redact_url};
+use retry_core::{
+    Depth, DynTransport, ParkingLot, QueueRole, RetryPolicy, Timestamp, TopologyPlan,
+};
 
-use crate::Broker;
+use crate::broker::{Broker, depth};
 use crate::error::CliError;
-use crate::parked::{Depth, Inspect};
-use crate::protocol::Protocol;
-
-/// Connects over the console's protocol, evaluates `$job` (a future, generic over the
-/// transport) with the transport bound to `$t`, on a runtime of this thread's own, and
-/// closes the connection.
-macro_rules! on_transport {
-    ($app:expr, |$t:ident| $job:expr) => {{
-        let app: &App = $app;
-        crate::block_on(async {
-            match app.protocol {
-                crate::protocol::Protocol::Amqp091 => {
-                    let $t = Arc::new(crate::broker::connect(&app.url).await?);
-                    let result = $job.await;
-                    let _ = $t.close().await;
-                    result
-                }
-                crate::protocol::Protocol::Amqp10 => {
-                    let $t = Arc::new(crate::protocol::connect_amqp10(&app.url).await?);
-                    let result = $job.await;
-                    $t.close().await;
-                    result
-                }
-                crate::protocol::Protocol::Nats => {
-                    let $t = Arc::new(crate::protocol::connect_nats(&app.url, 1).await?);
-                    let result = $job.await;
-                    $t.close().await;
-                    result
-                }
-            }
-        })
-    }};
-}
-pub(crate) use on_transport;
+use crate::runtime::block_on;
 
 pub use index::{Index, IndexBuilder, IndexLimits};
 
@@ -187,22 +156,11 @@ pub struct Snapshot {
     /// failed walk keeps it while pages still read the one before.
     pub index: Arc<Index>,
     /// Each shown queue's depth, in the order of [`Queue::shown`].
-    pub depths: Vec<DepthShown>,
+    pub depths: Vec<Depth>,
     /// Why the latest walk failed, if it did (the index is then the one before).
     pub error: Option<String>,
     /// How many walks have ended, this one included.
     pub generation: u64,
-}
-
-/// A queue's depth as the overview shows it.
-#[derive(Clone, Debug)]
-pub enum DepthShown {
-    /// Messages ready.
-    Ready(u64),
-    /// The queue does not exist.
-    Missing,
-    /// The protocol cannot count it.
-    Unknown,
 }
 
 impl Queue {
@@ -223,8 +181,8 @@ pub struct App {
     auth: auth::Auth,
     /// The broker's URL, password hidden.
     pub broker_shown: String,
-    url: String,
-    protocol: Protocol,
+    /// The broker: each walk and action connects to it anew.
+    broker: Broker,
     /// The work queues, in the order given.
     pub queues: Vec<Arc<Queue>>,
     /// Replays and purges, newest last.
@@ -244,8 +202,9 @@ impl App {
 }
 
 /// Runs `retryctl serve` until the process is stopped.
-pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
-    let protocol = broker_args.protocol()?;
+pub fn run(args: ServeArgs, broker: &Broker) -> Result<(), CliError> {
+    // An unknown scheme or protocol is refused now, not at the first walk.
+    broker.registration()?;
     let (token, given) = match given_token(&args, std::env::var_os(TOKEN_ENV))? {
         Some(token) => (token, true),
         None => (
@@ -304,9 +263,8 @@ pub fn run(args: ServeArgs, broker_args: &Broker<'_>) -> Result<(), CliError> {
             },
         )
         .map_err(|e| CliError::failure_from("cannot draw a session key", e))?,
-        broker_shown: redact_url(broker_args.url),
-        url: broker_args.url.to_owned(),
-        protocol,
+        broker_shown: broker.shown(),
+        broker: broker.clone(),
         queues,
         jobs: jobs::Jobs::default(),
         selections: selection::Selections::default(),
@@ -474,7 +432,9 @@ pub fn refresh(app: &App, queue: &Queue) {
     *queue.building.lock().unwrap_or_else(|e| e.into_inner()) = Some((0, Instant::now()));
     // A panic fails this walk, with its message; the next walk runs as planned.
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        on_transport!(app, |transport| build_snapshot(&transport, app, queue))
+        block_on(app.broker.with_transport(&[], async |transport| {
+            build_snapshot(transport, app, queue).await
+        }))
     }))
     .unwrap_or_else(|panic| Err(CliError::failure(panic_text(&*panic))));
     *queue.building.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -485,10 +445,7 @@ pub fn refresh(app: &App, queue: &Queue) {
 impl Snapshot {
     /// The snapshot that follows `previous` once a walk ended with `result`: the new index
     /// and depths, or, when the walk failed, the previous ones with the reason.
-    fn after(
-        previous: &Arc<Snapshot>,
-        result: Result<(Index, Vec<DepthShown>), String>,
-    ) -> Snapshot {
+    fn after(previous: &Arc<Snapshot>, result: Result<(Index, Vec<Depth>), String>) -> Snapshot {
         let generation = previous.generation + 1;
         match result {
             Ok((index, depths)) => Snapshot {
@@ -507,18 +464,14 @@ impl Snapshot {
     }
 }
 
-async fn build_snapshot<T: Inspect>(
-    transport: &Arc<T>,
+async fn build_snapshot(
+    transport: &DynTransport,
     app: &App,
     queue: &Queue,
-) -> Result<(Index, Vec<DepthShown>), CliError> {
+) -> Result<(Index, Vec<Depth>), CliError> {
     let mut depths = Vec::new();
     for (name, _) in &queue.shown {
-        depths.push(match transport.depth(name).await? {
-            Depth::Ready(n) => DepthShown::Ready(n),
-            Depth::Missing => DepthShown::Missing,
-            Depth::Unknown => DepthShown::Unknown,
-        });
+        depths.push(depth(transport, name).await?);
     }
     let started = Instant::now();
     // The index being served, shared with the new one where a message is unchanged.
@@ -529,7 +482,7 @@ async fn build_snapshot<T: Inspect>(
         Some(&previous.index),
     );
     let lot = ParkingLot::with_queues(
-        Arc::clone(transport),
+        transport.clone(),
         queue.name.as_str(),
         queue.parking.as_str(),
     );
@@ -607,7 +560,7 @@ mod tests {
         ));
         let first = Arc::new(Snapshot::after(
             &Arc::default(),
-            Ok((builder.finish(Duration::ZERO), vec![DepthShown::Ready(1)])),
+            Ok((builder.finish(Duration::ZERO), vec![Depth::Ready(1)])),
         ));
         // A request holds the snapshot while the next walk fails.
         let page = Arc::clone(&first);
