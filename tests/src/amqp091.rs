@@ -133,7 +133,9 @@ impl Harness for Amqp091Harness {
     }
 
     async fn close(&self, transport: Arc<AmqpTransport>) {
-        transport.close().await.expect("close the connection");
+        AmqpTransport::close(&transport)
+            .await
+            .expect("close the connection");
     }
 
     async fn sleep(&self, duration: Duration) {

@@ -14,7 +14,9 @@
 //!    [`Fourth`] itself and behind a [`DynTransport`] ([`conformance::ErasedHarness`]), as
 //!    a registry hands it out;
 //! 4. a [`Registration`] (here [`registration`], for `fourth://` URLs), which a program
-//!    adds to its registry with one line, and then connects to by URL.
+//!    adds to its registry with one line, and then connects to by URL;
+//! 5. [`Admin`] for it, with which its registration gives it `retryctl` and the console: a
+//!    binary of its own calls `retryctl::main_with` with a registry that has it.
 //!
 //! `docs/new-transport.md` is the whole recipe.
 //!
@@ -34,8 +36,9 @@ use conformance::{
 };
 use futures::future::BoxFuture;
 use retry_core::{
-    Capabilities, ConnectError, ConnectOptions, Delivery, DynTransport, Endpoint, Message, Publish,
-    PublishResult, Registration, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
+    Admin, AppliedObject, Capabilities, CheckReport, ConnectError, ConnectOptions, Delivery, Depth,
+    DynTransport, Endpoint, Message, PlanOptions, Publish, PublishResult, Registration,
+    RetryPolicy, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
 };
 use transport_memory::{Broker, MemoryTransport};
 
@@ -112,6 +115,36 @@ impl Transport for Fourth {
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         self.0.sleep(duration)
+    }
+
+    async fn close(&self) {
+        Transport::close(&self.0).await
+    }
+}
+
+/// What `retryctl` and the console ask of [`Fourth`]: its broker's depths and checks, and a
+/// refusal to create anything, since it declares no topology.
+#[async_trait]
+impl Admin for Fourth {
+    async fn depth(&self, queue: &str) -> Result<Depth, TransportError> {
+        self.0.depth(queue).await
+    }
+
+    async fn apply(&self, _: &TopologyPlan) -> Result<Vec<AppliedObject>, TransportError> {
+        Err(TransportError::Unsupported {
+            what: "creating queues with the fourth transport".into(),
+            why: "it declares nothing: declare the plan with the broker's own tools, then check \
+                  it with `retryctl topology verify`"
+                .into(),
+        })
+    }
+
+    async fn check(
+        &self,
+        plan: &TopologyPlan,
+        options: &PlanOptions,
+    ) -> Result<CheckReport, TransportError> {
+        self.0.check(plan, options).await
     }
 }
 
@@ -238,11 +271,19 @@ conformance::conformance_tests! {
 /// [`Fourth`] for a registry: `fourth://`, a connection to a new in-memory broker each
 /// time, with no settings.
 fn registration() -> Registration {
+    registration_on(Broker::new())
+}
+
+/// [`registration`], every connection to `broker`.
+fn registration_on(broker: Broker) -> Registration {
     Registration::new(
         "fourth",
         "the fourth transport",
         ["fourth"],
-        |_: Endpoint| async { Ok(DynTransport::new(Fourth(Broker::new().connect()))) },
+        move |_: Endpoint| {
+            let connection = Fourth(broker.connect());
+            async move { Ok(DynTransport::with_admin(connection)) }
+        },
     )
 }
 
@@ -276,4 +317,66 @@ fn the_fourth_transport_joins_a_registry_with_one_line() {
             "memory"
         );
     });
+}
+
+/// With [`Admin`] and its registration, the fourth transport gets `retryctl` without a change
+/// to it: a binary of its own would call `retryctl::main_with(registry)`; this test runs the
+/// same command with `retryctl::run_with` and its arguments, on one broker it looks at.
+#[test]
+fn the_fourth_transport_gets_retryctl_from_its_registration() {
+    use std::process::ExitCode;
+    use transport_memory::Outgoing;
+
+    let broker = Broker::new();
+    let registry = retry_transports::registry().with(registration_on(broker.clone()));
+    let policy_file = std::env::temp_dir().join(format!(
+        "fourth-transport-policy-{}.toml",
+        std::process::id()
+    ));
+    std::fs::write(
+        &policy_file,
+        "[backoff]\nkind = \"list\"\ndelays = [\"200ms\", \"400ms\"]\n",
+    )
+    .expect("write the policy file");
+    let policy_path = policy_file.to_str().expect("a UTF-8 path");
+    let retryctl = |args: &[&str]| {
+        let all = ["retryctl", "--url", "fourth://broker"].iter().chain(args);
+        retryctl::run_with(all, registry.clone())
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let depth = |queue: &str| runtime.block_on(broker.connect().depth(queue)).unwrap();
+
+    // Nothing declared yet: verify finds no work queue, and the fourth transport refuses to
+    // create one (exit 2), as its `Admin` says.
+    let verify = ["topology", "verify", "orders", "--policy", policy_path];
+    assert_eq!(retryctl(&verify), ExitCode::from(1));
+    let apply = ["topology", "apply", "orders", "--policy", policy_path];
+    assert_eq!(retryctl(&apply), ExitCode::from(2));
+    assert_eq!(depth("orders"), Depth::Missing);
+
+    // Declared with the broker's own tools, the plan verifies.
+    let policy = RetryPolicy::delays([200, 400].map(Duration::from_millis))
+        .build()
+        .unwrap();
+    let plan = TopologyPlan::new("orders", &policy).unwrap();
+    runtime
+        .block_on(Transport::provision(&broker.connect(), &plan))
+        .unwrap();
+    assert_eq!(retryctl(&verify), ExitCode::SUCCESS);
+
+    // A parked message is listed, and replayed to the work queue.
+    broker
+        .publish(Outgoing::to_queue("orders.parking", b"order 7".to_vec()).with_message_id("o-7"))
+        .expect("park a message");
+    assert_eq!(retryctl(&["parked", "list", "orders"]), ExitCode::SUCCESS);
+    assert_eq!(
+        retryctl(&["parked", "replay", "orders", "--all"]),
+        ExitCode::SUCCESS
+    );
+    assert_eq!(depth("orders.parking"), Depth::Ready(0));
+    assert_eq!(depth("orders"), Depth::Ready(1));
+    let _ = std::fs::remove_file(&policy_file);
 }

@@ -57,7 +57,7 @@ async fn run(args: ProcessArgs) -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     let transport = Arc::new(transport);
     consume(Arc::clone(&transport), args).await?;
-    transport.close().await?;
+    AmqpTransport::close(&transport).await?;
     Ok(())
 }
 
