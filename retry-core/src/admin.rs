@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{Message, QueueType, RetryPolicy, TopologyError, TopologyPlan, Transport, TransportError};
+use crate::{
+    Message, QueueType, RetryPolicy, TopologyError, TopologyPlan, Transport, TransportError,
+};
 
 /// How many messages a queue holds, as far as a transport can tell without taking any.
 ///

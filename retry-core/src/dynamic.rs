@@ -23,8 +23,9 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 
 use crate::{
-    Admin, AppliedObject, CheckReport, Depth, PlanOptions, Capabilities, Delivery, Message, Publish, PublishResult, QueueWalk, Settlement, SoloGate,
-    Subscription, Timestamp, TopologyPlan, Transport, TransportError,
+    Admin, AppliedObject, Capabilities, CheckReport, Delivery, Depth, Message, PlanOptions,
+    Publish, PublishResult, QueueWalk, Settlement, SoloGate, Subscription, Timestamp, TopologyPlan,
+    Transport, TransportError,
 };
 
 /// A delivery tag of any transport: what [`DynTransport`] hands out and takes back.
