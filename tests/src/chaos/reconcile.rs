@@ -253,6 +253,10 @@ enum Charge {
     /// The process that held it alone died: the driver SIGKILLed it, or, for a poison
     /// message, it aborted running it.
     Explained(String),
+    /// The driver SIGKILLed the process that held it alone before it ran it: a crash the
+    /// message's own code did not cause, which a poison message's count of solo runs does
+    /// not include.
+    ExplainedByKill(String),
     /// The process that held it alone lost its connection and lived on, and the broker
     /// redelivered the message to another process, which could not know why: excuses are
     /// kept per process (`docs/limitations.md`: "Excuses do not cross processes").
@@ -264,7 +268,7 @@ enum Charge {
 /// Which process held a message's isolation delivery when a crash was charged for it, and
 /// what became of that process.
 fn explain_charge(index: &Index<'_>, id: &str, charged_at: usize, poison: bool) -> Charge {
-    use Charge::{AcrossProcesses, Explained, Wrong};
+    use Charge::{AcrossProcesses, Explained, ExplainedByKill, Wrong};
     // The delivery that was charged: the last isolation recv before the terminal.
     let recvs: Vec<(usize, &Entry)> = index
         .of(id)
@@ -306,7 +310,7 @@ fn explain_charge(index: &Index<'_>, id: &str, charged_at: usize, poison: bool) 
             .iter()
             .find(|e| e.kind == "kill")
         {
-            return Explained(format!(
+            return ExplainedByKill(format!(
                 "no line shows who held it, and the driver SIGKILLed process {} at {} meanwhile (a fetch under way?)",
                 kill.get("pid").unwrap_or("?"),
                 kill.at
@@ -339,15 +343,26 @@ fn explain_charge(index: &Index<'_>, id: &str, charged_at: usize, poison: bool) 
             || (e.pid == held.pid && e.kind.ends_with("-err"))
             || e.kind == "stop-app"
     });
+    // A kill that lands while the holder runs it (a poison, about to abort) ends the same
+    // solo run the journal counts: it is that run's crash, not one more.
+    let ran = index
+        .of(id)
+        .any(|(j, e)| j > held_at && j < charged_recv && e.pid == held.pid && e.kind == "run");
+    let by_kill = |k: usize| {
+        let why = format!(
+            "process {holder} held it alone and was SIGKILLed by the driver at {}{}",
+            index.entries[k].at,
+            if ran { ", running it" } else { "" }
+        );
+        if ran {
+            Explained(why)
+        } else {
+            ExplainedByKill(why)
+        }
+    };
     match (killed, settled_at) {
-        (Some(k), None) => Explained(format!(
-            "process {holder} held it alone and was SIGKILLed by the driver at {}",
-            index.entries[k].at
-        )),
-        (Some(k), Some(s)) if s > k => Explained(format!(
-            "process {holder} held it alone and was SIGKILLed by the driver at {}",
-            index.entries[k].at
-        )),
+        (Some(k), None) => by_kill(k),
+        (Some(k), Some(s)) if s > k => by_kill(k),
         _ => match ended {
             Some(end)
                 if poison
@@ -470,12 +485,9 @@ pub fn reconcile(entries: &[Entry], bad_lines: usize, facts: &RunFacts) -> Recon
             .collect();
         for at in charges {
             match explain_charge(&index, id, at, poison) {
-                Charge::Explained(why) if poison => {
-                    if why.contains("SIGKILL") {
-                        poison_kill_charges += 1;
-                    }
-                }
-                Charge::Explained(why) => {
+                Charge::Explained(_) if poison => {}
+                Charge::ExplainedByKill(_) if poison => poison_kill_charges += 1,
+                Charge::Explained(why) | Charge::ExplainedByKill(why) => {
                     out.charged_by_kill.push(id.clone());
                     detail(format!("CHARGED BY AN INJECTED KILL {id}: {why}"), id);
                 }
@@ -639,6 +651,48 @@ mod tests {
         assert_eq!(r.wrongly_blamed, [ok]);
         assert_eq!(r.alone_violations.len(), 1, "{:?}", r.alone_violations);
         assert!(r.charged_by_kill.is_empty());
+    }
+
+    /// Seed 29 once: the driver SIGKILLed the process that had just started running a poison
+    /// alone, before the poison's own abort. That is one solo run and one crash, not a
+    /// solo run and a kill charge beside it.
+    #[test]
+    fn a_kill_that_lands_on_a_poisons_solo_run_is_that_runs_crash() {
+        let p = "m00001-poison";
+        let solo = |pid| {
+            [
+                entry(pid, "recv", p, "lane=isolation redelivered=false"),
+                entry(pid, "run", p, "attempt=1 lane=isolation does=abort"),
+            ]
+        };
+        let charge = |pid, crashes: u32| {
+            let t = if crashes == 2 {
+                "t=parked reason=crash-loop".to_owned()
+            } else {
+                format!("t=diverted crashes={crashes}")
+            };
+            [
+                entry(pid, "recv", p, "lane=isolation redelivered=true evidence=1"),
+                entry(pid, "terminal", p, &format!("lane=isolation {t}")),
+            ]
+        };
+        let mut entries = Vec::new();
+        entries.extend(solo(1));
+        entries.push(entry(9, "kill", "-", "pid=1 holding-suspect=false"));
+        entries.push(entry(9, "exited", "-", "pid=1 status=signal:9"));
+        entries.extend(charge(2, 1));
+        entries.extend(solo(2));
+        entries.push(entry(9, "exited", "-", "pid=2 status=signal:6"));
+        entries.extend(charge(3, 2));
+        let r = reconcile(&entries, 0, &facts(&[p], &[(p, "crash-loop", 2)]));
+        assert_eq!(r.poison.len(), 1, "{:?}", r.poison);
+        assert_eq!(
+            (r.poison[0].solo_runs, r.poison[0].kill_charges),
+            (2, 0),
+            "{:?}",
+            r.poison
+        );
+        assert!(r.problems(1).is_empty(), "{:?}", r.problems(1));
     }
 
     #[test]
