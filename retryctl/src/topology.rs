@@ -7,8 +7,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use retry_core::{
-    Admin, Applied, Checked, HeaderValue, PlanOptions, QueueRole, QueueSpec, QueueType,
-    TopologyPlan, format_delay,
+    Admin, Applied, Checked, HeaderValue, PlanOptions, QueueType, TopologyPlan, format_delay,
 };
 use serde_json::{Value, json};
 
@@ -191,51 +190,6 @@ async fn verify(
     Ok(())
 }
 
-/// What a queue is for, in words.
-fn role_text(role: QueueRole) -> String {
-    match role {
-        QueueRole::Work => "work queue".into(),
-        QueueRole::Delay { ttl } => format!("delay queue, {}", format_delay(ttl)),
-        QueueRole::Isolation => "isolation queue, where suspects run alone".into(),
-        QueueRole::CrashDelay { ttl } => format!("crash-delay queue, {}", format_delay(ttl)),
-        QueueRole::Parking => "parking queue".into(),
-        QueueRole::CascadeLevel { level, ttl } => {
-            format!("cascade level {level}, {}", format_delay(ttl))
-        }
-    }
-}
-
-/// The role's short name, as JSON gives it.
-fn role_name(role: QueueRole) -> &'static str {
-    match role {
-        QueueRole::Work => "work",
-        QueueRole::Delay { .. } => "delay",
-        QueueRole::Isolation => "isolation",
-        QueueRole::CrashDelay { .. } => "crash-delay",
-        QueueRole::Parking => "parking",
-        QueueRole::CascadeLevel { .. } => "cascade-level",
-    }
-}
-
-/// The queues of `plan` that a message dead-lettered from `spec` reaches: through the default
-/// exchange, the queue named by the routing key; through another exchange of the plan, the
-/// queues bound to it with that key.
-fn dead_letter_destinations<'p>(plan: &'p TopologyPlan, spec: &'p QueueSpec) -> Vec<&'p str> {
-    let args = &spec.arguments;
-    let (Some(exchange), Some(key)) = (&args.dead_letter_exchange, &args.dead_letter_routing_key)
-    else {
-        return Vec::new();
-    };
-    if exchange.is_empty() {
-        return vec![key.as_str()];
-    }
-    plan.bindings()
-        .iter()
-        .filter(|b| &b.exchange == exchange && &b.routing_key == key)
-        .map(|b| b.queue.as_str())
-        .collect()
-}
-
 fn queue_type_name(t: QueueType) -> &'static str {
     match t {
         QueueType::Classic => "classic",
@@ -283,8 +237,8 @@ fn plan_text(plan: &TopologyPlan) -> String {
     let _ = writeln!(out, "\nqueues");
     for q in plan.queues() {
         let durable = if q.durable { ", durable" } else { "" };
-        let _ = write!(out, "  {}  ({}{durable}", q.name, role_text(q.role));
-        let destinations = dead_letter_destinations(plan, q);
+        let _ = write!(out, "  {}  ({}{durable}", q.name, q.role.describe());
+        let destinations = plan.dead_letter_destinations(q);
         if !destinations.is_empty() {
             let verb = if q.role.ttl().is_some() {
                 "expires into"
@@ -331,11 +285,11 @@ fn plan_json(plan: &TopologyPlan) -> Value {
             );
             json!({
                 "name": q.name,
-                "role": role_name(q.role),
+                "role": q.role.name(),
                 "ttl_ms": q.role.ttl().map(|d| d.as_millis() as u64),
                 "durable": q.durable,
                 "arguments": arguments,
-                "dead_letters_to": dead_letter_destinations(plan, q),
+                "dead_letters_to": plan.dead_letter_destinations(q),
             })
         })
         .collect();

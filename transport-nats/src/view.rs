@@ -4,61 +4,15 @@
 
 use std::fmt::Write as _;
 
-use retry_core::{QueueRole, QueueSpec, TopologyPlan, format_delay};
+use retry_core::{QueueRole, QueueSpec, TopologyPlan};
 use serde_json::{Value, json};
 
 use crate::names::{CONSUMER, stream_name};
 
-/// What a queue is for, in words.
-fn role_text(role: QueueRole) -> String {
-    match role {
-        QueueRole::Work => "work queue".into(),
-        QueueRole::Delay { ttl } => format!("delay queue, {}", format_delay(ttl)),
-        QueueRole::Isolation => "isolation queue, where suspects run alone".into(),
-        QueueRole::CrashDelay { ttl } => format!("crash-delay queue, {}", format_delay(ttl)),
-        QueueRole::Parking => "parking queue".into(),
-        QueueRole::CascadeLevel { level, ttl } => {
-            format!("cascade level {level}, {}", format_delay(ttl))
-        }
-    }
-}
-
-/// The role's short name, as JSON gives it.
-fn role_name(role: QueueRole) -> &'static str {
-    match role {
-        QueueRole::Work => "work",
-        QueueRole::Delay { .. } => "delay",
-        QueueRole::Isolation => "isolation",
-        QueueRole::CrashDelay { .. } => "crash-delay",
-        QueueRole::Parking => "parking",
-        QueueRole::CascadeLevel { .. } => "cascade-level",
-    }
-}
-
-/// The queues of `plan` that a message dead-lettered from `spec` reaches on RabbitMQ: where
-/// the transport publishes a delay queue's copies once they are due. Through the default
-/// exchange, the queue named by the routing key; through another exchange of the plan, the
-/// queues bound to it with that key.
-fn dead_letter_destinations<'p>(plan: &'p TopologyPlan, spec: &'p QueueSpec) -> Vec<&'p str> {
-    let args = &spec.arguments;
-    let (Some(exchange), Some(key)) = (&args.dead_letter_exchange, &args.dead_letter_routing_key)
-    else {
-        return Vec::new();
-    };
-    if exchange.is_empty() {
-        return vec![key.as_str()];
-    }
-    plan.bindings()
-        .iter()
-        .filter(|b| &b.exchange == exchange && &b.routing_key == key)
-        .map(|b| b.queue.as_str())
-        .collect()
-}
-
 /// Where a waiting queue's due copies go; nowhere for any other.
 fn due_copies_go_to<'p>(plan: &'p TopologyPlan, spec: &'p QueueSpec) -> Vec<&'p str> {
     if spec.role.ttl().is_some() {
-        dead_letter_destinations(plan, spec)
+        plan.dead_letter_destinations(spec)
     } else {
         Vec::new()
     }
@@ -95,7 +49,7 @@ pub(crate) fn plan_text(plan: &TopologyPlan, replicas: usize) -> String {
             "  {}  (subject {}; {}",
             stream_name(&q.name),
             q.name,
-            role_text(q.role)
+            q.role.describe()
         );
         let destinations = due_copies_go_to(plan, q);
         if !destinations.is_empty() {
@@ -122,7 +76,7 @@ pub(crate) fn plan_json(plan: &TopologyPlan, replicas: usize) -> Value {
             json!({
                 "name": stream_name(&q.name),
                 "subject": q.name,
-                "role": role_name(q.role),
+                "role": q.role.name(),
                 "ttl_ms": q.role.ttl().map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                 "retention": retention(q.role),
                 "replicas": replicas,

@@ -151,6 +151,49 @@ impl QueueRole {
             QueueRole::Work | QueueRole::Isolation | QueueRole::Parking => None,
         }
     }
+
+    /// Its short name, as reports in JSON give it: `work`, `delay`, `isolation`,
+    /// `crash-delay`, `parking` or `cascade-level`.
+    ///
+    /// ```
+    /// use retry_proto::QueueRole;
+    ///
+    /// assert_eq!(QueueRole::Isolation.name(), "isolation");
+    /// ```
+    pub fn name(self) -> &'static str {
+        match self {
+            QueueRole::Work => "work",
+            QueueRole::Delay { .. } => "delay",
+            QueueRole::Isolation => "isolation",
+            QueueRole::CrashDelay { .. } => "crash-delay",
+            QueueRole::Parking => "parking",
+            QueueRole::CascadeLevel { .. } => "cascade-level",
+        }
+    }
+
+    /// What a queue of this role is for, in words, as operators' tools print it.
+    ///
+    /// ```
+    /// use retry_proto::QueueRole;
+    /// use std::time::Duration;
+    ///
+    /// let delay = QueueRole::Delay { ttl: Duration::from_secs(30) };
+    /// assert_eq!(delay.describe(), "delay queue, 30s");
+    /// ```
+    pub fn describe(self) -> String {
+        match self {
+            QueueRole::Work => "work queue".into(),
+            QueueRole::Delay { ttl } => format!("delay queue, {}", crate::format_delay(ttl)),
+            QueueRole::Isolation => "isolation queue, where suspects run alone".into(),
+            QueueRole::CrashDelay { ttl } => {
+                format!("crash-delay queue, {}", crate::format_delay(ttl))
+            }
+            QueueRole::Parking => "parking queue".into(),
+            QueueRole::CascadeLevel { level, ttl } => {
+                format!("cascade level {level}, {}", crate::format_delay(ttl))
+            }
+        }
+    }
 }
 
 /// `x-overflow` behaviours the plan uses.
@@ -532,6 +575,38 @@ impl TopologyPlan {
             Some((level, route)) if *level == delay => route.clone(),
             _ => self.isolation_route.clone(),
         }
+    }
+
+    /// The queues of this plan that a message dead-lettered from `spec` reaches: through the
+    /// default exchange, the queue named by its dead-letter routing key; through another
+    /// exchange of the plan, the queues bound to it with that key. None for a queue that
+    /// does not dead-letter.
+    ///
+    /// ```
+    /// use retry_proto::{QueueRole, RetryPolicy, TopologyPlan};
+    /// use std::time::Duration;
+    ///
+    /// let policy = RetryPolicy::delays([Duration::from_secs(30)]).build()?;
+    /// let plan = TopologyPlan::new("orders", &policy)?;
+    /// let delay = plan.queues().iter().find(|q| matches!(q.role, QueueRole::Delay { .. })).unwrap();
+    /// assert_eq!(plan.dead_letter_destinations(delay), ["orders"]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn dead_letter_destinations<'p>(&'p self, spec: &'p QueueSpec) -> Vec<&'p str> {
+        let args = &spec.arguments;
+        let (Some(exchange), Some(key)) =
+            (&args.dead_letter_exchange, &args.dead_letter_routing_key)
+        else {
+            return Vec::new();
+        };
+        if exchange.is_empty() {
+            return vec![key.as_str()];
+        }
+        self.bindings
+            .iter()
+            .filter(|b| &b.exchange == exchange && &b.routing_key == key)
+            .map(|b| b.queue.as_str())
+            .collect()
     }
 
     /// Every route that leads into a TTL queue, with the queue it expires into: the delay
