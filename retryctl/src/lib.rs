@@ -1,5 +1,6 @@
-//! `retryctl`: the retry engine's parking lot and topology on a RabbitMQ broker or NATS
-//! JetStream, for operators.
+//! `retryctl`: the retry engine's parking lot and topology, for operators, on any transport
+//! of a registry (RabbitMQ over AMQP 0-9-1 or AMQP 1.0, NATS JetStream, the in-memory
+//! broker, or one of your own).
 //!
 //! ```text
 //! retryctl parked list     QUEUE [--json] [--limit N] [--reason R] [--id ID]... [--parked-before WHEN] [--parked-after WHEN]
@@ -18,12 +19,13 @@
 //!   parked original is removed), `purge` removes them and refuses to run without `--yes`.
 //! * `plan` prints the exchanges, queues (with their arguments) and bindings that
 //!   `retry_core::TopologyPlan` computes for a work queue and a policy file (the TOML format
-//!   of `retry-core`'s `serde` feature). It needs no broker.
-//! * `apply` declares them idempotently and says, object by object, which it created and
+//!   of `retry-core`'s `serde` feature), or the objects the transport lays them out in
+//!   (streams, on NATS). It needs no broker.
+//! * `apply` creates them idempotently and says, object by object, which it created and
 //!   which already existed as planned.
-//! * `verify` checks the broker from outside: every object exists, and a probe sent through
-//!   each delay queue, as the engine sends a delayed copy, comes back where the plan says,
-//!   dead-lettered as expired. It deletes nothing.
+//! * `verify` checks the broker from outside: every object exists and, over AMQP 0-9-1, a
+//!   probe sent through each delay queue, as the engine sends a delayed copy, comes back
+//!   where the plan says, dead-lettered as expired. It deletes nothing.
 //! * `serve` serves a web console for the parking lots of the work queues: overview,
 //!   failure groups, messages, replay and purge, and a JSON API, from an index of each
 //!   parking queue kept fresh by walks (see the `serve` module and the guide's
@@ -112,9 +114,9 @@ const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 #[derive(Debug, Parser)]
 #[command(name = "retryctl", version)]
 struct Cli {
-    /// The broker's URL: amqp:// or amqps:// (RabbitMQ), nats:// or tls:// (NATS
-    /// JetStream). Its password is never printed: `--help` shows the default redacted, and
-    /// hides the value of `AMQP_URL`.
+    /// The broker's URL: its scheme picks the transport from the registry. Its password is
+    /// never printed: `--help` shows the default redacted, and hides the value of
+    /// `AMQP_URL`.
     #[arg(
         long,
         global = true,
@@ -124,7 +126,8 @@ struct Cli {
         default_value = DEFAULT_URL,
         value_name = "URL",
         help = "The broker's URL, amqp:// or amqps:// (RabbitMQ), nats:// or tls:// (NATS \
-                JetStream) [default: amqp://guest:****@127.0.0.1:5672/%2f]; its password is \
+                JetStream), memory:// (in memory), or the scheme of a transport registered \
+                beside them [default: amqp://guest:****@127.0.0.1:5672/%2f]; its password is \
                 never printed"
     )]
     url: String,
