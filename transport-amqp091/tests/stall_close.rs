@@ -140,9 +140,16 @@ async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consu
                 String::from_utf8_lossy(&body)
             );
             if body == held_id.as_bytes() {
+                // Its tags tell a requeue by the broker from a delivery handed out twice.
                 assert!(
                     delivery.facts.redelivered,
-                    "the broker put the held delivery back"
+                    "the broker put the held delivery back: cut {round}, again {:?} {:?}, \
+                     first {:?} {:?}, acked {acked:?}, recoveries {recoveries} then {}",
+                    delivery.tag,
+                    delivery.facts,
+                    held.tag,
+                    held.facts,
+                    t.recoveries()
                 );
             }
             match t.settle(&delivery.tag, retry_core::Settlement::Ack).await {
