@@ -17,16 +17,28 @@ pub fn cpu_time(pid: &str) -> Option<Duration> {
     Some(TICK * u32::try_from(ticks).ok()?)
 }
 
+/// The command name of the local RabbitMQ's Erlang VM, as `/proc/<pid>/comm` shows it.
+pub const RABBITMQ: &str = "beam.smp";
+
+/// The command name of a local NATS server.
+pub const NATS: &str = "nats-server";
+
 /// The process id of the local RabbitMQ's Erlang VM (`beam.smp`), if it runs on this
 /// machine and can be seen.
 pub fn broker_pid() -> Option<String> {
+    server_pid(RABBITMQ)
+}
+
+/// The process id of the first process whose command name (`/proc/<pid>/comm`) is `comm`,
+/// such as [`RABBITMQ`] or [`NATS`], if one runs on this machine and can be seen.
+pub fn server_pid(comm: &str) -> Option<String> {
     std::fs::read_dir("/proc")
         .ok()?
         .flatten()
         .find_map(|entry| {
             let pid = entry.file_name().into_string().ok()?;
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-            (comm.trim() == "beam.smp").then_some(pid)
+            let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            (name.trim() == comm).then_some(pid)
         })
 }
 
@@ -49,14 +61,21 @@ pub struct CpuClock {
 pub struct CpuUsed {
     /// This process.
     pub client: Option<Duration>,
-    /// The local broker (`beam.smp`), if it runs on this machine.
+    /// The server the clock was started for (the local broker by default), if it runs on
+    /// this machine.
     pub broker: Option<Duration>,
 }
 
 impl CpuClock {
-    /// Reads both CPU times now: the broker's first, then this process's.
+    /// Reads both CPU times now: the local RabbitMQ's first, then this process's.
     pub fn start() -> Self {
-        let broker = broker_pid().and_then(|pid| {
+        Self::of(RABBITMQ)
+    }
+
+    /// Reads both CPU times now: first that of the server whose command name is `server`
+    /// (see [`server_pid`]), then this process's.
+    pub fn of(server: &str) -> Self {
+        let broker = server_pid(server).and_then(|pid| {
             let now = cpu_time(&pid)?;
             Some((pid, now))
         });
@@ -84,7 +103,14 @@ impl CpuClock {
 /// works off the one before (deleting its queues, writing its index). Returns at once if the
 /// broker does not run on this machine.
 pub async fn wait_for_idle_broker() {
-    let Some(pid) = broker_pid() else { return };
+    wait_for_idle_server(RABBITMQ).await;
+}
+
+/// [`wait_for_idle_broker`] for the server whose command name is `server`.
+pub async fn wait_for_idle_server(server: &str) {
+    let Some(pid) = server_pid(server) else {
+        return;
+    };
     for _ in 0..25 {
         let Some(before) = cpu_time(&pid) else {
             return;
@@ -215,9 +241,16 @@ pub struct Timing {
 }
 
 impl Clock {
-    /// Reads the CPU times, then starts the wall clock.
+    /// Reads the CPU times (this process's and the local RabbitMQ's), then starts the wall
+    /// clock.
     pub fn start() -> Self {
-        let cpu = CpuClock::start();
+        Self::of(RABBITMQ)
+    }
+
+    /// Reads the CPU times of this process and of the server whose command name is
+    /// `server`, then starts the wall clock.
+    pub fn of(server: &str) -> Self {
+        let cpu = CpuClock::of(server);
         Clock {
             cpu,
             start: Instant::now(),

@@ -2,22 +2,22 @@
 # The retry consumer against the seed article's Node.js consumer and plain lapin, on the local
 # RabbitMQ, in interleaved rounds, at one or more prefetches.
 #
-#   transport-amqp091/bench/vs-node.sh [N] [ROUNDS] [--prefetch P,P,..] [--memory P:BYTES] [--plot FILE.svg]
+#   benches/vs-node.sh [N] [ROUNDS] [--prefetch P,P,..] [--memory P:BYTES] [--plot FILE.svg]
 #
 #   N, ROUNDS        default 20000 messages, 3 rounds
 #   --prefetch LIST  the prefetches to measure every consumer at (default 100)
-#   --memory P:B     also measure, in the same rounds, the example's paths (not the peer's,
+#   --memory P:B     also measure, in the same rounds, the benchmark's paths (not the peer's,
 #                    whose bodies are fixed at 256 bytes) at prefetch P with B-byte bodies, for
 #                    the growth of their resident memory (e.g. --memory 1000:1024)
-#   --plot FILE      also draw msg/s against prefetch as an SVG (the example's --plot)
+#   --plot FILE      also draw msg/s against prefetch as an SVG (the benchmark's --plot)
 #
 # Copies the Node.js peer (../shared/bench/node-peer, or $NODE_PEER) to a temporary directory
-# and installs its dependencies there, builds the `throughput` example in release, then runs,
+# and installs its dependencies there, builds the `throughput` benchmark in release, then runs,
 # round by round, each consumer at each prefetch once as a process of its own: the peer's
 # success and retry paths (DURABLE=1: durable queues, persistent messages; its prefetch is its
-# third argument) and the example's paths (lapin baselines, the seed's work on lapin, and ours,
-# see examples/throughput.rs), the order of the (prefetch, consumer) pairs rotated every round.
-# Since each example run is a process of one measurement, it reports the growth of its
+# third argument) and the benchmark's paths on amqp091 (lapin baselines, the seed's work on
+# lapin, and ours, see src/bin/throughput.rs and src/amqp091.rs), the order of the (prefetch, consumer) pairs rotated every round.
+# Since each benchmark run is a process of one measurement, it reports the growth of its
 # resident memory too. Every run makes its own uniquely named queues and deletes them.
 #
 # The peer's CPU time is measured over the same span as its msg/s: it is started with a
@@ -27,12 +27,12 @@
 # beam.smp), and prints the differences per message when the process exits. Should peer.js
 # read that clock any other number of times, its CPU figures are left unknown.
 #
-# The table at the end is the example's `--report`: per prefetch (and body size) every
+# The table at the end is the benchmark's `--report`: per prefetch (and body size) every
 # consumer per round, min/median/max, and our ratios to each baseline in the same round, in
 # msg/s, client and broker CPU per message and resident memory growth; then the ratios of
 # every prefetch side by side.
 #
-# Environment: AMQP_URL (default: the example's and the peer's, guest@127.0.0.1:5672),
+# Environment: AMQP_URL (default: the benchmark's and the peer's, guest@127.0.0.1:5672),
 # NODE_PEER, QUIET=<load> to wait (at most 10 minutes) for the 1-minute load average to fall
 # below <load> before starting, KEEP=<file> to keep the raw results (tab-separated).
 set -euo pipefail
@@ -61,7 +61,7 @@ fi
 [ -n "$PLOT" ] && [[ $PLOT != /* ]] && PLOT=$PWD/$PLOT
 
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../.." && pwd)
+root=$(cd "$here/.." && pwd)
 peer_src=${NODE_PEER:-$root/../shared/bench/node-peer}
 [ -f "$peer_src/peer.js" ] || { echo "no Node.js peer at $peer_src (set NODE_PEER)" >&2; exit 1; }
 command -v node >/dev/null && command -v npm >/dev/null || { echo "node and npm are needed" >&2; exit 1; }
@@ -103,14 +103,14 @@ process.on('exit', () => {
 });
 EOF
 
-echo "building the throughput example (release)" >&2
-(cd "$root" && cargo build --quiet --release -p transport-amqp091 --example throughput)
-bin=${CARGO_TARGET_DIR:-$root/target}/release/examples/throughput
+echo "building the throughput benchmark (release)" >&2
+(cd "$root" && cargo build --quiet --release -p benches --bin throughput)
+bin=${CARGO_TARGET_DIR:-$root/target}/release/throughput
 
 load1() { cut -d' ' -f1 /proc/loadavg; }
 
 # Waits (at most 5 s) until the local broker has used under 5% of a core for 200 ms, as the
-# example does before each of its measurements.
+# benchmark does before each of its measurements.
 idle_broker() {
   local pid a b
   pid=$(pgrep -x beam.smp | head -1) || return 0
@@ -135,7 +135,7 @@ echo "# uptime before: $(uptime)" >"$results"
 broker_pid=$(pgrep -x beam.smp | head -1 || true)
 clk_tck=$(getconf CLK_TCK)
 
-# One run of the peer, as a result line in the example's format: round path n seconds msg/s
+# One run of the peer, as a result line in the benchmark's format: round path n seconds msg/s
 # load1 client-µs/msg broker-µs/msg prefetch body rss-growth-KiB (not measured: NaN).
 node_run() {
   local mode=$1 round=$2 prefetch=$3 out line secs rate client broker
@@ -171,7 +171,7 @@ for round in $(seq "$ROUNDS"); do
     IFS=: read -r prefetch body path <<<"${runs[$(((i + round - 1) % k))]}"
     case $path in
       node-*) line=$(node_run "${path#node-}" "$round" "$prefetch") ;;
-      *) line=$("$bin" --tsv --n "$N" --round "$round" --paths "$path" --prefetch "$prefetch" --body "$body") ;;
+      *) line=$("$bin" amqp091 --tsv --n "$N" --round "$round" --paths "$path" --prefetch "$prefetch" --body "$body") ;;
     esac
     echo "$line" | tee -a "$results" >&2
   done
@@ -182,4 +182,4 @@ echo "# uptime after: $(uptime)" >>"$results"
 echo "uptime before: $(sed -n 's/^# uptime before: //p' "$results")"
 echo "uptime after:  $(sed -n 's/^# uptime after: //p' "$results")"
 echo
-"$bin" --report "$results" ${PLOT:+--plot "$PLOT"}
+"$bin" amqp091 --report "$results" ${PLOT:+--plot "$PLOT"}
