@@ -113,7 +113,31 @@ impl Run<'_> {
 /// counting and deleting queues), plus the plain client loops that are its baselines.
 ///
 /// Each method returns a `Send` future, so that the binaries can run them on any runtime
-/// thread.
+/// thread. A measurement is written once, generic over the subject:
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// use benches::amqp091::Amqp091;
+/// use benches::{Run, Subject, ours};
+/// use retry_core::{RetryPolicy, TopologyPlan};
+///
+/// async fn success_rate<S: Subject>(queue: &str) -> Result<f64, benches::BoxError> {
+///     let subject = S::open().await?;
+///     let policy = RetryPolicy::delays([Duration::from_secs(3600)]).build()?;
+///     let plan = TopologyPlan::new(queue, &policy)?;
+///     subject.declare(&plan).await?;
+///     subject.prefill(queue, 1_000, 256).await?;
+///     let run = Run { plan: &plan, policy: &policy, n: 1_000, prefetch: 100, body: 256 };
+///     let measured = ours::throughput(&subject, &run, false).await;
+///     subject.delete(&plan).await?;
+///     Ok(1_000.0 / measured?.timing.wall.as_secs_f64())
+/// }
+///
+/// # async fn demo() -> Result<(), benches::BoxError> {
+/// println!("{:.0} msg/s", success_rate::<Amqp091>("bench-doc").await?);
+/// # Ok(()) }
+/// ```
 pub trait Subject: Sized + Send + Sync {
     /// The transport under test, concrete.
     type Transport: Transport;
