@@ -1,5 +1,6 @@
-//! What the benchmark examples of `transport-amqp091` and `transport-amqp10` share, so
-//! that each example's file holds only what it measures:
+//! What the workspace's measurements share (the `benches` crate, the measuring examples
+//! that stay with their crates, `retryctl`'s console benchmark), so that each one's file
+//! holds only what it measures:
 //!
 //! * [`args`]: command-line arguments (`--flag value` pairs, positional numbers) and
 //!   numbers from the environment, with the example's usage in every error;
@@ -7,12 +8,12 @@
 //! * [`publish`]: confirm channels, prefilling a queue with N messages, and publishing at a
 //!   steady rate;
 //! * [`queue`]: how many messages a queue holds;
-//! * [`proc`]: readings from `/proc`: CPU time of this process and of the local broker, the
+//! * [`proc`]: readings from `/proc`: CPU time of this process and of a local server, the
 //!   load average, peak resident memory and its growth over a measurement;
 //! * [`stats`]: min, median, max and percentiles of a run's figures;
 //! * `plot` (feature `plot`): SVG pictures of them, rates against a setting.
 //!
-//! It is a dev-dependency of those crates only and is not published.
+//! It is not published.
 
 pub mod args;
 #[cfg(feature = "plot")]
