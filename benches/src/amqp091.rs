@@ -38,10 +38,76 @@ use crate::{BoxError, Measured, Meter, Peer, Run, SETTLING, Side, Subject};
 
 /// RabbitMQ over AMQP 0-9-1.
 pub struct Amqp091 {
-    /// Declares and deletes plans.
+    rabbit: RabbitMq,
+}
+
+/// RabbitMQ as both of its subjects (this one and [`crate::amqp10`]) reach it beside the
+/// consumer under test, over AMQP 0-9-1: a transport that declares and deletes plans, and
+/// its lapin connection, which prefills, counts, and runs the plain loops and the floor.
+pub(crate) struct RabbitMq {
     setup: AmqpTransport,
-    /// Prefills, counts, and runs the plain loops.
-    conn: Arc<Connection>,
+    pub(crate) conn: Arc<Connection>,
+}
+
+impl RabbitMq {
+    /// Connects to `AMQP_URL`.
+    pub(crate) async fn open() -> Result<Self, BoxError> {
+        let setup = AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?;
+        let conn = setup.connection();
+        Ok(RabbitMq { setup, conn })
+    }
+
+    /// Declares `plan`'s queues.
+    pub(crate) async fn declare(&self, plan: &TopologyPlan) -> Result<(), BoxError> {
+        Ok(self.setup.provision(plan).await?)
+    }
+
+    /// Prefills `queue` with `n` persistent `body`-byte messages, message ids `m0`, `m1`, …
+    pub(crate) async fn prefill(&self, queue: &str, n: u64, body: usize) -> Result<(), BoxError> {
+        let publisher = confirm_channel(&self.conn).await?;
+        let payload = vec![b'x'; body];
+        prefill(&publisher, queue, n, |i| {
+            (
+                &payload,
+                persistent().with_message_id(format!("m{i}").into()),
+            )
+        })
+        .await?;
+        publisher.close(200, "prefilled".into()).await?;
+        Ok(())
+    }
+
+    /// See [`Subject::publish_paced`].
+    pub(crate) async fn publish_paced(
+        &self,
+        queue: &str,
+        ids: Vec<u64>,
+        body: &[u8],
+        rate: f64,
+    ) -> Result<(), BoxError> {
+        publish_paced(&self.conn, queue, ids, body, rate).await
+    }
+
+    /// The messages ready in `queue`, asked until there are `expected` or [`SETTLING`] has
+    /// passed.
+    pub(crate) async fn count(&self, queue: &str, expected: u64) -> Result<u64, BoxError> {
+        let ch = self.conn.create_channel().await?;
+        let expected = u32::try_from(expected).unwrap_or(u32::MAX);
+        let count = wait_for_count(&ch, queue, expected, SETTLING).await?;
+        ch.close(200, "counted".into()).await?;
+        Ok(u64::from(count))
+    }
+
+    /// Deletes `plan`'s queues and the floor's TTL queue beside them.
+    pub(crate) async fn delete(&self, plan: &TopologyPlan) -> Result<(), BoxError> {
+        self.setup.teardown(plan).await?;
+        delete_floor_queue(&self.conn, plan.work_queue()).await
+    }
+
+    /// The broker's own delay (see [`Amqp091`]'s `floor`).
+    pub(crate) async fn floor(&self, trial: &Trial<'_>) -> Result<Lateness, BoxError> {
+        ttl_floor(&self.conn, trial).await
+    }
 }
 
 /// The Node.js peer's paths, which `benches/vs-node.sh` measures and adds to the table.
@@ -94,9 +160,9 @@ impl Subject for Amqp091 {
     const PLAIN: &'static str = "lapin";
 
     async fn open() -> Result<Self, BoxError> {
-        let setup = AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?;
-        let conn = setup.connection();
-        Ok(Amqp091 { setup, conn })
+        Ok(Amqp091 {
+            rabbit: RabbitMq::open().await?,
+        })
     }
 
     async fn connect(&self) -> Result<AmqpTransport, BoxError> {
@@ -104,11 +170,11 @@ impl Subject for Amqp091 {
     }
 
     async fn declare(&self, plan: &TopologyPlan) -> Result<(), BoxError> {
-        Ok(self.setup.provision(plan).await?)
+        self.rabbit.declare(plan).await
     }
 
     async fn prefill(&self, queue: &str, n: u64, body: usize) -> Result<(), BoxError> {
-        fill(&self.conn, queue, n, body).await
+        self.rabbit.prefill(queue, n, body).await
     }
 
     async fn publish_paced(
@@ -118,18 +184,17 @@ impl Subject for Amqp091 {
         body: &[u8],
         rate: f64,
     ) -> Result<(), BoxError> {
-        publish_paced(&self.conn, queue, ids, body, rate).await
+        self.rabbit.publish_paced(queue, ids, body, rate).await
     }
 
     async fn count(&self, queue: &str, expected: u64) -> Result<u64, BoxError> {
-        count(&self.conn, queue, expected).await
+        self.rabbit.count(queue, expected).await
     }
 
     async fn delete(&self, plan: &TopologyPlan) -> Result<(), BoxError> {
-        self.setup.teardown(plan).await?;
-        delete_floor_queue(&self.conn, plan.work_queue()).await?;
+        self.rabbit.delete(plan).await?;
         SeedTopology::new(plan.work_queue())
-            .delete(&self.conn)
+            .delete(&self.rabbit.conn)
             .await
     }
 
@@ -138,7 +203,7 @@ impl Subject for Amqp091 {
     }
 
     async fn peer(&self, path: &str, run: &Run<'_>) -> Result<(Measured, String), BoxError> {
-        let (conn, queue, n, prefetch) = (&*self.conn, run.queue(), run.n, run.prefetch);
+        let (conn, queue, n, prefetch) = (&*self.rabbit.conn, run.queue(), run.n, run.prefetch);
         let delay_queue = run.delay_queue()?.to_owned();
         let half_window = u64::from(prefetch / 2).max(1);
         let measured = match path {
@@ -168,7 +233,7 @@ impl Subject for Amqp091 {
                 .await?;
                 return Ok((measured, seed.delay_queue));
             }
-            other => return Err(unknown(other)),
+            other => return Err(crate::unknown_path::<Self>(other)),
         };
         Ok((measured, delay_queue))
     }
@@ -185,7 +250,7 @@ impl Subject for Amqp091 {
     const FLOOR_JITTERS: bool = false;
 
     async fn floor(&self, trial: &Trial<'_>) -> Result<Lateness, BoxError> {
-        ttl_floor(&self.conn, trial).await
+        self.rabbit.floor(trial).await
     }
 
     async fn plain_first_delivery(&self, queue: &str) -> Result<Duration, BoxError> {
@@ -222,7 +287,7 @@ fn floor_queue(work: &str) -> String {
 
 /// Deletes the floor's TTL queue beside `work`; deleting one that was never declared
 /// changes nothing.
-pub(crate) async fn delete_floor_queue(conn: &Connection, work: &str) -> Result<(), BoxError> {
+async fn delete_floor_queue(conn: &Connection, work: &str) -> Result<(), BoxError> {
     let ch = conn.create_channel().await?;
     ch.queue_delete(
         floor_queue(work).as_str().into(),
@@ -235,7 +300,7 @@ pub(crate) async fn delete_floor_queue(conn: &Connection, work: &str) -> Result<
 
 /// RabbitMQ's floor for the lateness of a delayed retry, over AMQP 0-9-1 on `conn` (see
 /// [`Amqp091::FLOOR`]); the `amqp10` subject's floor too, the broker being the same.
-pub(crate) async fn ttl_floor(conn: &Connection, trial: &Trial<'_>) -> Result<Lateness, BoxError> {
+async fn ttl_floor(conn: &Connection, trial: &Trial<'_>) -> Result<Lateness, BoxError> {
     if trial.jitter {
         return Err("RabbitMQ's floor cannot jitter: a TTL queue holds one TTL".into());
     }
@@ -334,46 +399,6 @@ pub(crate) async fn ttl_floor(conn: &Connection, trial: &Trial<'_>) -> Result<La
     publisher.close(200, "done".into()).await?;
     delete_floor_queue(conn, work).await?;
     Ok(clock.finish())
-}
-
-/// The unknown-path error, naming what is known.
-fn unknown(path: &str) -> BoxError {
-    let known: Vec<&str> = PEERS.iter().map(|p| p.path).collect();
-    format!(
-        "unknown path {path:?} on amqp091; known: ours-success, ours-retry, {}",
-        known.join(", ")
-    )
-    .into()
-}
-
-/// Prefills `queue` with `n` persistent `body`-byte messages, message ids `m0`, `m1`, …
-pub(crate) async fn fill(
-    conn: &Connection,
-    queue: &str,
-    n: u64,
-    body: usize,
-) -> Result<(), BoxError> {
-    let publisher = confirm_channel(conn).await?;
-    let payload = vec![b'x'; body];
-    prefill(&publisher, queue, n, |i| {
-        (
-            &payload,
-            persistent().with_message_id(format!("m{i}").into()),
-        )
-    })
-    .await?;
-    publisher.close(200, "prefilled".into()).await?;
-    Ok(())
-}
-
-/// The messages ready in `queue`, asked until there are `expected` or [`SETTLING`] has
-/// passed.
-pub(crate) async fn count(conn: &Connection, queue: &str, expected: u64) -> Result<u64, BoxError> {
-    let ch = conn.create_channel().await?;
-    let expected = u32::try_from(expected).unwrap_or(u32::MAX);
-    let count = wait_for_count(&ch, queue, expected, SETTLING).await?;
-    ch.close(200, "counted".into()).await?;
-    Ok(u64::from(count))
 }
 
 /// Success path: consume `n` and ack each, or every `batch`-th with `multiple`.

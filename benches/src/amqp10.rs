@@ -23,12 +23,10 @@
 //! fe2o3-amqp: a `TCP_NODELAY` stream, connection, session, a receiver with credit on
 //! `/amq/queue/<queue>`, the first delivery. `AMQP10_URL` and `AMQP_URL` pick the broker.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bench_support::proc::RABBITMQ;
-use bench_support::publish::publish_paced;
-use bench_support::url::{amqp_url, amqp10_url};
+use bench_support::url::amqp10_url;
 use fe2o3_amqp::connection::ConnectionHandle;
 use fe2o3_amqp::link::receiver::CreditMode;
 use fe2o3_amqp::sasl_profile::SaslProfile;
@@ -40,20 +38,17 @@ use fe2o3_amqp::types::primitives::{SimpleValue, Value};
 use fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use retry_core::{TopologyPlan, Transport};
+use retry_core::TopologyPlan;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-use crate::amqp091::{count, delete_floor_queue, fill, ttl_floor};
+use crate::amqp091::RabbitMq;
 use crate::lateness::{Lateness, Trial};
 use crate::{BoxError, Measured, Meter, Peer, Run, Side, Subject};
 
-/// AMQP 1.0 on RabbitMQ.
+/// AMQP 1.0 on RabbitMQ. Plans are declared, prefilled, counted and deleted over AMQP
+/// 0-9-1, as for [`crate::amqp091::Amqp091`].
 pub struct Amqp10 {
-    /// Declares and deletes plans, over AMQP 0-9-1.
-    setup: AmqpTransport,
-    /// Prefills and counts, over AMQP 0-9-1.
-    conn: Arc<lapin::Connection>,
+    rabbit: RabbitMq,
 }
 
 const PEERS: [Peer; 5] = [
@@ -96,9 +91,9 @@ impl Subject for Amqp10 {
     const PLAIN: &'static str = "fe2o3-amqp";
 
     async fn open() -> Result<Self, BoxError> {
-        let setup = AmqpTransport::connect(AmqpConfig::new(amqp_url())).await?;
-        let conn = setup.connection();
-        Ok(Amqp10 { setup, conn })
+        Ok(Amqp10 {
+            rabbit: RabbitMq::open().await?,
+        })
     }
 
     async fn connect(&self) -> Result<Amqp10Transport, BoxError> {
@@ -106,11 +101,11 @@ impl Subject for Amqp10 {
     }
 
     async fn declare(&self, plan: &TopologyPlan) -> Result<(), BoxError> {
-        Ok(self.setup.provision(plan).await?)
+        self.rabbit.declare(plan).await
     }
 
     async fn prefill(&self, queue: &str, n: u64, body: usize) -> Result<(), BoxError> {
-        fill(&self.conn, queue, n, body).await
+        self.rabbit.prefill(queue, n, body).await
     }
 
     async fn publish_paced(
@@ -120,16 +115,15 @@ impl Subject for Amqp10 {
         body: &[u8],
         rate: f64,
     ) -> Result<(), BoxError> {
-        publish_paced(&self.conn, queue, ids, body, rate).await
+        self.rabbit.publish_paced(queue, ids, body, rate).await
     }
 
     async fn count(&self, queue: &str, expected: u64) -> Result<u64, BoxError> {
-        count(&self.conn, queue, expected).await
+        self.rabbit.count(queue, expected).await
     }
 
     async fn delete(&self, plan: &TopologyPlan) -> Result<(), BoxError> {
-        self.setup.teardown(plan).await?;
-        delete_floor_queue(&self.conn, plan.work_queue()).await
+        self.rabbit.delete(plan).await
     }
 
     fn peers() -> &'static [Peer] {
@@ -149,14 +143,7 @@ impl Subject for Amqp10 {
             "fe2o3-retry-headers" => {
                 retry(queue, &delay_queue, n, prefetch, prefetch / 2, true).await?
             }
-            other => {
-                let known: Vec<&str> = PEERS.iter().map(|p| p.path).collect();
-                return Err(format!(
-                    "unknown path {other:?} on amqp10; known: ours-success, ours-retry, {}",
-                    known.join(", ")
-                )
-                .into());
-            }
+            other => return Err(crate::unknown_path::<Self>(other)),
         };
         Ok((measured, delay_queue))
     }
@@ -168,7 +155,7 @@ impl Subject for Amqp10 {
     const FLOOR_JITTERS: bool = false;
 
     async fn floor(&self, trial: &Trial<'_>) -> Result<Lateness, BoxError> {
-        ttl_floor(&self.conn, trial).await
+        self.rabbit.floor(trial).await
     }
 
     async fn plain_first_delivery(&self, queue: &str) -> Result<Duration, BoxError> {

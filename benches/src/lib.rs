@@ -52,6 +52,17 @@ pub fn unknown_transport(name: &str) -> BoxError {
     .into()
 }
 
+/// The unknown-path error of `S`, naming the culprit and every path `S` knows.
+pub fn unknown_path<S: Subject>(path: &str) -> BoxError {
+    let peers: Vec<&str> = S::peers().iter().map(|p| p.path).collect();
+    format!(
+        "unknown path {path:?} on {}; known: ours-success, ours-retry, {}",
+        S::NAME,
+        peers.join(", ")
+    )
+    .into()
+}
+
 /// Which side of the retry decision a path measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {

@@ -210,14 +210,7 @@ impl Subject for Nats {
                 let delay = delay.ok_or("the policy has no delay")?;
                 retry(queue, &delay_queue, delay, n, usize::from(run.prefetch)).await?
             }
-            other => {
-                let known: Vec<&str> = PEERS.iter().map(|p| p.path).collect();
-                return Err(format!(
-                    "unknown path {other:?} on nats; known: ours-success, ours-retry, {}",
-                    known.join(", ")
-                )
-                .into());
-            }
+            other => return Err(crate::unknown_path::<Self>(other)),
         };
         Ok((measured, delay_queue))
     }
@@ -232,11 +225,9 @@ impl Subject for Nats {
     /// pending timer, the one that hands delayed messages back, to 10 ms (`processNak` in
     /// nats-server 2.9.10's `server/consumer.go`, and still so on its main branch): while
     /// naks reach one consumer more often than every 10 ms, that timer never fires, and
-    /// every delayed message waits until the naks pause. Ours naks once per message too
-    /// (its delay mover, on the delay stream), so both are late by about as long as
-    /// messages keep failing faster than 100 a second: on one machine, this floor's p50 was
-    /// 10 ms at 50 msg/s, 230 ms at 150 msg/s and 360 to 520 ms at 500 msg/s. Compare rates
-    /// below 100 msg/s with RabbitMQ's figures, and read those above as the server's.
+    /// every delayed message waits until the naks pause: at 500 msg/s this floor's p99 is
+    /// about 3 s (docs/benchmarks.md). Ours is not held up by it: the transport's delay
+    /// mover naks only clones more than its horizon from due and holds the rest itself.
     const FLOOR: &'static str = "plain async-nats, nak with the delay";
     const FLOOR_JITTERS: bool = true;
 

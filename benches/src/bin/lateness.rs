@@ -36,9 +36,9 @@
 //! and max per round (with the one-minute load average before and after) and over all
 //! rounds, and ours minus the floor. A second run that starts before it was due counts as
 //! negative lateness; how many were early, and by how much at most, is printed below the
-//! table. On `nats`, read rates above 100 msg/s as the server's (see `benches::nats`: a nak
-//! with a delay resets the timer that hands delayed messages back). `AMQP_URL`,
-//! `AMQP10_URL` and `NATS_URL` pick the servers.
+//! table. On `nats`, the floor's lateness above 100 msg/s is the server's own (see
+//! `benches::nats`: a nak with a delay resets the timer that hands delayed messages back).
+//! `AMQP_URL`, `AMQP10_URL` and `NATS_URL` pick the servers.
 
 use std::fmt::Write as _;
 use std::time::Duration;
