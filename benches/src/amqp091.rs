@@ -298,19 +298,14 @@ async fn delete_floor_queue(conn: &Connection, work: &str) -> Result<(), BoxErro
     Ok(())
 }
 
-/// RabbitMQ's floor for the lateness of a delayed retry, over AMQP 0-9-1 on `conn` (see
-/// [`Amqp091::FLOOR`]); the `amqp10` subject's floor too, the broker being the same.
-async fn ttl_floor(conn: &Connection, trial: &Trial<'_>) -> Result<Lateness, BoxError> {
-    if trial.jitter {
-        return Err("RabbitMQ's floor cannot jitter: a TTL queue holds one TTL".into());
-    }
-    let (work, delay) = (trial.queue(), trial.delay()?);
-    let ttl_queue = floor_queue(work);
-    let setup = conn.create_channel().await?;
+/// The arguments of a TTL queue whose messages wait `ttl`, then dead-letter through the
+/// default exchange back to `work`: RabbitMQ's own delay, as the floor and the seed
+/// article declare it.
+fn expiring_home(ttl: std::time::Duration, work: &str) -> Result<FieldTable, BoxError> {
     let mut args = FieldTable::default();
     args.insert(
         "x-message-ttl".into(),
-        AMQPValue::LongLongInt(i64::try_from(delay.as_millis())?),
+        AMQPValue::LongLongInt(i64::try_from(ttl.as_millis())?),
     );
     args.insert(
         "x-dead-letter-exchange".into(),
@@ -320,6 +315,19 @@ async fn ttl_floor(conn: &Connection, trial: &Trial<'_>) -> Result<Lateness, Box
         "x-dead-letter-routing-key".into(),
         AMQPValue::LongString(work.into()),
     );
+    Ok(args)
+}
+
+/// RabbitMQ's floor for the lateness of a delayed retry, over AMQP 0-9-1 on `conn` (see
+/// [`Amqp091::FLOOR`]); the `amqp10` subject's floor too, the broker being the same.
+async fn ttl_floor(conn: &Connection, trial: &Trial<'_>) -> Result<Lateness, BoxError> {
+    if trial.jitter {
+        return Err("RabbitMQ's floor cannot jitter: a TTL queue holds one TTL".into());
+    }
+    let (work, delay) = (trial.queue(), trial.delay()?);
+    let ttl_queue = floor_queue(work);
+    let setup = conn.create_channel().await?;
+    let args = expiring_home(delay, work)?;
     let durable = QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
@@ -582,20 +590,8 @@ impl SeedTopology {
             .delay_levels()
             .first()
             .ok_or("the policy has no delay")?;
-        let mut delay = FieldTable::default();
+        let mut delay = expiring_home(*ttl, &self.queue)?;
         delay.insert("x-expires".into(), AMQPValue::LongInt(600_000));
-        delay.insert(
-            "x-message-ttl".into(),
-            AMQPValue::LongLongInt(i64::try_from(ttl.as_millis())?),
-        );
-        delay.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString("".into()),
-        );
-        delay.insert(
-            "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(self.queue.as_str().into()),
-        );
         let durable = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()

@@ -85,6 +85,24 @@ impl Nats {
             .await?;
         Ok((client, js, consumer))
     }
+
+    /// Publishes one message with `payload` and the message id `id` to `queue`'s subject,
+    /// expecting its `stream`; returns the PubAck to come.
+    async fn send(
+        &self,
+        queue: &str,
+        stream: &str,
+        payload: &Bytes,
+        id: &str,
+    ) -> Result<jetstream::context::PublishAckFuture, BoxError> {
+        let mut headers = HeaderMap::new();
+        headers.insert("message-id", id);
+        let message = PublishMessage::build()
+            .payload(payload.clone())
+            .headers(headers)
+            .expected_stream(stream);
+        Ok(self.js.send_publish(queue.to_owned(), message).await?)
+    }
 }
 
 impl Subject for Nats {
@@ -121,13 +139,9 @@ impl Subject for Nats {
             {
                 let _: jetstream::publish::PublishAck = ack?;
             }
-            let mut headers = HeaderMap::new();
-            headers.insert("message-id", format!("m{i}").as_str());
-            let message = PublishMessage::build()
-                .payload(payload.clone())
-                .headers(headers)
-                .expected_stream(stream.as_str());
-            let ack = self.js.send_publish(queue.to_owned(), message).await?;
+            let ack = self
+                .send(queue, &stream, &payload, &format!("m{i}"))
+                .await?;
             acks.push(ack.into_future());
         }
         while let Some(ack) = acks.next().await {
@@ -149,13 +163,7 @@ impl Subject for Nats {
         let mut acks = FuturesUnordered::new();
         for i in ids {
             tick.tick().await;
-            let mut headers = HeaderMap::new();
-            headers.insert("message-id", i.to_string().as_str());
-            let message = PublishMessage::build()
-                .payload(payload.clone())
-                .headers(headers)
-                .expected_stream(stream.as_str());
-            let ack = self.js.send_publish(queue.to_owned(), message).await?;
+            let ack = self.send(queue, &stream, &payload, &i.to_string()).await?;
             acks.push(ack.into_future());
             // Collect what is in without waiting.
             while let Some(Some(ack)) = futures::FutureExt::now_or_never(acks.next()) {
