@@ -4,7 +4,7 @@
 //!
 //! | path | what runs |
 //! |---|---|
-//! | `fe2o3-accept-each` | success: a receiver with fe2o3's automatic credit of the prefetch, `accept` each delivery as it arrives (dispositions pipeline) |
+//! | `fe2o3-accept-each` | success: a receiver in manual credit (as on the retry path: the prefetch granted again once the last grant is used up), `accept` each delivery as it arrives (dispositions pipeline) |
 //! | `fe2o3-accept-batched` | success: the same receiver; takes every delivery already there (up to half the prefetch) and settles them with one `accept_all` |
 //! | `fe2o3-retry-eager` | retry: a receiver in manual credit; per delivery a clone (body, properties, application properties plus an attempt header, durable like the original) is sent unsettled to `/amq/queue/<delay queue>` on a sender of a second connection, its `accepted` outcome awaited, then the original accepted; up to prefetch in flight. Credit is granted again once the last grant is used up, prefetch − unsettled |
 //! | `fe2o3-retry-half` | retry: the same, granting only once at most half the prefetch is unsettled (fewer, larger grants) |
@@ -12,9 +12,10 @@
 //!
 //! Two things a plain loop must do that the transport does for its user: `TCP_NODELAY`
 //! (fe2o3's `Connection::open` leaves Nagle on, which made these loops 3 to 5 times slower)
-//! and manual credit on the retry path (automatic credit fails with
-//! `TransferLimitExceeded` on RabbitMQ 3.10: fe2o3 grants again while transfers are on the
-//! way, and the broker does not subtract those from the grant).
+//! and manual credit, granted only when no transfer is on the way (automatic credit grants
+//! again while transfers are on the way, and RabbitMQ 3.10 does not subtract those from the
+//! grant: the retry loop failed with `TransferLimitExceeded`, and a success loop stalled with
+//! deliveries outstanding).
 //!
 //! The floor of the `lateness` binary ([`Subject::floor`]) is RabbitMQ's own delay, the same
 //! as the `amqp091` subject's (a TTL queue dead-lettering back to the work queue, driven by
@@ -56,7 +57,7 @@ const PEERS: [Peer; 5] = [
         path: "fe2o3-accept-each",
         label: "fe2o3 accept-each",
         side: Side::Success,
-        legend: "plain fe2o3-amqp, automatic credit, accept each delivery",
+        legend: "plain fe2o3-amqp, manual credit, accept each delivery",
     },
     Peer {
         path: "fe2o3-accept-batched",
@@ -213,9 +214,9 @@ pub(crate) async fn plain_receiver(
         .await?)
 }
 
-/// Manual credit for the plain retry loop: a new grant is made only once the last one is
-/// used up, of what is free below the prefetch, and only when at most `floor` deliveries
-/// are unsettled.
+/// Manual credit for the plain loops: a new grant is made only once the last one is used
+/// up (so that no transfer is on the way when it is made), of what is free below the
+/// prefetch, and only when at most `floor` deliveries are unsettled.
 struct Credit {
     prefetch: u32,
     left: u32,
@@ -234,32 +235,45 @@ impl Credit {
 }
 
 /// Success path: accept each delivery as it arrives, or (`batched`) every delivery already
-/// there with one `accept_all`.
+/// there with one `accept_all`; manual credit as on the retry path (fe2o3's automatic
+/// credit grants again while transfers are on the way, and a smoke run with it stalled on
+/// RabbitMQ 3.10 with deliveries outstanding).
 async fn success(queue: &str, n: u64, prefetch: u32, batched: bool) -> Result<Measured, BoxError> {
     let mut connection = plain_connection("plain-success").await?;
     let mut session = Session::begin(&mut connection).await?;
     let meter = Meter::start(RABBITMQ);
-    let mut receiver = plain_receiver(&mut session, queue, prefetch, false).await?;
+    let mut receiver = plain_receiver(&mut session, queue, prefetch, true).await?;
+    let mut credit = Credit {
+        prefetch,
+        left: 0,
+        unsettled: 0,
+        floor: prefetch,
+    };
+    credit.top_up(&mut receiver).await?;
     let mut done = 0;
     let mut batch = Vec::with_capacity((prefetch / 2).max(1) as usize);
     while done < n {
         let delivery = receiver.recv::<Body<Value>>().await?;
         meter.first();
-        if !batched {
-            receiver.accept(&delivery).await?;
-            done += 1;
-            continue;
-        }
         batch.push(delivery);
         // `recv` is cancel safe: asking without waiting loses nothing.
-        while batch.len() < batch.capacity() && done + (batch.len() as u64) < n {
+        while batched && batch.len() < batch.capacity() && done + (batch.len() as u64) < n {
             match futures::FutureExt::now_or_never(receiver.recv::<Body<Value>>()) {
                 Some(delivery) => batch.push(delivery?),
                 None => break,
             }
         }
-        done += batch.len() as u64;
-        receiver.accept_all(batch.drain(..)).await?;
+        let taken = u32::try_from(batch.len())?;
+        credit.left = credit.left.saturating_sub(taken);
+        done += u64::from(taken);
+        if batched {
+            receiver.accept_all(batch.drain(..)).await?;
+        } else {
+            for delivery in batch.drain(..) {
+                receiver.accept(&delivery).await?;
+            }
+        }
+        credit.top_up(&mut receiver).await?;
     }
     let took = meter.stop();
     let _ = receiver.detach().await;
