@@ -7,13 +7,14 @@
 //! * [`url`]: the broker's URLs from `AMQP_URL` and `AMQP10_URL`;
 //! * [`publish`]: confirm channels, prefilling a queue with N messages, and publishing at a
 //!   steady rate;
-//! * [`queue`]: how many messages a queue holds;
+//! * [`queue`]: how many messages a queue holds, and the plain lapin walk of one;
 //! * [`proc`]: readings from `/proc`: CPU time of this process and of a local server, the
 //!   load average, peak resident memory and its growth over a measurement;
 //! * [`stats`]: min, median, max and percentiles of a run's figures;
 //! * `plot` (feature `plot`): SVG pictures of them, rates against a setting.
 //!
-//! It is not published.
+//! The URLs, confirm channels and queue counts are the tests' own, re-exported from the
+//! `test-brokers` crate. It is not published.
 
 pub mod args;
 #[cfg(feature = "plot")]

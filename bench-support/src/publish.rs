@@ -3,22 +3,15 @@
 
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::{BasicProperties, Channel, Connection};
 
 use crate::BoxError;
 
+pub use test_brokers::rabbitmq::confirm_channel;
+
 /// How many publishes [`prefill`] has in flight before it awaits their confirms.
 pub const CONFIRM_BATCH: usize = 1_000;
-
-/// A new channel on `conn` in confirm mode.
-pub async fn confirm_channel(conn: &Connection) -> Result<Channel, BoxError> {
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    Ok(channel)
-}
 
 /// Properties of a persistent message (delivery mode 2), to build on.
 pub fn persistent() -> BasicProperties {

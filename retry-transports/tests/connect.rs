@@ -16,10 +16,6 @@ use transport_amqp091::AmqpTransport;
 use transport_memory::MemoryTransport;
 use transport_nats::NatsTransport;
 
-fn env_or(key: &str, default: &str) -> String {
-    std::env::var(key).unwrap_or_else(|_| default.to_owned())
-}
-
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -28,23 +24,25 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a runtime")
 }
 
-/// Connects, or skips loudly when the broker is absent and `require` is not set.
+/// Connects, or skips loudly when the broker is absent and `require` is not set (a panic
+/// when it is).
 async fn connect(url: &str, options: ConnectOptions, require: &str) -> Option<DynTransport> {
     match retry_transports::connect_with(url, options).await {
         Ok(t) => Some(t),
-        Err(e) if std::env::var_os(require).is_none() => {
-            eprintln!("SKIPPED: no broker at {url} ({e}); set {require}=1 to fail instead");
+        Err(e) => {
+            let why = format!("no broker at {} ({e})", test_brokers::authority(url));
+            test_brokers::skip(require, "connecting by URL", &why, "Start the broker");
             None
         }
-        Err(e) => panic!("{require} is set and {url} does not answer: {e}"),
     }
 }
 
 #[test]
 fn amqp_urls_reach_amqp091_unless_amqp10_is_asked_for() {
     runtime().block_on(async {
-        let url = env_or("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
-        let Some(t) = connect(&url, ConnectOptions::new(), "REQUIRE_BROKER").await else {
+        let url = test_brokers::amqp_url();
+        let Some(t) = connect(&url, ConnectOptions::new(), test_brokers::REQUIRE_BROKER).await
+        else {
             return;
         };
         let amqp = t.downcast_ref::<AmqpTransport>().expect("an AmqpTransport");
@@ -60,12 +58,12 @@ fn amqp_urls_reach_amqp091_unless_amqp10_is_asked_for() {
         amqp.teardown(&plan).await.expect("teardown");
         assert!(fetched.expect("a fetch from the declared queue").is_none());
 
-        let url10 = env_or("AMQP10_URL", "amqp://guest:guest@127.0.0.1:5672");
+        let url10 = test_brokers::amqp10_url();
         let options = ConnectOptions::new()
             .with_protocol("amqp10")
             .with_client_name("registry-test")
             .with_setting("operation_timeout", "5s");
-        let Some(t) = connect(&url10, options, "REQUIRE_BROKER").await else {
+        let Some(t) = connect(&url10, options, test_brokers::REQUIRE_BROKER).await else {
             return;
         };
         assert!(t.downcast_ref::<Amqp10Transport>().is_some(), "{t:?}");
@@ -75,9 +73,9 @@ fn amqp_urls_reach_amqp091_unless_amqp10_is_asked_for() {
 #[test]
 fn nats_urls_reach_nats() {
     runtime().block_on(async {
-        let url = env_or("NATS_URL", "nats://127.0.0.1:4222");
+        let url = test_brokers::nats_url();
         let options = ConnectOptions::new().with_setting("ack_wait", "5s");
-        let Some(t) = connect(&url, options, "REQUIRE_NATS").await else {
+        let Some(t) = connect(&url, options, test_brokers::REQUIRE_NATS).await else {
             return;
         };
         let nats = t.downcast_ref::<NatsTransport>().expect("a NatsTransport");

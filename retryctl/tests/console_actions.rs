@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use console::{Console, Parked, TOKEN, hidden};
 use serde_json::Value;
-use transport_amqp091::testing::{RawProperties, RawPublisher, RawTable};
+use test_brokers::authority;
+use test_brokers::rabbitmq::{RawProperties, RawPublisher, RawTable};
 
 /// A work queue of its own with `messages` parked; `None` without a broker.
 async fn queue_with(prefix: &str, messages: Vec<Parked<'_>>) -> Option<(String, common::Cleanup)> {
@@ -267,14 +268,6 @@ async fn replay_rates_are_bounded_and_a_running_replay_can_be_cancelled() {
     assert_eq!(again.status, 409, "{again:?}");
 }
 
-/// The broker's `host:port`.
-fn address() -> String {
-    let url = common::url();
-    let rest = url.split("://").nth(1).unwrap_or("127.0.0.1:5672");
-    let host = rest.rsplit('@').next().unwrap_or(rest);
-    host.split('/').next().unwrap_or(host).to_owned()
-}
-
 /// Parking queues holding messages lapin cannot read (an id and a header name that are not
 /// UTF-8, headers nested 200 and 15,000 deep): the console walks past them and lists them, a
 /// replay of everything leaves them and goes on, and one is purged by its key; `retryctl
@@ -294,7 +287,8 @@ async fn messages_lapin_cannot_read_are_listed_passed_over_by_replays_and_purged
         RawProperties::new()
             .headers(&RawTable::new().entry(b"deeper", &RawTable::nested_tables(15_000))),
     ];
-    let mut publisher = RawPublisher::connect(&address(), "guest", "guest", "/").unwrap();
+    let mut publisher =
+        RawPublisher::connect(&authority(&common::amqp_url()), "guest", "guest", "/").unwrap();
     for (i, properties) in hostile.iter().enumerate() {
         publisher
             .publish(

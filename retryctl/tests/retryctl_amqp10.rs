@@ -18,7 +18,7 @@ use serde_json::Value;
 
 /// Runs `retryctl --protocol amqp10 --url <AMQP 1.0 URL> args`.
 async fn retryctl10(args: &[&str]) -> Run {
-    let url = common::url10();
+    let url = common::amqp10_url();
     let all = [&["--protocol", "amqp10", "--url", url.as_str()][..], args].concat();
     retryctl(&all).await
 }
@@ -64,7 +64,7 @@ async fn work_queue(prefix: &str) -> Option<(String, TopologyPlan, common::Clean
         .build()
         .unwrap();
     let plan = TopologyPlan::new(&queue, &policy).unwrap();
-    let mut cleanup = common::Cleanup::new(&config);
+    let mut cleanup = common::Cleanup::new(common::amqp_url());
     cleanup.plan(&plan);
     let transport = common::transport(&config).await;
     transport.provision(&plan).await.unwrap();
@@ -245,7 +245,11 @@ async fn parked_over_amqp10_purges_but_will_not_replay_what_an_amqp091_consumer_
             "{refused:?}"
         );
     }
-    assert_eq!(common::message_count(&ch, &queue).await, 0, "replayed");
+    assert_eq!(
+        common::message_count(&ch, &queue).await.unwrap(),
+        0,
+        "replayed"
+    );
 
     // Purged by id like any other.
     let purged = retryctl10(&["parked", "purge", &queue, "--id", "p-2", "--yes"]).await;
@@ -292,11 +296,9 @@ async fn topology_apply_over_amqp10_is_refused_naming_amqp091() {
     let policy = PolicyFile::new(POLICY);
     let queue = common::unique("retryctl-apply10");
     // Nothing is created; should something be, it goes.
-    let _cleanup = common::broker("retryctl apply amqp10").await.map(|config| {
-        let mut cleanup = common::Cleanup::new(&config);
-        cleanup.plan(&plan(&queue));
-        cleanup
-    });
+    let _cleanup = common::broker("retryctl apply amqp10")
+        .await
+        .map(|_| common::Cleanup::new(common::amqp_url()).with_plan(&plan(&queue)));
     let run = retryctl10(&["topology", "apply", &queue, "--policy", policy.path()]).await;
     assert_eq!(run.code, 2, "{run:?}");
     assert!(run.stdout.is_empty(), "{run:?}");
@@ -316,12 +318,12 @@ async fn topology_apply_over_amqp10_is_refused_naming_amqp091() {
 
 #[tokio::test]
 async fn topology_verify_over_amqp10_checks_every_object_and_names_a_missing_one() {
-    let Some(config) = common::broker("retryctl verify amqp10").await else {
+    if common::broker("retryctl verify amqp10").await.is_none() {
         return;
-    };
+    }
     let queue = common::unique("retryctl-verify10");
     let plan = plan(&queue);
-    let mut cleanup = common::Cleanup::new(&config);
+    let mut cleanup = common::Cleanup::new(common::amqp_url());
     cleanup.plan(&plan);
     let policy = PolicyFile::new(POLICY);
     let apply = retryctl(&["topology", "apply", &queue, "--policy", policy.path()]).await;
@@ -330,7 +332,7 @@ async fn topology_verify_over_amqp10_checks_every_object_and_names_a_missing_one
     let verify = ["topology", "verify", &queue, "--policy", policy.path()];
     let passed = retryctl10(&verify).await;
     assert_eq!(passed.code, 0, "{passed:?}");
-    let redacted = redacted10(&common::url10());
+    let redacted = redacted10(&common::amqp10_url());
     assert_eq!(
         passed.stdout.lines().next(),
         Some(
@@ -361,7 +363,12 @@ async fn topology_verify_over_amqp10_checks_every_object_and_names_a_missing_one
     // Nothing was sent: no probe waits in a delay queue.
     let (conn, ch) = common::raw().await;
     for q in plan.queues() {
-        assert_eq!(common::message_count(&ch, &q.name).await, 0, "{}", q.name);
+        assert_eq!(
+            common::message_count(&ch, &q.name).await.unwrap(),
+            0,
+            "{}",
+            q.name
+        );
     }
 
     // One delay queue deleted: named, and exit 1.
@@ -447,7 +454,7 @@ async fn a_url_scheme_no_protocol_speaks_exits_2_naming_it() {
 
 #[tokio::test]
 async fn the_password_is_never_printed_over_amqp10() {
-    let url = common::url10();
+    let url = common::amqp10_url();
     let secret = url
         .split_once("://")
         .and_then(|(_, rest)| rest.split_once('@'))
@@ -494,7 +501,7 @@ async fn the_console_groups_and_replays_parked_messages_over_amqp10() {
             .with_headers(common::table([("x-amqp-1.0-app-properties", section)]));
         common::publish_with(&ch, parking, id.as_bytes(), properties).await;
     }
-    let url = common::url10();
+    let url = common::amqp10_url();
     let console = console::Console::start(&[&queue], &["--protocol", "amqp10", "--url", &url]);
     let q = console.index_after(&queue, 0);
     assert_eq!(q["parked"], 3, "{q}");

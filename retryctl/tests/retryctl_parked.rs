@@ -36,7 +36,7 @@ async fn list_show_replay_and_purge_parked_messages() {
         .build()
         .unwrap();
     let plan = TopologyPlan::new(&queue, &policy).unwrap();
-    let mut cleanup = common::Cleanup::new(&config);
+    let mut cleanup = common::Cleanup::new(common::amqp_url());
     cleanup.plan(&plan);
     let transport = common::transport(&config).await;
     transport.provision(&plan).await.unwrap();

@@ -213,8 +213,10 @@ async fn verify_passes_on_a_freshly_applied_plan() {
     let verify = retryctl(&["topology", "verify", &queue, "--policy", policy.path()]).await;
     let (conn, ch) = common::raw().await;
     let left = [
-        common::message_count(&ch, &queue).await,
-        common::message_count(&ch, &format!("{queue}.suspect")).await,
+        common::message_count(&ch, &queue).await.unwrap(),
+        common::message_count(&ch, &format!("{queue}.suspect"))
+            .await
+            .unwrap(),
     ];
     let _ = conn.close(200, "done".into()).await;
     let plan = plan(&queue);
@@ -262,17 +264,19 @@ async fn verify_names_the_delay_queues_that_dead_letter_elsewhere() {
     let slow = format!("{queue}.retry.500ms");
     let crash = format!("{queue}.crash.300ms");
     let nowhere = dead_letter_to(format!("{queue}.nowhere"));
-    transport_amqp091::testing::redeclare(&ch, &plan, &slow, nowhere)
+    test_brokers::rabbitmq::redeclare(&ch, &plan, &slow, nowhere)
         .await
         .unwrap();
-    transport_amqp091::testing::redeclare(&ch, &plan, &crash, dead_letter_to(queue.clone()))
+    test_brokers::rabbitmq::redeclare(&ch, &plan, &crash, dead_letter_to(queue.clone()))
         .await
         .unwrap();
 
     let verify = retryctl(&["topology", "verify", &queue, "--policy", policy.path()]).await;
     let left = [
-        common::message_count(&ch, &queue).await,
-        common::message_count(&ch, &format!("{queue}.suspect")).await,
+        common::message_count(&ch, &queue).await.unwrap(),
+        common::message_count(&ch, &format!("{queue}.suspect"))
+            .await
+            .unwrap(),
     ];
     let _ = conn.close(200, "done".into()).await;
     teardown(&config, &plan).await;
@@ -374,7 +378,8 @@ async fn verify_puts_back_work_that_comes_ahead_of_its_probes() {
         Duration::from_secs(5),
         Duration::from_millis(20),
         || async {
-            common::message_count(&ch, &delay).await + common::message_count(&ch, &crash).await
+            common::message_count(&ch, &delay).await.unwrap()
+                + common::message_count(&ch, &crash).await.unwrap()
         },
         |n| *n == 2,
     )
@@ -387,7 +392,8 @@ async fn verify_puts_back_work_that_comes_ahead_of_its_probes() {
         Duration::from_secs(5),
         Duration::from_millis(20),
         || async {
-            common::message_count(&ch, &queue).await + common::message_count(&ch, &suspects).await
+            common::message_count(&ch, &queue).await.unwrap()
+                + common::message_count(&ch, &suspects).await.unwrap()
         },
         |n| *n == 4,
     )
@@ -476,7 +482,7 @@ async fn verify_of_an_unknown_queue_fails_naming_it() {
 
 #[tokio::test]
 async fn the_password_of_the_url_is_never_printed() {
-    let url = common::url();
+    let url = common::amqp_url();
     let redacted = AmqpConfig::new(url.as_str()).redacted_url();
     let secret = url
         .split_once("://")
@@ -551,7 +557,7 @@ async fn the_password_of_the_url_is_never_printed() {
 
 #[tokio::test]
 async fn apply_over_tls_with_the_tls_options_and_refusals_that_name_the_check() {
-    let Some(node) = transport_amqp091::testing::tls_node("retryctl over TLS") else {
+    let Some(node) = test_brokers::rabbitmq::tls_node("retryctl over TLS") else {
         return;
     };
     let queue = common::unique("retryctl-tls");

@@ -56,8 +56,8 @@ async fn depth_tells_a_missing_queue_from_one_with_messages() {
         return;
     };
     let queue = unique("admin-depth");
-    let mut cleanup = Cleanup::new(&config);
-    cleanup.queues.push(queue.clone());
+    let mut cleanup = Cleanup::new(amqp_url());
+    cleanup.queue(queue.clone());
     let t = transport(&config).await;
 
     let before = t.depth(&queue).await.unwrap();
@@ -85,7 +85,7 @@ async fn apply_creates_the_plan_then_verifies_it() {
     };
     let queue = unique("admin-apply");
     let plan = quick_plan(&queue);
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
 
@@ -129,7 +129,7 @@ async fn check_after_apply_sees_every_probe_come_back() {
     };
     let queue = unique("admin-check");
     let plan = quick_plan(&queue);
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
 
@@ -137,9 +137,9 @@ async fn check_after_apply_sees_every_probe_come_back() {
     let report = t.check(&plan, &options()).await.unwrap();
     let (conn, ch) = raw().await;
     let left = [
-        message_count(&ch, &queue).await,
-        message_count(&ch, plan.isolation_queue()).await,
-        message_count(&ch, plan.parking_queue()).await,
+        message_count(&ch, &queue).await.unwrap(),
+        message_count(&ch, plan.isolation_queue()).await.unwrap(),
+        message_count(&ch, plan.parking_queue()).await.unwrap(),
     ];
     let _ = conn.close(200, "done".into()).await;
     Transport::close(&t).await;
@@ -192,7 +192,7 @@ async fn check_reports_a_deleted_parking_queue_missing() {
     };
     let queue = unique("admin-noparking");
     let plan = quick_plan(&queue);
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
 
@@ -225,7 +225,7 @@ async fn check_takes_no_work_and_probes_nothing_that_would_queue_behind_it() {
     };
     let queue = unique("admin-busy");
     let plan = quick_plan(&queue);
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
 
@@ -314,7 +314,7 @@ async fn the_registration_hands_out_an_admin_and_takes_auto_recover() {
     let _ = config;
     let registry = Registry::new().with(transport_amqp091::registration());
     let options = ConnectOptions::new().with_setting("auto_recover", "false");
-    let t = registry.connect_with(&url(), options).await.unwrap();
+    let t = registry.connect_with(&amqp_url(), options).await.unwrap();
     let depth = t.depth(&unique("admin-nothing")).await;
     t.close().await;
 

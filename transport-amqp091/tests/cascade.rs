@@ -18,8 +18,8 @@ use retry_core::{
     Cascade, CascadePlan, DelayStrategy, Message, MessageParts, Properties, Publish, PublishResult,
     RetryPolicy, Route, TopologyPlan, Transport, TransportError,
 };
+use test_brokers::LogRecorder;
 use transport_amqp091::AmqpTransport;
-use transport_amqp091::testing::LogRecorder;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -198,7 +198,7 @@ async fn provisioning_a_cascade_twice_verifies_everything_the_second_time() {
     let plan = plan(&q, &[ms(300), ms(700)], Cascade::new().with_prefix(&p));
     let cascade = plan.cascade().unwrap();
     assert_eq!(cascade.levels(), 7, "70 units of 10 ms need 7 bits");
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
 
@@ -301,7 +301,7 @@ async fn two_work_queues_share_one_cascade_and_teardown_leaves_it_to_the_other()
     let long = plan(&long_q, &[ms(1_000)], settings);
     let (small, big) = (short.cascade().unwrap(), long.cascade().unwrap());
     assert_eq!((small.levels(), big.levels()), (2, 4));
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&short);
     cleanup.plan(&long);
     let t = transport(&config).await;
@@ -412,7 +412,7 @@ async fn a_clone_waits_its_delay_and_a_short_one_overtakes_a_long_one() {
     let q = unique("casc-delays");
     // A 10 ms unit: 2 s is 200 units (levels 3, 6 and 7), 100 ms is 10 (levels 1 and 3).
     let plan = plan(&q, &[ms(100), ms(2_000)], Cascade::new().with_prefix(&p));
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
     t.provision(&plan).await.unwrap();
@@ -456,7 +456,7 @@ async fn a_clone_waits_its_delay_and_a_short_one_overtakes_a_long_one() {
         "arrived after {:?}",
         got[0].1 - sent
     );
-    assert_eq!(message_count(&ch, &q).await, 0);
+    assert_eq!(message_count(&ch, &q).await.unwrap(), 0);
 }
 
 #[tokio::test]
@@ -469,9 +469,9 @@ async fn a_conflicting_level_queue_is_reported_by_name() {
     let plan = plan(&q, &[ms(500)], Cascade::new().with_prefix(&p));
     let cascade = plan.cascade().unwrap();
     let level = &cascade.queues()[2];
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
-    cleanup.queues.push(level.name.clone());
+    cleanup.queue(level.name.clone());
     let (_conn, ch) = raw().await;
     // Level 2 exists already, with another TTL.
     let mut args = FieldTable::default();

@@ -1,7 +1,7 @@
-//! On a real three-node RabbitMQ cluster (`tests/cluster.sh up`): connecting to a node list,
+//! On a real three-node RabbitMQ cluster (`stress/cluster.sh up`): connecting to a node list,
 //! refusing bad ones, and failing over while nodes are stopped, killed and restarted.
 //!
-//! The cluster's node list comes from `AMQP_CLUSTER_URLS` (`tests/cluster.sh urls`). Without
+//! The cluster's node list comes from `AMQP_CLUSTER_URLS` (`stress/cluster.sh urls`). Without
 //! it these tests are skipped loudly, unless `REQUIRE_CLUSTER` is set (as `.ci/run` does),
 //! which makes a missing cluster a failure. They stop and kill nodes, so they run one at a
 //! time, and every node is running again when each ends.
@@ -19,7 +19,8 @@ use lapin::{BasicProperties, Connection, ConnectionProperties};
 use retry_core::{
     HandlerError, Message, QueueType, RetryPolicy, TopologyBuilder, TopologyPlan, Transport,
 };
-use transport_amqp091::testing::{self, ClusterLease, LogRecorder, cluster, print_uncaptured};
+use test_brokers::rabbitmq::{ClusterLease, cluster};
+use test_brokers::{LogRecorder, print_uncaptured};
 use transport_amqp091::{AmqpConfig, AmqpTransport, NodeListError};
 
 fn secs(n: u64) -> Duration {
@@ -43,12 +44,12 @@ async fn exclusive() -> ClusterLease {
     ClusterLease::take().await
 }
 
-/// Runs `tests/cluster.sh` with `args` off the runtime's thread.
+/// Runs `stress/cluster.sh` with `args` off the runtime's thread.
 async fn cluster_sh(args: &[&str]) {
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     tokio::task::spawn_blocking(move || {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        testing::cluster_sh(&args)
+        test_brokers::rabbitmq::cluster_sh(&args)
     })
     .await
     .unwrap();
@@ -186,7 +187,7 @@ async fn a_node_list_connects_to_the_first_node_that_answers_and_refuses_bad_lis
 
     // A node of another cluster: the machine's own broker is not part of this one.
     let mut mixed = urls.clone();
-    mixed.push(common::url());
+    mixed.push(common::amqp_url());
     let err = AmqpTransport::connect(AmqpConfig::cluster(mixed).unwrap())
         .await
         .unwrap_err();
@@ -201,7 +202,7 @@ async fn a_node_list_connects_to_the_first_node_that_answers_and_refuses_bad_lis
             ..
         }) => {
             assert_eq!(first_cluster, "retry-test-cluster");
-            assert_eq!(node, &redact(&common::url()));
+            assert_eq!(node, &redact(&common::amqp_url()));
         }
         other => panic!("{err}: {other:?}"),
     }

@@ -12,8 +12,8 @@ use retry_core::{
     DeadLetterReason, HandlerError, HeaderValue, Message, ParkedRecord, QueueType, RetryPolicy,
     Terminal, TopologyPlan, Transport, headers,
 };
+use test_brokers::rabbitmq::{redeclare, refusing};
 use transport_amqp091::AmqpTransport;
-use transport_amqp091::testing::{redeclare, refusing};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -69,8 +69,8 @@ async fn a_message_that_succeeds_is_acked() {
     assert!(running.until(ms(10_000), |t| !t.is_empty()).await);
     let report = running.stop().await;
     assert_eq!(report.handled, 1);
-    assert_eq!(message_count(&ch, &q).await, 0);
-    assert_eq!(message_count(&ch, plan.parking_queue()).await, 0);
+    assert_eq!(message_count(&ch, &q).await.unwrap(), 0);
+    assert_eq!(message_count(&ch, plan.parking_queue()).await.unwrap(), 0);
     t.teardown(&plan).await.unwrap();
 }
 
@@ -128,7 +128,7 @@ async fn a_transient_failure_comes_back_after_the_real_ttl_and_succeeds() {
         seen[1].0 - seen[0].0
     );
     running.stop().await;
-    assert_eq!(message_count(&ch, &q).await, 0);
+    assert_eq!(message_count(&ch, &q).await.unwrap(), 0);
     t.teardown(&plan).await.unwrap();
 }
 
@@ -170,7 +170,7 @@ async fn used_up_attempts_park_the_message_with_diagnostics() {
     let last = record.last_failure.unwrap();
     assert!(first >= before && last >= first);
     assert!(record.malformed.is_empty());
-    assert_eq!(message_count(&ch, &q).await, 0);
+    assert_eq!(message_count(&ch, &q).await.unwrap(), 0);
     t.teardown(&plan).await.unwrap();
 }
 
@@ -338,8 +338,8 @@ async fn a_publish_refused_every_time_requeues_once_then_runs_as_a_suspect_uncou
     // The solo run, of the suspect's copy, saw no crash recorded on the message.
     assert_eq!(*seen.lock().unwrap(), [(false, 0), (true, 0)]);
     (*t).close().await.unwrap();
-    assert_eq!(message_count(&ch, &q).await, 0);
-    assert_eq!(message_count(&ch, &delay_queue).await, 0);
+    assert_eq!(message_count(&ch, &q).await.unwrap(), 0);
+    assert_eq!(message_count(&ch, &delay_queue).await.unwrap(), 0);
     let config = broker("refused-teardown").await.unwrap();
     transport(&config).await.teardown(&plan).await.unwrap();
 }
@@ -421,7 +421,7 @@ async fn quorum_redelivery_counts_make_a_suspect_and_the_broker_limit_backs_up()
         matches!(delivery_count, None | Some(HeaderValue::Int(0))),
         "{delivery_count:?}"
     );
-    assert_eq!(message_count(&ch, plan.parking_queue()).await, 0);
+    assert_eq!(message_count(&ch, plan.parking_queue()).await.unwrap(), 0);
     t.teardown(&plan).await.unwrap();
 
     // 2. The broker's delivery limit (1) stays a backstop: returned past it, RabbitMQ itself
@@ -452,7 +452,7 @@ async fn quorum_redelivery_counts_make_a_suspect_and_the_broker_limit_backs_up()
         death.get("reason"),
         Some(&HeaderValue::from("delivery_limit"))
     );
-    assert_eq!(message_count(&ch, &q).await, 0);
+    assert_eq!(message_count(&ch, &q).await.unwrap(), 0);
     t.teardown(&plan).await.unwrap();
 }
 
@@ -519,7 +519,7 @@ async fn assert_nothing_left_once_closed(
         plan.isolation_queue(),
         plan.parking_queue(),
     ] {
-        assert_eq!(message_count(ch, queue).await, 0, "{queue}");
+        assert_eq!(message_count(ch, queue).await.unwrap(), 0, "{queue}");
     }
 }
 
@@ -639,7 +639,7 @@ async fn a_forwarded_delivery_count_on_a_classic_queue_is_not_crash_evidence() {
     let report = running.stop().await;
     assert_eq!((report.handled, report.isolated), (1, 0));
     assert_eq!(runs.0.lock().unwrap()["forged-1"], 1);
-    assert_eq!(message_count(&ch, plan.isolation_queue()).await, 0);
+    assert_eq!(message_count(&ch, plan.isolation_queue()).await.unwrap(), 0);
     t.teardown(&plan).await.unwrap();
 }
 

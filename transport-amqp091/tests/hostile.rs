@@ -5,7 +5,7 @@
 //! handle every good message, and leave the hostile one in the parking queue with its bytes
 //! as they came; the benign ones are handled like any other.
 //!
-//! The messages are written by `testing::RawPublisher`: lapin cannot write them.
+//! The messages are written by `test_brokers::rabbitmq::RawPublisher`: lapin cannot write them.
 
 mod common;
 
@@ -13,12 +13,13 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{broker, ready_and_unacked_settled, unique};
+use common::{amqp_url, broker, ready_and_unacked_settled, unique};
 use retry_core::{
     Consumer, HandlerError, HeaderValue, Message, RetryPolicy, TopologyPlan, Transport,
 };
-use transport_amqp091::testing::{RawProperties, RawPublisher, RawTable};
-use transport_amqp091::{AmqpConfig, AmqpTransport, RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};
+use test_brokers::authority;
+use test_brokers::rabbitmq::{Cleanup, RawProperties, RawPublisher, RawTable};
+use transport_amqp091::{AmqpTransport, RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};
 
 const GOOD: usize = 240;
 const HOSTILE_AT: usize = 120;
@@ -82,14 +83,6 @@ fn header(name: &[u8], value: &[u8]) -> RawProperties {
     RawProperties::new().headers(&RawTable::new().entry(name, value))
 }
 
-/// The address `host:port` of the broker the tests use.
-fn address(config: &AmqpConfig) -> String {
-    let url = config.redacted_url();
-    let rest = url.split("://").nth(1).unwrap_or("127.0.0.1:5672");
-    let host_port = rest.rsplit('@').next().unwrap_or(rest);
-    host_port.split('/').next().unwrap_or(host_port).to_owned()
-}
-
 /// Publishes 240 good messages with the case's in the middle, runs a consumer until every
 /// good one is handled, and checks what became of the case's.
 async fn run(name: &str, case: Case) {
@@ -101,7 +94,7 @@ async fn run(name: &str, case: Case) {
         .build()
         .unwrap();
     let plan = TopologyPlan::new(&queue, &policy).unwrap();
-    let _cleanup = Cleanup(config.clone(), plan.clone());
+    let _cleanup = Cleanup::new(amqp_url()).with_plan(&plan);
     let transport = Arc::new(AmqpTransport::connect(config.clone()).await.unwrap());
     transport.provision(&plan).await.unwrap();
 
@@ -133,7 +126,7 @@ async fn run(name: &str, case: Case) {
             .unwrap();
     }
     let raw = case.properties.encode();
-    let at = address(&config);
+    let at = authority(&amqp_url());
     let queue_name = queue.clone();
     let hostile_queue = match case.to_isolation {
         true => plan.isolation_queue().to_owned(),
@@ -261,15 +254,6 @@ async fn run(name: &str, case: Case) {
         kept.windows(case.kept.len()).any(|w| w == case.kept),
         "{name}: the parked properties do not hold the original bytes"
     );
-}
-
-/// Deletes the plan however the test ends (the fanout exchange goes with its binding).
-struct Cleanup(AmqpConfig, TopologyPlan);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        transport_amqp091::testing::delete_blocking(&self.0, std::slice::from_ref(&self.1), &[]);
-    }
 }
 
 fn short_string_case(property: &str) -> Case {

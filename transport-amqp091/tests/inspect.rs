@@ -5,8 +5,8 @@
 use lapin::protocol::basic::parse_properties;
 use lapin::types::parsing::parse_long_long_uint;
 use proptest::prelude::*;
+use test_brokers::rabbitmq::{RawProperties, RawTable};
 use transport_amqp091::inspect::*;
-use transport_amqp091::testing::{RawProperties, RawTable};
 
 /// A content header payload: class 60, weight 0, a body of 5 bytes, `properties`.
 fn header(properties: &[u8]) -> Vec<u8> {

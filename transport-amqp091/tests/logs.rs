@@ -1,5 +1,5 @@
 //! Passwords and keys never reach the logs: everything this crate and lapin trace, at every
-//! level, through TLS refusals (on the TLS node of `tests/tls-node.sh`, when it runs), a
+//! level, through TLS refusals (on the TLS node of `stress/tls-node.sh`, when it runs), a
 //! login with a client certificate, a refused login, an unreachable broker and a recovery.
 //!
 //! A test binary of its own, because it installs the process-wide tracing subscriber.
@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use common::*;
 use retry_core::{Subscription, TlsConfig, Transport, TransportError};
-use transport_amqp091::testing::{LogRecorder, tls_node};
+use test_brokers::LogRecorder;
+use test_brokers::rabbitmq::tls_node;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 #[tokio::test]
@@ -115,7 +116,7 @@ async fn passwords_never_reach_the_logs() {
     rabbitmqctl(&["add_user", &user, &secret]);
     rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
     let name = config.connection_name().unwrap().to_owned();
-    let url = url().replacen("guest:guest", &format!("{user}:{secret}"), 1);
+    let url = amqp_url().replacen("guest:guest", &format!("{user}:{secret}"), 1);
     assert!(url.contains(&secret), "AMQP_URL must carry guest:guest");
     let t = AmqpTransport::connect(AmqpConfig::new(url).with_connection_name(name.clone()))
         .await

@@ -17,7 +17,7 @@ use retry_core::{
     HandlerError, Message, RetryPolicy, Settlement, Terminal, TopologyPlan, Transport,
     TransportError,
 };
-use transport_amqp091::testing::LogRecorder;
+use test_brokers::LogRecorder;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -62,7 +62,7 @@ async fn a_get_whose_get_ok_is_lost_fails_with_fetch_lost_and_its_message_comes_
     let config = config.with_request_timeout(REQUEST_TIMEOUT);
     let q = unique("lost-get-ok");
     let plan = TopologyPlan::new(&q, &policy()).unwrap();
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
     t.provision(&plan).await.unwrap();
@@ -86,7 +86,7 @@ async fn a_get_whose_get_ok_is_lost_fails_with_fetch_lost_and_its_message_comes_
     t.settle(&again.tag, Settlement::Ack).await.unwrap();
     assert!(t.fetch(suspects).await.unwrap().is_none());
     t.close().await.unwrap();
-    assert_eq!(message_count(&ch, suspects).await, 0);
+    assert_eq!(message_count(&ch, suspects).await.unwrap(), 0);
 }
 
 #[tokio::test]
@@ -97,7 +97,7 @@ async fn an_innocent_suspect_whose_get_ok_is_late_is_not_charged_a_crash() {
     let config = config.with_request_timeout(REQUEST_TIMEOUT);
     let q = unique("late-get-ok");
     let plan = TopologyPlan::new(&q, &policy()).unwrap();
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = Arc::new(transport(&config).await);
     t.provision(&plan).await.unwrap();
@@ -168,6 +168,6 @@ async fn an_innocent_suspect_whose_get_ok_is_late_is_not_charged_a_crash() {
         plan.isolation_queue(),
         plan.parking_queue(),
     ] {
-        assert_eq!(message_count(&ch, queue).await, 0, "{queue}");
+        assert_eq!(message_count(&ch, queue).await.unwrap(), 0, "{queue}");
     }
 }

@@ -51,7 +51,7 @@ impl Setup {
         let config = common::broker(test).await?;
         let queue = common::unique(prefix);
         let plan = plan(&queue);
-        let mut cleanup = common::Cleanup::new(&config);
+        let mut cleanup = common::Cleanup::new(common::amqp_url());
         cleanup.plan(&plan);
         let transport = Arc::new(common::transport(&config).await);
         transport.provision(&plan).await.unwrap();
@@ -238,7 +238,7 @@ async fn killed_part_way(resume_after_recovery: bool) {
     let name = config.connection_name().unwrap().to_owned();
     let queue = common::unique("parking-killed");
     let plan = plan(&queue);
-    let mut cleanup = common::Cleanup::new(&config);
+    let mut cleanup = common::Cleanup::new(common::amqp_url());
     cleanup.plan(&plan);
     let transport = Arc::new(AmqpTransport::connect(config.clone()).await.unwrap());
     transport.provision(&plan).await.unwrap();

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use common::*;
 use retry_core::{RetryPolicy, TopologyPlan, Transport};
+use test_brokers::LogRecorder;
 use tracing::Level;
-use transport_amqp091::testing::LogRecorder;
 
 /// Long enough for the events of a channel the broker closed to reach the connection's
 /// listener, which logs them from a task of its own.

@@ -21,10 +21,10 @@ use retry_core::headers::EngineHeaders;
 use retry_core::{
     Message, MessageParts, Properties, Publish, PublishResult, Route, Transport, TransportError,
 };
+use test_brokers::print_uncaptured;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use transport_amqp091::testing::print_uncaptured;
 use transport_amqp091::{AmqpConfig, AmqpTransport, embed};
 
 const ROUNDS: usize = 300;
@@ -266,8 +266,8 @@ async fn setup(test: &str) -> Option<(AmqpTransport, String, String, Connection,
     let q = unique(test);
     // The default exchange routes by queue name: nothing has this one.
     let nowhere = format!("{q}.nowhere");
-    let mut cleanup = Cleanup::new(&config);
-    cleanup.queues.push(q.clone());
+    let mut cleanup = Cleanup::new(amqp_url());
+    cleanup.queue(q.clone());
     let (conn, ch) = raw().await;
     ch.queue_declare(
         q.as_str().into(),
@@ -379,8 +379,8 @@ async fn a_confirm_timeout_fails_every_publish_in_flight_and_publishing_resumes(
         return;
     };
     let q = unique("returns-timeout");
-    let mut cleanup = Cleanup::new(&config);
-    cleanup.queues.push(q.clone());
+    let mut cleanup = Cleanup::new(amqp_url());
+    cleanup.queue(q.clone());
     let (conn, ch) = raw().await;
     ch.queue_declare(
         q.as_str().into(),
@@ -389,7 +389,7 @@ async fn a_confirm_timeout_fails_every_publish_in_flight_and_publishing_resumes(
     )
     .await
     .unwrap();
-    let authority = authority();
+    let authority = authority(&amqp_url());
     let (pause, paused) = watch::channel(false);
     let port = pausing_proxy(authority, paused).await;
     let through_proxy = AmqpConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"))

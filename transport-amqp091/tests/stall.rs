@@ -89,7 +89,7 @@ async fn a_node_that_accepts_tcp_but_never_answers_delays_the_rebuild_but_does_n
     )
     .await;
     assert_eq!(others, 0, "lapin IO threads left by the other test");
-    let authority = authority();
+    let authority = authority(&amqp_url());
     let (accept, accepting) = watch::channel(Accept::Forward);
     let cut = Arc::new(Notify::new());
     let (port, held) = holding_proxy(authority, accepting, Arc::clone(&cut)).await;
@@ -100,7 +100,7 @@ async fn a_node_that_accepts_tcp_but_never_answers_delays_the_rebuild_but_does_n
         .with_reconnect_delay(Duration::from_millis(100), Duration::from_secs(1));
     let q = unique("stall-hold");
     let plan = classic_plan(&q);
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = AmqpTransport::connect(through_proxy).await.unwrap();
     t.provision(&plan).await.unwrap();
@@ -245,7 +245,7 @@ async fn a_settle_or_fetch_that_cannot_be_written_fails_in_time_and_holds_nothin
     let Some(config) = broker("stall-writes").await else {
         return;
     };
-    let authority = authority();
+    let authority = authority(&amqp_url());
     let (pause, paused) = watch::channel(false);
     let port = write_pausing_proxy(authority, paused).await;
     let name = config.connection_name().unwrap().to_owned();
@@ -254,7 +254,7 @@ async fn a_settle_or_fetch_that_cannot_be_written_fails_in_time_and_holds_nothin
         .with_request_timeout(Duration::from_secs(2));
     let q = unique("stall-writes");
     let plan = classic_plan(&q);
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = AmqpTransport::connect(through_proxy).await.unwrap();
     t.provision(&plan).await.unwrap();

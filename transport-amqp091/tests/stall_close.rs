@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use common::*;
 use retry_core::{Subscription, Transport};
+use test_brokers::{LogRecorder, print_uncaptured};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
-use transport_amqp091::testing::{LogRecorder, print_uncaptured};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 /// `connection.close` with reply code 320, as a method frame on channel 0.
@@ -67,7 +67,7 @@ async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consu
     let Some(config) = broker("stall").await else {
         return;
     };
-    let authority = authority();
+    let authority = authority(&amqp_url());
     let cut = Arc::new(Notify::new());
     let port = proxy(&authority, Arc::clone(&cut)).await;
     let name = config.connection_name().unwrap().to_owned();
@@ -75,7 +75,7 @@ async fn a_recovery_that_stalls_on_a_close_it_cannot_answer_is_rebuilt_and_consu
         .with_connection_name(name);
     let q = unique("stall");
     let plan = classic_plan(&q);
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = AmqpTransport::connect(through_proxy).await.unwrap();
     t.provision(&plan).await.unwrap();

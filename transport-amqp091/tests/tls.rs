@@ -1,4 +1,4 @@
-//! TLS on a real broker: the node of `tests/tls-node.sh` (`amqps://` on 5676, plain on
+//! TLS on a real broker: the node of `stress/tls-node.sh` (`amqps://` on 5676, plain on
 //! 5675) with its throwaway CA. A consumer over TLS handles, retries and parks; a client
 //! certificate logs in with `EXTERNAL`; and every refusal is a typed
 //! `TransportError::Tls` naming the endpoint and the check that failed, with neither the
@@ -17,7 +17,7 @@ use retry_core::{
     DeadLetterReason, HandlerError, Message, ParkedRecord, RetryPolicy, Terminal, TlsConfig,
     TlsFailure, TopologyPlan, Transport, TransportError,
 };
-use transport_amqp091::testing::{TlsNode, tls_node};
+use test_brokers::rabbitmq::{Cleanup, TlsNode, rabbitmqctl, tls_node};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 fn ms(n: u64) -> Duration {
@@ -38,12 +38,9 @@ impl Runs {
     }
 }
 
-/// The node's plain port, for setting up and looking (and cleaning up) without TLS.
-fn plain(node: &TlsNode) -> AmqpConfig {
-    AmqpConfig::new(format!(
-        "amqp://guest:guest@127.0.0.1:{}/%2f",
-        node.plain_port
-    ))
+/// The node's plain-TCP URL, for setting up and looking (and cleaning up) without TLS.
+fn plain_url(node: &TlsNode) -> String {
+    format!("amqp://guest:guest@127.0.0.1:{}/%2f", node.plain_port)
 }
 
 async fn raw(node: &TlsNode) -> (Connection, lapin::Channel) {
@@ -64,7 +61,7 @@ fn trusting_the_ca(node: &TlsNode) -> TlsConfig {
 fn ctl(args: &[&str]) -> String {
     let mut all = vec!["-n", "rtls@localhost"];
     all.extend_from_slice(args);
-    transport_amqp091::testing::rabbitmqctl(&all)
+    rabbitmqctl(&all)
 }
 
 /// The user, login mechanism and TLS flag of the TLS node's connection named `name`.
@@ -157,7 +154,8 @@ async fn a_consumer_over_tls_handles_retries_and_parks() {
     let q = unique("tls-consumer");
     let policy = RetryPolicy::delays([ms(300)]).build().unwrap();
     let plan = TopologyPlan::new(&q, &policy).unwrap();
-    let _cleanup = Cleanup(plain(&node), plan.clone());
+    // Deletes the plan when dropped, through the node's plain port.
+    let _cleanup = Cleanup::new(plain_url(&node)).with_plan(&plan);
     let config = AmqpConfig::new(format!(
         "amqps://guest:guest@localhost:{}/%2f",
         node.tls_port
@@ -215,8 +213,13 @@ async fn a_consumer_over_tls_handles_retries_and_parks() {
     let record = ParkedRecord::decode(&parked.headers);
     assert_eq!(record.reason, Some(DeadLetterReason::Permanent));
     assert_eq!(record.last_error, Some("never valid"));
-    assert_eq!(common::message_count(&ch, &q).await, 0);
-    assert_eq!(common::message_count(&ch, plan.parking_queue()).await, 0);
+    assert_eq!(common::message_count(&ch, &q).await.unwrap(), 0);
+    assert_eq!(
+        common::message_count(&ch, plan.parking_queue())
+            .await
+            .unwrap(),
+        0
+    );
     assert_eq!(runs.0.lock().unwrap()["retried"], 2);
     (*t).close().await.unwrap();
     let _ = conn.close(200, "done".into()).await;
@@ -480,13 +483,4 @@ async fn unusable_tls_settings_are_refused_naming_the_file_or_setting() {
     .await;
     assert_eq!(configuration(&err).0, "the client certificate");
     assert!(!format!("{err} {err:?}").contains(PASSWORD));
-}
-
-/// Deletes a plan on the TLS node when dropped, through its plain port.
-struct Cleanup(AmqpConfig, TopologyPlan);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        transport_amqp091::testing::delete_blocking(&self.0, std::slice::from_ref(&self.1), &[]);
-    }
 }

@@ -11,7 +11,7 @@ use retry_core::{
     HeaderValue, Message, MessageParts, Properties, Publish, PublishResult, QueueType, RetryPolicy,
     Route, Settlement, Subscription, Timestamp, TopologyPlan, Transport, TransportError,
 };
-use transport_amqp091::testing::refusing;
+use test_brokers::rabbitmq::refusing;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 fn secs(n: u64) -> Duration {
@@ -449,9 +449,9 @@ async fn two_subscriptions_never_settle_each_others_deliveries() {
     }
     sub_a.flush().await.unwrap();
     t.close().await.unwrap();
-    assert_eq!(message_count(&ch, &a).await, 0);
+    assert_eq!(message_count(&ch, &a).await.unwrap(), 0);
     assert_eq!(
-        message_count(&ch, &b).await,
+        message_count(&ch, &b).await.unwrap(),
         4,
         "the second's stay unacked, then return"
     );
@@ -472,7 +472,7 @@ async fn a_clone_keeps_the_users_headers_in_their_types() {
     let policy = RetryPolicy::delays([secs(30)]).build().unwrap();
     let plan = TopologyPlan::new(&q, &policy).unwrap();
     // Deleted even when an assertion below fails.
-    let mut cleanup = Cleanup::new(&config);
+    let mut cleanup = Cleanup::new(amqp_url());
     cleanup.plan(&plan);
     let t = transport(&config).await;
     t.provision(&plan).await.unwrap();
@@ -538,7 +538,11 @@ async fn fetch_takes_one_message_settled_at_once_and_names_a_missing_queue() {
     assert_eq!(first.message.body(), b"s1");
     assert_eq!(first.message.queue(), isolation);
     assert!(!first.facts.redelivered);
-    assert_eq!(message_count(&ch, isolation).await, 1, "only one taken");
+    assert_eq!(
+        message_count(&ch, isolation).await.unwrap(),
+        1,
+        "only one taken"
+    );
     // A requeued fetch comes back redelivered, at the head.
     t.settle(&first.tag, Settlement::Requeue).await.unwrap();
     let again = t.fetch(isolation).await.unwrap().unwrap();
@@ -588,7 +592,11 @@ async fn ready_waits_for_a_message_without_taking_it() {
         .await
         .expect("resolves once a message is ready")
         .unwrap();
-    assert_eq!(message_count(&ch, &isolation).await, 1, "nothing was taken");
+    assert_eq!(
+        message_count(&ch, &isolation).await.unwrap(),
+        1,
+        "nothing was taken"
+    );
     let err = t.ready(&format!("{q}.nowhere"), poll).await.unwrap_err();
     assert!(
         matches!(err, TransportError::MissingAddress { .. }),

@@ -20,7 +20,7 @@ use retry_core::{
     Registry, RetryPolicy, TopologyPlan, Transport, TransportError,
 };
 
-use common::{broker, transport, unique, url10};
+use common::{amqp10_url, broker, transport, unique};
 
 /// Two delay queues and the default crash delay.
 fn plan(queue: &str) -> TopologyPlan {
@@ -154,7 +154,7 @@ async fn depth_is_unknown_and_apply_says_to_apply_over_amqp091() {
 
 /// Sends one message to `queue` over AMQP 1.0 with `tenant` as an application property.
 async fn publish10(queue: &str, tenant: &str) {
-    let mut connection = Connection::open("admin-test", url10().as_str())
+    let mut connection = Connection::open("admin-test", amqp10_url().as_str())
         .await
         .expect("AMQP 1.0 connection");
     let mut session = Session::begin(&mut connection).await.expect("session");
@@ -228,7 +228,7 @@ async fn the_registrations_transport_checks_and_closes() {
     let _cleanup = b.declare(&plan, &[], vec![]).await;
     let registry = Registry::new().with(transport_amqp10::registration());
     let t = registry
-        .connect_with(&url10(), ConnectOptions::new().with_protocol("amqp10"))
+        .connect_with(&amqp10_url(), ConnectOptions::new().with_protocol("amqp10"))
         .await
         .expect("connect");
     assert!(t.has_admin());

@@ -1,4 +1,4 @@
-//! The AMQP 1.0 transport on the local three-node cluster (`tests/cluster.sh up`, node list in
+//! The AMQP 1.0 transport on the local three-node cluster (`stress/cluster.sh up`, node list in
 //! `AMQP_CLUSTER_URLS`): a node list whose first node is down, and a subscription that goes
 //! on consuming, on another node, after the node it was on is stopped.
 
@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use lapin::options::BasicPublishOptions;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use retry_core::{QueueType, RetryPolicy, Settlement, Subscription, TopologyPlan, Transport};
+use test_brokers::rabbitmq::{ClusterLease, cluster, cluster_sh, confirm_channel};
+use test_brokers::{LogRecorder, print_uncaptured};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::testing::{ClusterLease, LogRecorder, cluster, cluster_sh};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
 /// The same node as AMQP 1.0 URL: `amqp://user:pass@host:port` without the virtual host.
@@ -33,8 +34,7 @@ async fn publish(urls: &[String], queue: &str, id: &str) {
             else {
                 continue;
             };
-            let ch = conn.create_channel().await.unwrap();
-            ch.confirm_select(Default::default()).await.unwrap();
+            let ch = confirm_channel(&conn).await.unwrap();
             let confirm = ch
                 .basic_publish(
                     "".into(),
@@ -51,9 +51,7 @@ async fn publish(urls: &[String], queue: &str, id: &str) {
             let _ = conn.close(200, "published".into()).await;
             if acked {
                 if nacks > 0 {
-                    transport_amqp091::testing::print_uncaptured(&format!(
-                        "{id}: confirmed after {nacks} nacks\n"
-                    ));
+                    print_uncaptured(&format!("{id}: confirmed after {nacks} nacks\n"));
                 }
                 return;
             }
@@ -127,7 +125,7 @@ async fn a_subscription_consumes_on_another_node_after_its_node_is_stopped() {
     t.settle(&after.tag, Settlement::Ack).await.unwrap();
 
     let moved = logs.containing("AMQP 1.0 connection failed over to another node");
-    transport_amqp091::testing::print_uncaptured(&format!(
+    print_uncaptured(&format!(
         "AMQP 1.0: consuming resumed {took:?} after rtest1 was stopped\n{}\n",
         moved.join("\n")
     ));

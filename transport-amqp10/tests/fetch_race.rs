@@ -13,7 +13,7 @@ use lapin::BasicProperties;
 use retry_core::{RetryPolicy, Settlement, TopologyPlan, Transport};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 
-use common::{broker, unique, url10};
+use common::{amqp10_url, broker, unique};
 
 /// Publishes one message per round while a fetch of the (empty) queue runs, at offsets
 /// swept across the end of the fetch wait, where an unanswered credit is taken back; then
@@ -31,7 +31,7 @@ async fn a_message_that_arrives_as_a_fetch_gives_up_is_not_marked_redelivered() 
 
     let wait = Duration::from_millis(30);
     let t = Amqp10Transport::connect(
-        Amqp10Config::new(url10())
+        Amqp10Config::new(amqp10_url())
             .with_operation_timeout(Duration::from_secs(10))
             .with_fetch_wait(wait),
     )
@@ -89,7 +89,7 @@ async fn a_counted_message_slower_than_the_fetch_wait_is_taken_not_sent_back_mar
     let _cleanup = b.declare(&plan, &[], vec![]).await;
 
     let t = Amqp10Transport::connect(
-        Amqp10Config::new(url10())
+        Amqp10Config::new(amqp10_url())
             .with_operation_timeout(Duration::from_secs(10))
             .with_fetch_wait(Duration::from_micros(100)),
     )

@@ -91,7 +91,7 @@ async fn a_consume_long_after_verifying_opens_its_own_link() {
     b.publish(&q, b"late", BasicProperties::default()).await;
     // A short operation timeout: the link opened ahead is closed unused after it.
     let t = transport_amqp10::Amqp10Transport::connect(
-        transport_amqp10::Amqp10Config::new(common::url10())
+        transport_amqp10::Amqp10Config::new(common::amqp10_url())
             .with_operation_timeout(Duration::from_millis(300)),
     )
     .await

@@ -15,8 +15,9 @@ use retry_core::{
     DeadLetterReason, Message, MessageParts, Properties, Publish, PublishResult, RetryPolicy,
     TlsConfig, TlsFailure, TopologyPlan, Transport, TransportError,
 };
+use test_brokers::LogRecorder;
+use test_brokers::rabbitmq::{rabbitmqctl, tls_node};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::testing::{LogRecorder, rabbitmqctl, tls_node};
 
 async fn connect_error(url: String) -> String {
     connect_error_with(Amqp10Config::new(url)).await.to_string()
@@ -113,7 +114,7 @@ async fn passwords_never_reach_the_logs() {
     let Some(b) = broker().await else {
         return;
     };
-    connect_error(url10().replacen("guest:guest", "guest:wrong-secret-4712", 1)).await;
+    connect_error(amqp10_url().replacen("guest:guest", "guest:wrong-secret-4712", 1)).await;
 
     // A user of its own, whose password is nowhere else; the broker closes its connection
     // and the transport connects again to publish.
@@ -121,7 +122,7 @@ async fn passwords_never_reach_the_logs() {
     let secret = format!("replaced-secret-{}", std::process::id());
     rabbitmqctl(&["add_user", &user, &secret]);
     rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
-    let url = url10().replacen("guest:guest", &format!("{user}:{secret}"), 1);
+    let url = amqp10_url().replacen("guest:guest", &format!("{user}:{secret}"), 1);
     assert!(url.contains(&secret), "AMQP10_URL must carry guest:guest");
 
     let policy = RetryPolicy::delays([Duration::from_secs(30)])

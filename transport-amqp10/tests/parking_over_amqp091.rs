@@ -25,11 +25,11 @@ use retry_core::{
 use tokio::sync::Notify;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-use common::{broker, transport, unique, url10, url091};
+use common::{amqp_url, amqp10_url, broker, transport, unique};
 
 /// Publishes one message to `queue` over AMQP 1.0, as a producer on that protocol does.
 async fn publish10(queue: &str, message: AmqpMessage<Body<Value>>) {
-    let mut connection = Connection::open("parking-test", url10().as_str())
+    let mut connection = Connection::open("parking-test", amqp10_url().as_str())
         .await
         .expect("AMQP 1.0 connection");
     let mut session = Session::begin(&mut connection).await.expect("session");
@@ -114,7 +114,7 @@ async fn a_message_parked_over_amqp10_reads_back_over_amqp091_with_the_engine_re
 
     // Over AMQP 0-9-1: the parked message lists with the engine's record.
     let reader = Arc::new(
-        AmqpTransport::connect(AmqpConfig::new(url091()))
+        AmqpTransport::connect(AmqpConfig::new(amqp_url()))
             .await
             .expect("AMQP 0-9-1 connect"),
     );

@@ -328,7 +328,7 @@ async fn a_refused_clone_requeues_the_original_and_the_transport_recovers() {
         .expect("policy");
     let delay_queue = plan.queues()[1].name.clone();
     // The delay queue refuses everything: a full queue with reject-publish.
-    let extra = transport_amqp091::testing::refusing(Default::default())
+    let extra = test_brokers::rabbitmq::refusing(Default::default())
         .inner()
         .iter()
         .map(|(name, value)| (delay_queue.clone(), name.to_string(), value.clone()))
@@ -624,7 +624,7 @@ async fn reject_dead_letters_through_the_work_queues_exchange() {
 #[tokio::test]
 async fn a_wrong_password_fails_without_showing_it() {
     let Some(_b) = broker().await else { return };
-    let url = common::url10().replace("guest:guest@", "guest:Wr0ngPassw0rd@");
+    let url = common::amqp10_url().replace("guest:guest@", "guest:Wr0ngPassw0rd@");
     let err = Amqp10Transport::connect(transport_amqp10::Amqp10Config::new(url))
         .await
         .expect_err("refused");

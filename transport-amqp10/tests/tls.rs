@@ -1,4 +1,4 @@
-//! TLS on a real broker, the private node of `tests/tls-node.sh` (skipped loudly without it,
+//! TLS on a real broker, the private node of `stress/tls-node.sh` (skipped loudly without it,
 //! mandatory with `REQUIRE_TLS`): a consumer over `amqps://` with the node's CA, mutual TLS,
 //! and each refusal as a typed error that names the check and shows neither the password
 //! nor key material. Before those, `amqps://` URLs are shown to speak TLS from the first
@@ -15,11 +15,11 @@ use retry_core::{
     Consumer, HandlerError, Message, RetryPolicy, TlsConfig, TlsFailure, TopologyPlan,
     TransportError,
 };
+use test_brokers::rabbitmq::{TlsNode, tls_node};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::testing::{TlsNode, tls_node};
 
 use common::{Broker, broker_at, unique};
 

@@ -22,7 +22,7 @@ use retry_core::{
 use tokio::sync::{Notify, oneshot};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
 
-use common::{Broker, broker, transport, unique, url10};
+use common::{Broker, amqp10_url, broker, transport, unique};
 
 /// Every terminal the consumer reported, with the message's body.
 type Seen = Arc<Mutex<Vec<(String, Terminal)>>>;
@@ -260,7 +260,7 @@ async fn a_delay_queue_deleted_while_the_consumer_runs_is_refused_within_the_rev
     let age = Duration::from_millis(300);
     let transport = Arc::new(
         Amqp10Transport::connect(
-            Amqp10Config::new(url10())
+            Amqp10Config::new(amqp10_url())
                 .with_publish_timeout(Duration::from_secs(2))
                 .with_reverify_after(age),
         )

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
 use retry_core::{RetryPolicy, TopologyPlan, Transport};
-use transport_nats::testing::{self, nats_url};
+use test_brokers::nats_url;
+use transport_nats::testing;
 use transport_nats::{NatsConfig, NatsTransport, stream_name};
 
 const ACK_WAIT: Duration = Duration::from_secs(60);

@@ -387,16 +387,7 @@ fn quote(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn block(lines: &[&[u8]]) -> Vec<u8> {
-        let mut block = b"NATS/1.0\r\n".to_vec();
-        for line in lines {
-            block.extend_from_slice(line);
-            block.extend_from_slice(b"\r\n");
-        }
-        block.extend_from_slice(b"\r\n");
-        block
-    }
+    use test_brokers::nats::header_block as block;
 
     fn problem(bytes: &[u8]) -> HeaderBlockError {
         check_header_block(bytes).expect_err("refused")

@@ -1,40 +1,33 @@
-//! Helpers for tests against a real NATS server (feature `testing`): finding it or skipping
-//! loudly (`REQUIRE_NATS`), publishing test messages as a NATS application does, publishing
-//! header bytes no well-behaved client writes ([`RawPublisher`]), deleting a plan's streams.
-//! Not for production code.
+//! What tests against a real NATS server need of this transport (feature `testing`): its
+//! configuration for tests ([`test_config`]), a transport or a loud skip
+//! ([`connect_or_skip`]), and a plan's streams deleted ([`delete_plan`]). The broker-level
+//! helpers (`REQUIRE_NATS`, the server's URL, test messages, the raw publisher of header
+//! bytes) moved to the `test-brokers` crate (`test_brokers`, `test_brokers::nats`); they
+//! are re-exported here for one release. Not for production code.
 //!
 //! ```no_run
 //! # async fn demo() {
 //! use transport_nats::testing;
 //!
-//! let Some(transport) = testing::connect_or_skip("my test", testing::test_config(&testing::nats_url())).await
-//! else {
+//! let config = testing::test_config(&test_brokers::nats_url());
+//! let Some(transport) = testing::connect_or_skip("my test", config).await else {
 //!     return; // no server, and REQUIRE_NATS is not set: skipped, loudly
 //! };
-//! testing::publish(transport.client(), "orders", "order-1", "body", &[]).await;
+//! test_brokers::nats::publish(transport.client(), "orders", "order-1", "body", &[]).await;
 //! # }
 //! ```
 
-use std::io::Write as _;
 use std::time::Duration;
 
-use async_nats::HeaderMap;
-use async_nats::jetstream::message::PublishMessage;
 use retry_core::TopologyPlan;
 
 use crate::{NatsConfig, NatsTransport, stream_name};
 
-mod raw;
-
-pub use raw::{PubAck, RawPublishError, RawPublisher, header_block};
-
-/// Makes the NATS tests fail, instead of skip, without a server: CI sets it.
-pub const REQUIRE_NATS: &str = "REQUIRE_NATS";
-
-/// The server's URL: `NATS_URL`, loopback by default.
-pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
+// Deprecated since 0.2.0, kept for one release: moved to `test_brokers::nats` and
+// `test_brokers` under the same names. Re-exports cannot carry `#[deprecated]` (Rust ignores
+// it on a `use`), so these do not warn where they are used.
+pub use test_brokers::nats::{PubAck, RawPublishError, RawPublisher, header_block, publish};
+pub use test_brokers::{REQUIRE_NATS, nats_url};
 
 /// The ack wait of the tests' connections: a crashed consumer's deliveries come back this
 /// long after the crash.
@@ -49,9 +42,9 @@ pub fn test_config(url: &str) -> NatsConfig {
         .with_publish_timeout(Duration::from_secs(5))
 }
 
-/// Connects with `config`, or, when no server with JetStream answers, skips `what` with a
-/// loud notice past the test harness's capture (and panics instead under
-/// [`REQUIRE_NATS`]).
+/// Connects with `config`, or, when no server with JetStream answers within 15 s, skips
+/// `what` as `test_brokers::no_nats` does: a loud notice past the test harness's capture,
+/// or a panic under `REQUIRE_NATS`.
 pub async fn connect_or_skip(what: &str, config: NatsConfig) -> Option<NatsTransport> {
     let at = config.url();
     let why =
@@ -60,50 +53,17 @@ pub async fn connect_or_skip(what: &str, config: NatsConfig) -> Option<NatsTrans
             Ok(Err(e)) => e.to_string(),
             Err(_) => "no answer within 15 s".to_owned(),
         };
-    if std::env::var_os(REQUIRE_NATS).is_some() {
-        panic!(
-            "{REQUIRE_NATS} is set, but no NATS server with JetStream answers for {what}: {why}"
-        );
-    }
-    // `eprint!` is captured for passing tests; a write to the handle is not.
-    let mut stderr = std::io::stderr().lock();
-    let _ = write!(
-        stderr,
-        "\n!!! SKIPPED {what}: no NATS server with JetStream at {at} ({why}).\n\
-         !!! Start `nats-server -js`, or set {REQUIRE_NATS}=1 to make this a failure.\n"
-    );
+    test_brokers::no_nats(what, &format!("at {at}: {why}"));
     None
-}
-
-/// Publishes `body` to `queue`'s subject as a NATS application would: `id` as its
-/// `Nats-Msg-Id`, `headers` as they are, the stream's acknowledgement awaited.
-pub async fn publish(
-    client: &async_nats::Client,
-    queue: &str,
-    id: &str,
-    body: &str,
-    headers: &[(&str, &str)],
-) {
-    let js = async_nats::jetstream::new(client.clone());
-    let mut map = HeaderMap::new();
-    map.insert("Nats-Msg-Id", id);
-    for (name, value) in headers {
-        map.insert(*name, *value);
-    }
-    let message = PublishMessage::build()
-        .payload(body.to_owned().into())
-        .headers(map);
-    js.send_publish(queue.to_owned(), message)
-        .await
-        .expect("publish a test message")
-        .await
-        .unwrap_or_else(|e| panic!("the stream of {queue} acknowledges {id}: {e}"));
 }
 
 /// Deletes every stream of `plan`.
 pub async fn delete_plan(client: &async_nats::Client, plan: &TopologyPlan) {
-    let js = async_nats::jetstream::new(client.clone());
-    for queue in plan.queues() {
-        let _ = js.delete_stream(stream_name(&queue.name)).await;
-    }
+    test_brokers::nats::delete_streams(client, plan_streams(plan)).await;
+}
+
+/// The streams of `plan`, by name: what [`delete_plan`] deletes, for
+/// `test_brokers::nats::delete_streams_blocking` in a guard's `Drop`.
+pub fn plan_streams(plan: &TopologyPlan) -> Vec<String> {
+    plan.queues().iter().map(|q| stream_name(&q.name)).collect()
 }

@@ -4,7 +4,7 @@
 //! test that needs one says so loudly and passes, unless `REQUIRE_NATS` is set. Every stream
 //! has a name of its own, deleted at the end.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy};
 use retry_core::{
@@ -12,14 +12,12 @@ use retry_core::{
     PlanOption, PlanOptions, QueueType, Registry, RetryPolicy, TopologyPlan, Transport,
     TransportError,
 };
-use transport_nats::testing::{self, nats_url};
+use test_brokers::nats_url;
+use transport_nats::testing;
 use transport_nats::{NatsLayout, NatsTransport, stream_name};
 
 fn unique(what: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("tn-admin-{what}-{}-{nanos:x}", std::process::id())
+    test_brokers::unique(&format!("tn-admin-{what}"))
 }
 
 async fn connect() -> Option<NatsTransport> {
@@ -51,9 +49,9 @@ async fn depth_is_missing_without_the_stream_then_counts_what_it_stores() {
     t.apply(&plan).await.expect("apply");
     assert_eq!(t.depth(&queue).await.expect("depth"), Depth::Ready(0));
     for id in ["m-1", "m-2"] {
-        testing::publish(t.client(), &queue, id, "body", &[]).await;
+        test_brokers::nats::publish(t.client(), &queue, id, "body", &[]).await;
     }
-    testing::publish(t.client(), plan.parking_queue(), "p-1", "parked", &[]).await;
+    test_brokers::nats::publish(t.client(), plan.parking_queue(), "p-1", "parked", &[]).await;
     assert_eq!(t.depth(&queue).await.expect("depth"), Depth::Ready(2));
     assert_eq!(
         t.depth(plan.parking_queue()).await.expect("depth"),

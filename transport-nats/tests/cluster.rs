@@ -1,9 +1,9 @@
-//! On a real three-node NATS JetStream cluster (`tests/nats-cluster.sh up`): with every
+//! On a real three-node NATS JetStream cluster (`stress/nats-cluster.sh up`): with every
 //! stream of the plan kept on three servers (R3), killing the server that leads the work
 //! stream mid-run, and later the server the consumer is connected to, loses no message, and
 //! the consumer keeps consuming through both failovers.
 //!
-//! The cluster's URLs come from `NATS_CLUSTER_URLS` (`tests/nats-cluster.sh urls`). Without
+//! The cluster's URLs come from `NATS_CLUSTER_URLS` (`stress/nats-cluster.sh urls`). Without
 //! them the test is skipped loudly, unless `REQUIRE_NATS_CLUSTER` is set (as CI does), which
 //! makes a missing cluster a failure. It kills and restarts nodes, one at a time, and every
 //! node runs again when it ends.
@@ -11,25 +11,21 @@
 //! A restarted node is given back to the test once every stream of the plan is current on
 //! all three servers, so that the second kill cannot take a stream's quorum. (Not every
 //! consumer: nats-server 2.9.10 may never bring a restarted node current on a consumer with
-//! no traffic, see `tests/nats-cluster.sh`.) The messages are published in two batches, the
+//! no traffic, see `stress/nats-cluster.sh`.) The messages are published in two batches, the
 //! second once the first node is back, so that messages are in flight when the consumer's
 //! server is killed, however long that took.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::{HeaderMap, ServerAddr};
 use retry_core::{
     Consumer, HandlerError, Message, QueueRole, QueueSpec, RetryPolicy, TopologyPlan,
 };
+use test_brokers::nats::{cluster, cluster_sh, try_cluster_sh};
 use transport_nats::{CONSUMER, NatsConfig, NatsTransport, stream_name};
-
-/// The environment variable with the cluster's comma-separated URLs.
-const CLUSTER_URLS: &str = "NATS_CLUSTER_URLS";
-/// The environment variable that makes a missing cluster a failure instead of a skip.
-const REQUIRE_CLUSTER: &str = "REQUIRE_NATS_CLUSTER";
 
 /// How many messages the test publishes.
 const MESSAGES: usize = 400;
@@ -53,58 +49,8 @@ fn lock(tally: &Shared) -> std::sync::MutexGuard<'_, Tally> {
     tally.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The cluster's URLs, or `None` (a loud skip) when they are not given and not required.
-fn cluster_urls() -> Option<String> {
-    match std::env::var(CLUSTER_URLS) {
-        Ok(urls) if !urls.trim().is_empty() => Some(urls),
-        _ if std::env::var_os(REQUIRE_CLUSTER).is_some() => panic!(
-            "{REQUIRE_CLUSTER} is set, but {CLUSTER_URLS} is not: start the cluster with \
-             `tests/nats-cluster.sh up` and export {CLUSTER_URLS}=$(tests/nats-cluster.sh urls)"
-        ),
-        _ => {
-            eprintln!(
-                "\n!!! SKIPPED the NATS cluster failover test: {CLUSTER_URLS} is not set.\n\
-                 !!! Run `tests/nats-cluster.sh up` and set {CLUSTER_URLS}=$(tests/nats-cluster.sh urls),\n\
-                 !!! or set {REQUIRE_CLUSTER}=1 to make this a failure.\n"
-            );
-            None
-        }
-    }
-}
-
-/// Runs `tests/nats-cluster.sh` with `args`; an error says what failed.
-async fn try_cluster_sh(args: &[&str]) -> Result<(), String> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/nats-cluster.sh");
-    let status = tokio::process::Command::new(script)
-        .args(args)
-        // A test that fails while the script runs does not leave it restarting a node
-        // under the next test.
-        .kill_on_drop(true)
-        .status()
-        .await
-        .map_err(|e| format!("run {script}: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "`nats-cluster.sh {}` failed: {status}",
-            args.join(" ")
-        ))
-    }
-}
-
-/// Runs `tests/nats-cluster.sh` with `args`, and panics if it fails.
-async fn cluster_sh(args: &[&str]) {
-    if let Err(e) = try_cluster_sh(args).await {
-        panic!("{e}");
-    }
-}
-
 fn unique_queue() -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("nats-cluster-{}-{nanos}", std::process::id())
+    test_brokers::unique("nats-cluster")
 }
 
 /// The handler: every fifth message fails transiently on its first run (so its retry goes
@@ -394,7 +340,7 @@ async fn behind(
 /// Waits until every stream of the plan has its three replicas current, as its leader sees
 /// them, so that the next kill cannot take a stream's quorum. Consumers are not waited for:
 /// nats-server 2.9.10 may never bring a restarted node current on a consumer with no
-/// traffic (`tests/nats-cluster.sh`, META_ONLY); those still behind are printed.
+/// traffic (`stress/nats-cluster.sh`, META_ONLY); those still behind are printed.
 async fn wait_replicated(scene: &Scene<'_>) {
     let since = Instant::now();
     loop {
@@ -470,9 +416,10 @@ async fn failover(scene: &Scene<'_>, node: &str, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_work_streams_leader_loses_nothing() {
-    let Some(urls) = cluster_urls() else {
+    let Some(nodes) = cluster("the NATS cluster failover test") else {
         return;
     };
+    let urls = nodes.join(",");
     let started = Instant::now();
     let queue = unique_queue();
     let policy = RetryPolicy::delays([Duration::from_millis(200)])
@@ -486,9 +433,9 @@ async fn killing_the_work_streams_leader_loses_nothing() {
     )
     .await
     .unwrap_or_else(|e| panic!("connect to the NATS cluster at {urls}: {e}"));
-    let nodes: Vec<ServerAddr> = urls
-        .split(',')
-        .map(|u| u.trim().parse().expect("a cluster URL"))
+    let nodes: Vec<ServerAddr> = nodes
+        .iter()
+        .map(|u| u.parse().expect("a cluster URL"))
         .collect();
     let admin = async_nats::ConnectOptions::new()
         .request_timeout(Some(Duration::from_secs(5)))

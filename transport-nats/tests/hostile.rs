@@ -11,14 +11,16 @@
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use futures::FutureExt as _;
 use retry_core::{
     Consumer, HandlerError, HeaderValue, Message, RetryPolicy, SoloGate, TopologyPlan, Transport,
     headers,
 };
-use transport_nats::testing::{self, RawPublisher, header_block, nats_url};
+use test_brokers::nats::{RawPublisher, header_block};
+use test_brokers::nats_url;
+use transport_nats::testing;
 use transport_nats::{HEADER_BLOCK_HEADER, NatsTransport, UNDECODABLE_HEADER, stream_name};
 
 const GOOD: usize = 240;
@@ -26,10 +28,7 @@ const GOOD: usize = 240;
 const DEADLINE: Duration = Duration::from_secs(90);
 
 fn unique(what: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("tn-hostile-{what}-{}-{nanos:x}", std::process::id())
+    test_brokers::unique(&format!("tn-hostile-{what}"))
 }
 
 /// What the odd message is expected to become.
@@ -109,7 +108,7 @@ async fn publish_around(
     body: &[u8],
 ) {
     for id in before {
-        testing::publish(admin.client(), queue, id, id, &[]).await;
+        test_brokers::nats::publish(admin.client(), queue, id, id, &[]).await;
     }
     let (url, subject, block, body) = (nats_url(), queue.to_owned(), block.to_vec(), body.to_vec());
     tokio::task::spawn_blocking(move || {
@@ -120,7 +119,7 @@ async fn publish_around(
     .await
     .expect("the raw publish");
     for id in after {
-        testing::publish(admin.client(), queue, id, id, &[]).await;
+        test_brokers::nats::publish(admin.client(), queue, id, id, &[]).await;
     }
 }
 

@@ -13,20 +13,18 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use retry_core::{RetryPolicy, Settlement, TopologyPlan, Transport, TransportError};
+use test_brokers::nats_url;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
-use transport_nats::testing::{self, nats_url};
+use transport_nats::testing;
 use transport_nats::{NatsConfig, NatsTransport};
 
 fn unique(what: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("tn-isolation-{what}-{}-{nanos:x}", std::process::id())
+    test_brokers::unique(&format!("tn-isolation-{what}"))
 }
 
 async fn connect(url: &str, ack_wait: Duration) -> Option<NatsTransport> {
@@ -46,7 +44,7 @@ async fn one_suspect(admin: &NatsTransport, what: &str, id: &str) -> TopologyPla
         .expect("policy");
     let plan = TopologyPlan::new(&queue, &policy).expect("a plan");
     admin.provision(&plan).await.expect("provision");
-    testing::publish(admin.client(), plan.isolation_queue(), id, id, &[]).await;
+    test_brokers::nats::publish(admin.client(), plan.isolation_queue(), id, id, &[]).await;
     plan
 }
 

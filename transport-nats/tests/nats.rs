@@ -3,20 +3,18 @@
 //! Without a server each test says so loudly and passes, unless `REQUIRE_NATS` is set.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy};
 use retry_core::{
     Consumer, HandlerError, Message, RetryPolicy, Terminal, TopologyPlan, Transport, TransportError,
 };
-use transport_nats::testing::{self, nats_url};
+use test_brokers::nats_url;
+use transport_nats::testing;
 use transport_nats::{NatsConfig, NatsTransport, stream_name};
 
 fn unique(what: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("tn-{what}-{}-{nanos:x}", std::process::id())
+    test_brokers::unique(&format!("tn-{what}"))
 }
 
 async fn connect() -> Option<NatsTransport> {
@@ -381,7 +379,7 @@ async fn a_fetch_from_an_idle_queue_answers_at_once_and_a_waiting_message_is_fet
         matches!(empty, Ok(Ok(None))),
         "an empty queue answers None without the fetch wait: {empty:?}"
     );
-    testing::publish(t.client(), &isolation, "suspect-1", "suspect", &[]).await;
+    test_brokers::nats::publish(t.client(), &isolation, "suspect-1", "suspect", &[]).await;
     let fetched = tokio::time::timeout(bound, t.fetch(&isolation))
         .await
         .expect("a waiting message is fetched at once")
@@ -497,7 +495,7 @@ async fn copies_below_the_ack_floor_are_not_counted_as_waiting() {
         .await
         .expect("the queue's consumer");
     for id in ["m-1", "m-2", "m-3"] {
-        testing::publish(t.client(), &queue, id, id, &[]).await;
+        test_brokers::nats::publish(t.client(), &queue, id, id, &[]).await;
     }
     let fetch = async || {
         let d = t.fetch(&queue).await.expect("fetch");

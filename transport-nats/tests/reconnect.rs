@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use retry_core::{Consumer, HandlerError, Message, RetryPolicy, TopologyPlan};
 use tokio::process::{Child, Command};
-use transport_nats::{NatsConfig, NatsTransport, testing};
+use transport_nats::{NatsConfig, NatsTransport};
 
 const MESSAGES: usize = 300;
 
@@ -54,11 +54,12 @@ async fn wait_for_port(port: u16) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_and_started_again_loses_nothing() {
     let Some(binary) = server_binary() else {
-        assert!(
-            std::env::var_os("REQUIRE_NATS").is_none(),
-            "REQUIRE_NATS is set, but there is no nats-server to start"
+        test_brokers::skip(
+            test_brokers::REQUIRE_NATS,
+            "a NATS server killed and started again",
+            "no nats-server binary",
+            "Install nats-server",
         );
-        eprintln!("\n!!! SKIPPED: no nats-server binary\n");
         return;
     };
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -93,7 +94,7 @@ async fn run(binary: PathBuf, port: u16, store: PathBuf, first_pid: Option<u32>)
     let js = async_nats::jetstream::new(transport.client().clone());
     for i in 0..MESSAGES {
         let id = format!("m-{i:04}");
-        testing::publish(transport.client(), queue, &id, &id, &[]).await;
+        test_brokers::nats::publish(transport.client(), queue, &id, &id, &[]).await;
     }
 
     let handled: Arc<Mutex<HashMap<String, usize>>> = Arc::default();

@@ -48,7 +48,7 @@ impl Run {
 
 /// Runs `retryctl args` with `AMQP_URL` set to the test broker's URL.
 pub async fn retryctl(args: &[&str]) -> Run {
-    retryctl_with_env(args, &super::common::url()).await
+    retryctl_with_env(args, &super::common::amqp_url()).await
 }
 
 pub async fn retryctl_with_env(args: &[&str], amqp_url: &str) -> Run {

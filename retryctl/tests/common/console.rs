@@ -38,7 +38,7 @@ impl Console {
         args.extend_from_slice(queues);
         let mut child = Command::new(RETRYCTL)
             .args(&args)
-            .env("AMQP_URL", super::common::url())
+            .env("AMQP_URL", super::common::amqp_url())
             .env_remove("RETRYCTL_PROTOCOL")
             .env("RETRYCTL_TOKEN", TOKEN)
             .stdout(Stdio::null())
@@ -296,7 +296,7 @@ pub async fn parked_queue(
     use retry_core::Transport as _;
     let queue = super::common::unique(prefix);
     let plan = super::common::classic_plan(&queue);
-    let mut cleanup = super::common::Cleanup::new(config);
+    let mut cleanup = super::common::Cleanup::new(super::common::amqp_url());
     cleanup.plan(&plan);
     let transport = super::common::transport(config).await;
     transport.provision(&plan).await.unwrap();

@@ -1,6 +1,7 @@
-//! Shared helpers for the `retryctl` tests: transport-amqp091's broker test helpers (skipping
-//! without a broker, unique names, raw lapin access for setup and inspection, `rabbitmqctl`),
-//! the same file rather than a copy, and the broker's AMQP 1.0 URL.
+//! Shared helpers for the `retryctl` tests: transport-amqp091's test glue (the broker's
+//! config or a loud skip, the transport, a consumer in the background), the same file rather
+//! than a copy, with the broker-level helpers of test-brokers it re-exports, and the
+//! broker's AMQP 1.0 URL.
 
 #![allow(dead_code, unused_imports)]
 
@@ -9,8 +10,4 @@ mod amqp091;
 
 pub use amqp091::*;
 
-/// The same broker's AMQP 1.0 URL (no virtual host path), as transport-amqp10's tests take
-/// it.
-pub fn url10() -> String {
-    std::env::var("AMQP10_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into())
-}
+pub use test_brokers::amqp10_url;

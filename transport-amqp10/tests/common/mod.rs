@@ -1,41 +1,31 @@
-//! Shared setup for the broker tests: finding the broker, naming and provisioning topology
-//! over AMQP 0-9-1, and a small loop that drives the engine over a subscription.
+//! This crate's glue for its broker tests: finding the broker over both protocols,
+//! provisioning topology over AMQP 0-9-1 as a deployment does, the transport under test, and
+//! a small loop that drives the engine over a subscription. Everything broker-level (the
+//! lapin side connection, unique names, cleanup) comes from test-brokers.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
+use lapin::options::QueueDeleteOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 use retry_core::{
     Action, Delivery, Engine, Lane, Message, Outcome, Subscription, Terminal, TopologyPlan,
     Transport, TransportError,
 };
+use test_brokers::rabbitmq::{self, Cleanup, redeclare};
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
-use transport_amqp091::testing::redeclare;
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 
-/// The AMQP 1.0 URL of the broker under test.
-pub fn url10() -> String {
-    std::env::var("AMQP10_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into())
-}
-
-/// The AMQP 0-9-1 URL of the same broker, for setup.
-pub fn url091() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
+pub use test_brokers::{amqp_url, amqp10_url, unique};
 
 /// The one place that decides whether a broker test runs: with a broker it runs; without
 /// one it is skipped loudly, unless `REQUIRE_BROKER` is set (CI), where it fails.
 pub async fn broker() -> Option<Broker> {
     let attempt = async {
-        let broker = broker_at(&url091()).await?;
-        let probe = Amqp10Transport::connect(Amqp10Config::new(url10()))
+        let broker = broker_at(&amqp_url()).await?;
+        let probe = Amqp10Transport::connect(Amqp10Config::new(amqp10_url()))
             .await
             .map_err(|e| format!("AMQP 1.0: {e} (is rabbitmq_amqp1_0 enabled?)"))?;
         probe.close().await;
@@ -48,7 +38,7 @@ pub async fn broker() -> Option<Broker> {
                 Ok(Err(e)) => e,
                 _ => "no answer within 15 s".into(),
             };
-            transport_amqp091::testing::no_broker("a RabbitMQ test over AMQP 1.0", &why);
+            test_brokers::no_broker("a RabbitMQ test over AMQP 1.0", &why);
             None
         }
     }
@@ -59,34 +49,14 @@ pub async fn broker_at(url: &str) -> Result<Broker, String> {
     let setup = AmqpTransport::connect(AmqpConfig::new(url))
         .await
         .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
-    let channel = setup
-        .connection()
-        .create_channel()
+    let channel = rabbitmq::confirm_channel(&setup.connection())
         .await
-        .map_err(|e| format!("channel: {e}"))?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| format!("confirm_select: {e}"))?;
+        .map_err(|e| format!("a confirm channel: {e}"))?;
     Ok(Broker {
         setup,
         channel,
         url: url.to_owned(),
     })
-}
-
-/// A name no other test run uses.
-pub fn unique(prefix: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!(
-        "t10-{prefix}-{}-{nanos:x}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
 }
 
 /// The broker seen over AMQP 0-9-1: the 0-9-1 transport provisions, a raw channel inspects.
@@ -104,10 +74,8 @@ impl Broker {
     /// and redeclares any queue named in `extra` with those arguments added. The returned
     /// guard deletes the plan's objects when dropped.
     pub async fn declare(&self, plan: &TopologyPlan, skip: &[&str], extra: Extra) -> Cleanup {
-        let cleanup = Cleanup {
-            plan: plan.clone(),
-            url: self.url.clone(),
-        };
+        // A test's cascade has a prefix of its own: it goes with the plan.
+        let cleanup = Cleanup::new(self.url.as_str()).with_plan(plan);
         self.setup.provision(plan).await.expect("0-9-1 provision");
         for queue in plan.queues() {
             let skipped = skip.contains(&queue.name.as_str());
@@ -137,48 +105,19 @@ impl Broker {
 
     /// Publishes over AMQP 0-9-1 to `queue` through the default exchange, with a confirm.
     pub async fn publish(&self, queue: &str, body: &[u8], properties: BasicProperties) {
-        let confirm = self
-            .channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                body,
-                properties,
-            )
-            .await
-            .expect("basic_publish")
-            .await
-            .expect("confirm");
-        assert!(confirm.is_ack(), "publish to {queue} not confirmed");
+        rabbitmq::publish_with(&self.channel, queue, body, properties).await;
     }
 
     /// Messages ready in `queue`.
     pub async fn ready(&self, queue: &str) -> u32 {
-        self.channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map(|q| q.message_count())
-            .expect("passive declare")
+        let count = rabbitmq::message_count(&self.channel, queue).await;
+        count.expect("passive declare")
     }
 
     /// Waits until `queue` holds `n` ready messages, at most `within`.
     pub async fn wait_ready(&self, queue: &str, n: u32, within: Duration) -> u32 {
-        let deadline = Instant::now() + within;
-        loop {
-            let count = self.ready(queue).await;
-            if count == n || Instant::now() >= deadline {
-                return count;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let count = rabbitmq::wait_for_count(&self.channel, queue, n, within).await;
+        count.expect("passive declare")
     }
 
     /// Deletes `queue` over AMQP 0-9-1 under `sub`, which takes its link away, and waits
@@ -200,33 +139,15 @@ impl Broker {
 
     /// Takes one message from `queue` over AMQP 0-9-1: body and redelivered flag.
     pub async fn get(&self, queue: &str) -> Option<(Vec<u8>, bool)> {
-        self.channel
-            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
-            .await
-            .expect("basic_get")
-            .map(|m| (m.delivery.data.clone(), m.delivery.redelivered))
-    }
-}
-
-/// Deletes what a test declared (its plan, and the plan's delay cascade), even when the
-/// test panics.
-pub struct Cleanup {
-    plan: TopologyPlan,
-    url: String,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        // A test's cascade has a prefix of its own: it goes with the plan.
-        let config = AmqpConfig::new(self.url.as_str());
-        transport_amqp091::testing::delete_blocking(&config, std::slice::from_ref(&self.plan), &[]);
+        let got = rabbitmq::get(&self.channel, queue).await;
+        got.map(|d| (d.data, d.redelivered))
     }
 }
 
 /// A transport with short timeouts, for tests.
 pub async fn transport() -> Amqp10Transport {
     Amqp10Transport::connect(
-        Amqp10Config::new(url10())
+        Amqp10Config::new(amqp10_url())
             .with_publish_timeout(Duration::from_secs(2))
             .with_operation_timeout(Duration::from_secs(10)),
     )

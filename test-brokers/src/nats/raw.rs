@@ -16,9 +16,9 @@ const WAIT: Duration = Duration::from_secs(10);
 /// A connection to a NATS server that publishes header blocks byte for byte.
 ///
 /// ```no_run
-/// use transport_nats::testing::{RawPublisher, header_block};
+/// use test_brokers::nats::{RawPublisher, header_block};
 ///
-/// # fn demo() -> Result<(), transport_nats::testing::RawPublishError> {
+/// # fn demo() -> Result<(), test_brokers::nats::RawPublishError> {
 /// let mut raw = RawPublisher::connect("nats://127.0.0.1:4222")?;
 /// // A header value that is not UTF-8: async-nats cannot write this, nats-server stores it.
 /// let block = header_block(&[b"tenant: ac\xffme"]);
@@ -43,7 +43,7 @@ impl std::fmt::Debug for RawPublisher {
 /// What a stream answered to a publish: where it stored the message.
 ///
 /// ```
-/// use transport_nats::testing::PubAck;
+/// use test_brokers::nats::PubAck;
 ///
 /// let ack = PubAck { stream: "orders".into(), sequence: 7, duplicate: false };
 /// assert_eq!(ack.sequence, 7);
@@ -62,7 +62,7 @@ pub struct PubAck {
 /// Why a raw publish failed.
 ///
 /// ```
-/// use transport_nats::testing::RawPublishError;
+/// use test_brokers::nats::RawPublishError;
 ///
 /// let err = RawPublishError::NotPubAck { reply: "hello".into() };
 /// assert!(err.to_string().contains("hello"));
@@ -113,7 +113,7 @@ pub enum RawPublishError {
 /// the empty line that ends the block, every line ended by CR LF.
 ///
 /// ```
-/// use transport_nats::testing::header_block;
+/// use test_brokers::nats::header_block;
 ///
 /// assert_eq!(header_block(&[b"a: 1"]), b"NATS/1.0\r\na: 1\r\n\r\n");
 /// ```
@@ -132,7 +132,7 @@ impl RawPublisher {
     /// it speaks headers, and subscribes an inbox for the PubAcks.
     ///
     /// ```no_run
-    /// use transport_nats::testing::RawPublisher;
+    /// use test_brokers::nats::RawPublisher;
     ///
     /// let raw = RawPublisher::connect("nats://127.0.0.1:4222").expect("a NATS server");
     /// ```
@@ -175,7 +175,7 @@ impl RawPublisher {
     /// given, and waits for the stream's PubAck.
     ///
     /// ```no_run
-    /// use transport_nats::testing::{RawPublisher, header_block};
+    /// use test_brokers::nats::{RawPublisher, header_block};
     ///
     /// let mut raw = RawPublisher::connect("nats://127.0.0.1:4222").expect("a NATS server");
     /// // A line without a colon.

@@ -7,7 +7,27 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use crate::inspect::PROPERTIES;
+/// The 14 properties of a `basic` content header, in the AMQP 0-9-1 specification's order
+/// (property flag 15 down to 2): a property's index here is its place in the property list.
+/// transport-amqp091's frame inspection has the same list (`inspect::PROPERTIES`, private
+/// to it); this copy is ours since this crate cannot depend on a transport, and the
+/// specification fixes the order.
+const PROPERTIES: [&str; 14] = [
+    "content-type",
+    "content-encoding",
+    "headers",
+    "delivery-mode",
+    "priority",
+    "correlation-id",
+    "reply-to",
+    "expiration",
+    "message-id",
+    "timestamp",
+    "type",
+    "user-id",
+    "app-id",
+    "cluster-id",
+];
 
 const FRAME_METHOD: u8 = 1;
 const FRAME_HEADER: u8 = 2;
@@ -18,7 +38,7 @@ const FRAME_END: u8 = 0xCE;
 /// A connection with one channel in confirm mode, publishing raw messages.
 ///
 /// ```no_run
-/// use transport_amqp091::testing::{RawPublisher, RawProperties};
+/// use test_brokers::rabbitmq::{RawProperties, RawPublisher};
 ///
 /// let mut publisher = RawPublisher::connect("127.0.0.1:5672", "guest", "guest", "/")?;
 /// let properties = RawProperties::new().message_id(b"bad-\xff\xfe-id");
