@@ -3,8 +3,8 @@
 //! same run, rounds interleaved.
 //!
 //! ```sh
-//! tests/cluster.sh up
-//! AMQP_CLUSTER_URLS=$(tests/cluster.sh urls) cargo run --release -p transport-amqp091 --example cluster_throughput -- 20000 3
+//! stress/cluster.sh up
+//! AMQP_CLUSTER_URLS=$(stress/cluster.sh urls) cargo run --release -p transport-amqp091 --example cluster_throughput -- 20000 3
 //! ```
 //!
 //! Arguments: messages per measurement (default 20,000) and rounds (default 3). Each
@@ -41,7 +41,7 @@ const SETUPS: [Setup; 2] = [Setup { cluster: false }, Setup { cluster: true }];
 
 fn urls(cluster: bool) -> String {
     if cluster {
-        std::env::var("AMQP_CLUSTER_URLS").expect("AMQP_CLUSTER_URLS (tests/cluster.sh urls)")
+        std::env::var("AMQP_CLUSTER_URLS").expect("AMQP_CLUSTER_URLS (stress/cluster.sh urls)")
     } else {
         amqp_url()
     }

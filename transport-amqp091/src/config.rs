@@ -3,9 +3,10 @@
 use std::fmt;
 use std::time::Duration;
 
-use retry_core::{NodeListError, QueueType, TlsConfig, redact_url};
+use retry_core::{NodeListError, QueueType, TlsConfig};
+use transport_kit::settings::{ConnectionSettings, NodeList, NodeOrder};
 
-use crate::nodes::{self, Node, NodeOrder};
+use crate::nodes::{self, Node};
 
 /// How to reach the broker, or the nodes of a cluster, and how long to wait for it.
 ///
@@ -17,6 +18,11 @@ use crate::nodes::{self, Node, NodeOrder};
 /// node waiting out a backoff between [`with_reconnect_delay`](Self::with_reconnect_delay)'s
 /// bounds before it is tried again. Every node is reached with the first URL's credentials,
 /// virtual host and options, so they must agree ([`NodeListError`] otherwise).
+///
+/// The node list, its order, the connect, request and confirm timeouts and the TLS
+/// settings are the [`ConnectionSettings`] every transport has ([`settings`](Self::settings)):
+/// the request timeout is their operation timeout, the confirm timeout their publish
+/// timeout. The rest is this transport's own.
 ///
 /// ```
 /// use transport_amqp091::AmqpConfig;
@@ -37,17 +43,11 @@ use crate::nodes::{self, Node, NodeOrder};
 /// ```
 #[derive(Clone)]
 pub struct AmqpConfig {
-    url: String,
-    nodes: Result<Vec<Node>, NodeListError>,
-    node_order: NodeOrder,
+    settings: ConnectionSettings,
     reconnect_delay: (Duration, Duration),
-    confirm_timeout: Duration,
-    connect_timeout: Duration,
-    request_timeout: Duration,
     connection_name: Option<String>,
     ack_flush_interval: Duration,
     auto_recover: bool,
-    tls: Option<TlsConfig>,
     external_auth: bool,
 }
 
@@ -61,21 +61,58 @@ impl AmqpConfig {
     /// [`AmqpTransport::connect`](crate::AmqpTransport::connect); [`cluster`](Self::cluster)
     /// refuses it at once.
     pub fn new(url: impl Into<String>) -> Self {
-        let url = url.into();
         AmqpConfig {
-            nodes: nodes::parse(&nodes::split(&url)),
-            url,
-            node_order: NodeOrder::InOrder,
+            settings: ConnectionSettings::new(url)
+                .with_publish_timeout(Duration::from_secs(30))
+                .with_connect_timeout(Duration::from_secs(20))
+                .with_operation_timeout(Duration::from_secs(30)),
             reconnect_delay: (Duration::from_millis(100), Duration::from_secs(5)),
-            confirm_timeout: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(20),
-            request_timeout: Duration::from_secs(30),
             connection_name: None,
             ack_flush_interval: Duration::from_millis(20),
             auto_recover: true,
-            tls: None,
             external_auth: false,
         }
+    }
+
+    /// The connection settings every transport has, in place of these settings' own: the
+    /// nodes and their order, the connect timeout, the request timeout (the settings'
+    /// operation timeout), the confirm timeout (their publish timeout) and the TLS settings.
+    /// What is this transport's own (reconnect delays, connection name, ack flushing,
+    /// recovery, `EXTERNAL`) stays as it was.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_amqp091::{AmqpConfig, ConnectionSettings};
+    ///
+    /// let shared = ConnectionSettings::new("amqp://app:s3cret@10.0.0.1:5672/%2f")
+    ///     .with_publish_timeout(Duration::from_secs(5));
+    /// let config = AmqpConfig::new("amqp://127.0.0.1:5672/%2f")
+    ///     .with_connection_name("orders")
+    ///     .with_settings(shared.clone());
+    /// assert_eq!(config.confirm_timeout(), Duration::from_secs(5));
+    /// assert_eq!(config.redacted_url(), "amqp://app:****@10.0.0.1:5672/%2f");
+    /// assert_eq!(config.connection_name(), Some("orders"));
+    /// assert_eq!(config.settings(), &shared);
+    /// ```
+    pub fn with_settings(mut self, settings: ConnectionSettings) -> Self {
+        self.settings = settings;
+        self
+    }
+
+    /// The connection settings every transport has: what the `with_*` methods of the node
+    /// list, the timeouts and TLS set.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_amqp091::AmqpConfig;
+    ///
+    /// let config = AmqpConfig::new("amqp://127.0.0.1:5672/%2f")
+    ///     .with_request_timeout(Duration::from_secs(10));
+    /// assert_eq!(config.settings().operation_timeout(), Duration::from_secs(10));
+    /// assert_eq!(config.settings().connect_timeout(), Duration::from_secs(20));
+    /// ```
+    pub fn settings(&self) -> &ConnectionSettings {
+        &self.settings
     }
 
     /// Settings for the nodes of one cluster, one URL each: refused with a [`NodeListError`]
@@ -121,15 +158,14 @@ impl AmqpConfig {
         I::Item: Into<String>,
     {
         let urls: Vec<String> = urls.into_iter().map(Into::into).collect();
-        let config = AmqpConfig::new(urls.join(","));
         // Parse the list as given, so that an empty URL in it is an error too.
-        nodes::parse(&urls)?;
-        Ok(config)
+        nodes::parse(&NodeList::from_urls(&urls))?;
+        Ok(AmqpConfig::new(urls.join(",")))
     }
 
     /// The order the nodes are tried in (in order by default).
     pub fn with_node_order(mut self, order: NodeOrder) -> Self {
-        self.node_order = order;
+        self.settings = self.settings.with_node_order(order);
         self
     }
 
@@ -157,16 +193,12 @@ impl AmqpConfig {
     /// # Ok::<(), transport_amqp091::NodeListError>(())
     /// ```
     pub fn nodes(&self) -> Result<Vec<String>, NodeListError> {
-        Ok(self
-            .node_list()?
-            .iter()
-            .map(|n| n.address.clone())
-            .collect())
+        Ok(self.node_list()?.into_iter().map(|n| n.address).collect())
     }
 
-    /// Whether the settings name more than one node.
+    /// Whether the settings name more than one node (of a list that can be used).
     pub fn is_cluster(&self) -> bool {
-        self.nodes.as_ref().is_ok_and(|n| n.len() > 1)
+        self.node_list().is_ok_and(|n| n.len() > 1)
     }
 
     /// The queue type these settings call for: [`QueueType::Quorum`] for a cluster,
@@ -205,7 +237,7 @@ impl AmqpConfig {
 
     /// The node order.
     pub fn node_order(&self) -> NodeOrder {
-        self.node_order
+        self.settings.node_order()
     }
 
     /// The reconnect backoff's bounds, `(min, max)`.
@@ -216,7 +248,7 @@ impl AmqpConfig {
     /// How long a publish may wait for the broker's confirm before it counts as failed (and
     /// the original is requeued).
     pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
-        self.confirm_timeout = timeout;
+        self.settings = self.settings.with_publish_timeout(timeout);
         self
     }
 
@@ -234,13 +266,13 @@ impl AmqpConfig {
     /// assert_eq!(config.connect_timeout(), Duration::from_secs(5));
     /// ```
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.settings = self.settings.with_connect_timeout(timeout);
         self
     }
 
     /// The connect timeout.
     pub fn connect_timeout(&self) -> Duration {
-        self.connect_timeout
+        self.settings.connect_timeout()
     }
 
     /// How long a request to the broker other than a publish may take (30 s by default):
@@ -260,13 +292,13 @@ impl AmqpConfig {
     /// assert_eq!(config.request_timeout(), Duration::from_secs(10));
     /// ```
     pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
-        self.request_timeout = timeout;
+        self.settings = self.settings.with_operation_timeout(timeout);
         self
     }
 
     /// The request timeout.
     pub fn request_timeout(&self) -> Duration {
-        self.request_timeout
+        self.settings.operation_timeout()
     }
 
     /// The connection name the broker shows (and `rabbitmqctl list_connections` prints).
@@ -317,13 +349,13 @@ impl AmqpConfig {
     /// assert!(!format!("{config:?}").contains("s3cret"));
     /// ```
     pub fn with_tls(mut self, tls: TlsConfig) -> Self {
-        self.tls = Some(tls);
+        self.settings = self.settings.with_tls(tls);
         self
     }
 
     /// The TLS settings, if given.
     pub fn tls(&self) -> Option<&TlsConfig> {
-        self.tls.as_ref()
+        self.settings.tls()
     }
 
     /// Logs in with SASL `EXTERNAL`: the broker takes the user from the client certificate
@@ -362,7 +394,7 @@ impl AmqpConfig {
 
     /// The confirm timeout.
     pub fn confirm_timeout(&self) -> Duration {
-        self.confirm_timeout
+        self.settings.publish_timeout()
     }
 
     /// The connection name, if set.
@@ -383,38 +415,23 @@ impl AmqpConfig {
     /// The URL with its password replaced by `****` ([`PASSWORD_MASK`](retry_core::PASSWORD_MASK);
     /// every node's, for a list).
     pub fn redacted_url(&self) -> String {
-        match &self.nodes {
-            Ok(nodes) => nodes
-                .iter()
-                .map(|n| n.address.as_str())
-                .collect::<Vec<_>>()
-                .join(","),
-            Err(_) => nodes::split(&self.url)
-                .iter()
-                .map(|u| redact_url(u))
-                .collect::<Vec<_>>()
-                .join(","),
-        }
+        self.settings.redacted_url()
     }
 
-    pub(crate) fn node_list(&self) -> Result<&[Node], NodeListError> {
-        self.nodes.as_deref().map_err(Clone::clone)
+    /// The nodes, parsed.
+    pub(crate) fn node_list(&self) -> Result<Vec<Node>, NodeListError> {
+        nodes::parse(self.settings.nodes())
     }
 }
 
 impl fmt::Debug for AmqpConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AmqpConfig")
-            .field("url", &self.redacted_url())
-            .field("node_order", &self.node_order)
+            .field("settings", &self.settings)
             .field("reconnect_delay", &self.reconnect_delay)
-            .field("confirm_timeout", &self.confirm_timeout)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("request_timeout", &self.request_timeout)
             .field("connection_name", &self.connection_name)
             .field("ack_flush_interval", &self.ack_flush_interval)
             .field("auto_recover", &self.auto_recover)
-            .field("tls", &self.tls)
             .field("external_auth", &self.external_auth)
             .finish()
     }

@@ -7,10 +7,6 @@
 //! of it (a retry's clone, a replay) writes every header it did not change with its
 //! original encoding. Nothing here panics on what the broker sends.
 
-use crate::amqp10_sections::{
-    APP_PROPERTIES_HEADER, PROPERTIES_HEADER, SectionError, decode_application_properties,
-    decode_message_id, encode_application_properties,
-};
 use crate::tap::Refusals;
 use crate::undecodable::{self, Reading};
 use lapin::BasicProperties;
@@ -19,6 +15,10 @@ use retry_core::headers::{BROKER_OWNED, MAX_DEPTH};
 use retry_core::{HeaderValue, Headers, NativeParts, Properties, Timestamp};
 use std::time::Duration;
 use tracing::warn;
+use transport_kit::amqp10::{
+    APP_PROPERTIES_HEADER, PROPERTIES_HEADER, SectionError, decode_application_properties,
+    decode_message_id, encode_application_properties,
+};
 
 /// Set (to `true`) on a message whose headers were read from an AMQP 1.0
 /// `application-properties` section: one published over AMQP 1.0, read over AMQP 0-9-1 on
@@ -917,13 +917,13 @@ mod tests {
         use super::super::*;
         use crate::tap::Frames;
         use crate::tap::{MARK, Refusals};
-        use crate::testing::RawProperties;
         use crate::undecodable::{RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};
         use lapin::BasicProperties;
         use lapin::message::Delivery;
         use lapin::types::AMQPValue;
         use lapin::types::FieldTable;
         use retry_core::HeaderValue;
+        use test_brokers::rabbitmq::RawProperties;
 
         fn delivery(headers: FieldTable) -> Delivery {
             let mut d = Delivery::mock(4, "".into(), "q".into(), true, b"body".to_vec());

@@ -4,7 +4,7 @@
 //! on a plain [`lapin::Connection`].
 //!
 //! Your code keeps its own `basic_consume` and `basic_ack`; the engine decides.
-//! `cargo run -p transport-amqp091 --example embedded` is a complete consumer built this way.
+//! `cargo run -p examples --example 06_embedded` is a complete consumer built this way.
 //!
 //! **Publishing clones.** lapin 4.12 can hand a `basic.return` to the wrong publish when
 //! several are in flight on one channel, so a clone that reached no queue can come back as a

@@ -54,7 +54,8 @@
 //!   a plan checked from outside, with a probe sent through each delay queue that must come
 //!   back, dead-lettered as expired, where the plan says.
 //! * The password never appears in logs, errors or `Debug` output ([`AmqpConfig`]).
-//! * `testing` (feature `testing`): one reading of `REQUIRE_BROKER` for tests that need a broker.
+//! * `testing` (feature `testing`, deprecated): the helpers for tests against a real broker,
+//!   re-exported from the `test-brokers` crate, where they moved.
 //!
 //! The guide, in the repository's `docs/` folder, covers what this transport does on
 //! RabbitMQ (`docs/transports.md`), embedding the engine with the [`embed`] glue
@@ -71,7 +72,6 @@
 
 mod acks;
 mod admin;
-mod amqp10_sections;
 mod config;
 mod convert;
 pub mod embed;
@@ -91,6 +91,10 @@ mod subscription;
 mod tag;
 mod tap;
 #[cfg(feature = "testing")]
+#[deprecated(
+    since = "0.2.0",
+    note = "use the test-brokers crate: test_brokers::rabbitmq"
+)]
 pub mod testing;
 mod tls;
 mod transport;
@@ -99,11 +103,11 @@ mod walk;
 
 pub use config::AmqpConfig;
 pub use convert::{FROM_AMQP10, headers_from_table, table_from_headers};
-pub use nodes::NodeOrder;
 pub use provision::ProvisionReport;
 pub use registration::registration;
 pub use retry_core::NodeListError;
 pub use subscription::AmqpSubscription;
 pub use tag::AmqpTag;
 pub use transport::AmqpTransport;
+pub use transport_kit::settings::{ConnectionSettings, NodeOrder};
 pub use undecodable::{RAW_PROPERTIES_HEADER, UNDECODABLE_HEADER};

@@ -40,7 +40,7 @@ use crate::config::AmqpConfig;
 use crate::error::{closes_only_a_channel, connection_error};
 use crate::handed::{Handed, refusal};
 use crate::kit::TapKit;
-use crate::nodes::{self, NodeOrder, Nodes};
+use crate::nodes::Nodes;
 use crate::tap::Refusals;
 use crate::tls::{self, Tls};
 
@@ -78,10 +78,7 @@ impl Link {
     pub(crate) async fn open(config: AmqpConfig) -> Result<Arc<Self>, TransportError> {
         let invalid = |e| TransportError::Other(Box::new(e));
         let list = config.node_list().map_err(invalid)?;
-        let order: Vec<usize> = match config.node_order() {
-            NodeOrder::InOrder => (0..list.len()).collect(),
-            NodeOrder::Shuffled => nodes::shuffled(list.len()),
-        };
+        let order = config.node_order().arrange(list.len());
         let (min_delay, max_delay) = config.reconnect_delay();
         let tls = tls_settings(&config)?;
         let nodes = Arc::new(Nodes::new(

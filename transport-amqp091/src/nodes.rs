@@ -1,5 +1,6 @@
-//! A cluster's node list: parsing it, the order its nodes are tried in, and which node the
-//! connection goes to next.
+//! A cluster's node list: parsing its URLs with lapin's parser, and which node the
+//! connection goes to next. The list as given, its order and the refusals' wording are the
+//! shared connection settings' (`transport_kit::settings`).
 //!
 //! lapin recovers a connection by calling back for a new TCP stream with the URI it was made
 //! with, then replays the handshake, the channels, their QoS, confirm mode and consumers on
@@ -27,33 +28,11 @@ use futures::io::{AsyncReadExt, AsyncWriteExt};
 use lapin::tcp::AsyncTcpStream;
 use lapin::types::AMQPValue;
 use lapin::uri::{AMQPScheme, AMQPUri};
-use retry_core::{NodeListError, redact_url};
+use retry_core::NodeListError;
 use tracing::{error, info, warn};
+use transport_kit::settings::NodeList;
 
 use crate::tls::{Tls, TlsRefused};
-
-/// The order the nodes of a list are tried in.
-///
-/// ```
-/// use transport_amqp091::{AmqpConfig, NodeOrder};
-///
-/// let config = AmqpConfig::cluster([
-///     "amqp://app:s3cret@10.0.0.1:5672/%2f",
-///     "amqp://app:s3cret@10.0.0.2:5672/%2f",
-/// ])?
-/// .with_node_order(NodeOrder::Shuffled);
-/// assert_eq!(config.node_order(), NodeOrder::Shuffled);
-/// # Ok::<(), transport_amqp091::NodeListError>(())
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum NodeOrder {
-    /// In the order given: the first node that answers, the others only while it is down.
-    #[default]
-    InOrder,
-    /// Shuffled once per transport, so that many consumers with the same list spread over
-    /// the nodes.
-    Shuffled,
-}
 
 /// One node: where to open the TCP stream, and how to name it in logs.
 #[derive(Clone, Debug)]
@@ -63,28 +42,16 @@ pub(crate) struct Node {
     pub(crate) address: String,
 }
 
-/// Parses a node list: `urls` in order, every one agreeing with the first on everything but
-/// host and port.
-pub(crate) fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Vec<Node>, NodeListError> {
-    let mut nodes: Vec<Node> = Vec::with_capacity(urls.len());
-    for (i, url) in urls.iter().enumerate() {
-        let url = url.as_ref().trim();
-        let position = i + 1;
-        let address = redact_url(url);
-        let uri: AMQPUri =
-            url.parse()
-                .map_err(|reason: String| match unsupported_scheme(url, &reason) {
-                    Some(scheme) => NodeListError::UnsupportedScheme {
-                        position,
-                        node: address.clone(),
-                        scheme,
-                    },
-                    None => NodeListError::Invalid {
-                        position,
-                        node: address.clone(),
-                        reason,
-                    },
-                })?;
+/// Parses a node list: every node an `amqp` or `amqps` URL that lapin reads, agreeing with
+/// the first on everything but host and port, and none twice.
+pub(crate) fn parse(list: &NodeList) -> Result<Vec<Node>, NodeListError> {
+    list.parse_with(|url, nodes: &[Node]| {
+        url.check_scheme(&["amqp", "amqps"])?;
+        let address = url.redacted();
+        let uri: AMQPUri = url
+            .url()
+            .parse()
+            .map_err(|reason: String| url.invalid(reason))?;
         if let Some(first) = nodes.first() {
             let field = if uri.scheme != first.uri.scheme {
                 Some("scheme")
@@ -101,7 +68,7 @@ pub(crate) fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Vec<Node>, NodeListErro
             };
             if let Some(field) = field {
                 return Err(NodeListError::Differs {
-                    position,
+                    position: url.position(),
                     node: address,
                     first: first.address.clone(),
                     field,
@@ -114,44 +81,8 @@ pub(crate) fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Vec<Node>, NodeListErro
                 return Err(NodeListError::Duplicate { node: address });
             }
         }
-        nodes.push(Node { uri, address });
-    }
-    if nodes.is_empty() {
-        return Err(NodeListError::Empty);
-    }
-    Ok(nodes)
-}
-
-/// The scheme of `url` when lapin refused it for that scheme (`reason`), neither `amqp` nor
-/// `amqps`; `None` when it refused the URL for anything else.
-fn unsupported_scheme(url: &str, reason: &str) -> Option<String> {
-    let (scheme, rest) = url.split_once(':')?;
-    let scheme = scheme.to_ascii_lowercase();
-    let refused = scheme.parse::<lapin::uri::AMQPScheme>().err()?;
-    (rest.starts_with("//") && refused == reason).then_some(scheme)
-}
-
-/// Splits a comma-separated URL string into its nodes, dropping empty pieces.
-pub(crate) fn split(urls: &str) -> Vec<String> {
-    urls.split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
-/// A permutation of `0..n` from the process's random hasher keys (no random-number crate).
-pub(crate) fn shuffled(n: usize) -> Vec<usize> {
-    use std::hash::{BuildHasher, Hasher};
-    let mut order: Vec<usize> = (0..n).collect();
-    let seed = std::collections::hash_map::RandomState::new();
-    for i in (1..n).rev() {
-        let mut h = seed.build_hasher();
-        h.write_usize(i);
-        let j = (h.finish() % (i as u64 + 1)) as usize;
-        order.swap(i, j);
-    }
-    order
+        Ok(Node { uri, address })
+    })
 }
 
 #[derive(Clone, Copy, Default)]
@@ -505,6 +436,7 @@ mod tests {
 
     #[test]
     fn a_list_parses_and_refuses_what_cannot_be_one_cluster() {
+        let split = NodeList::new;
         let nodes = parse(&split(
             "amqp://u:p@h1:5672/%2f, amqp://u:p@h2:5673/%2f,,amqp://u:p@h3/%2f",
         ))
@@ -516,7 +448,6 @@ mod tests {
         assert_eq!(hosts, [("h1", 5672), ("h2", 5673), ("h3", 5672)]);
         assert_eq!(nodes[1].address, "amqp://u:****@h2:5673/%2f");
 
-        assert_eq!(parse(&split(" , ")).unwrap_err(), NodeListError::Empty);
         let cases = [
             ("amqp://u:p@h1/%2f,amqps://u:p@h2/%2f", "scheme"),
             ("amqp://u:p@h1/%2f,amqp://v:p@h2/%2f", "user"),
@@ -545,22 +476,23 @@ mod tests {
             "{err:?}"
         );
         assert!(!err.to_string().contains("secret"), "{err}");
-        let err = parse(&split("amqp://u:secret@h1/%2f,HTTP://u:secret@h2/%2f")).unwrap_err();
-        assert_eq!(
-            err,
-            NodeListError::UnsupportedScheme {
-                position: 2,
-                node: "HTTP://u:****@h2/%2f".into(),
-                scheme: "http".into(),
-            }
+        // The wording of this refusal is the shared node list's (transport-kit's tests).
+        let err = parse(&split("amqp://u:p@h1/%2f,http://u:p@h2/%2f")).unwrap_err();
+        assert!(
+            matches!(err, NodeListError::UnsupportedScheme { position: 2, .. }),
+            "{err:?}"
         );
-        assert!(!err.to_string().contains("secret"), "{err}");
     }
 
     #[test]
     fn a_failed_node_waits_while_another_is_tried_and_comes_back_when_due() {
         let nodes = Nodes::new(
-            parse(&["amqp://h1", "amqp://h2", "amqp://h3"]).unwrap(),
+            parse(&NodeList::from_urls([
+                "amqp://h1",
+                "amqp://h2",
+                "amqp://h3",
+            ]))
+            .unwrap(),
             Duration::from_secs(60),
             Duration::from_secs(600),
             None,
@@ -614,11 +546,11 @@ mod tests {
     #[test]
     fn nodes_of_another_cluster_are_refused_by_the_first_name_seen() {
         let nodes = Nodes::new(
-            parse(&[
+            parse(&NodeList::from_urls([
                 "amqp://u:secret@h1",
                 "amqp://u:secret@h2",
                 "amqp://u:secret@h3",
-            ])
+            ]))
             .unwrap(),
             Duration::from_millis(100),
             Duration::from_secs(5),
@@ -642,14 +574,5 @@ mod tests {
             }
         );
         assert!(!err.to_string().contains("secret"), "{err}");
-    }
-
-    #[test]
-    fn a_shuffle_is_a_permutation() {
-        for n in 0..6 {
-            let mut order = shuffled(n);
-            order.sort_unstable();
-            assert_eq!(order, (0..n).collect::<Vec<_>>());
-        }
     }
 }

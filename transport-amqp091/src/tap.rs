@@ -523,9 +523,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tapped<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{RawProperties, RawTable};
     use lapin::protocol::basic::parse_properties;
     use lapin::types::AMQPValue;
+    use test_brokers::rabbitmq::{RawProperties, RawTable};
 
     fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
         let mut out = vec![kind];

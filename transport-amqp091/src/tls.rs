@@ -13,18 +13,19 @@
 //! Nothing here retries on plain TCP: an `amqps://` node is reached with TLS or not at all.
 //! Errors name files and checks, never a password or the bytes of a key.
 
+use std::sync::Arc;
+
 use lapin::tcp::{AsyncTcpStream, RustlsConnector};
 use lapin::uri::AMQPUri;
 use retry_core::{TlsConfig, TlsFailure, TransportError};
-use rustls::RootCertStore;
+use transport_kit::settings::{DefaultRoots, TlsClient};
 
 /// The TLS side of a transport: one rustls configuration for every node, and the name
 /// their certificates are checked against when it is not each node's host.
 #[derive(Clone)]
 pub(crate) struct Tls {
     connector: RustlsConnector,
-    server_name: Option<String>,
-    client_certificate: bool,
+    client: TlsClient,
 }
 
 /// How long [`Tls::verdict`] waits for the server's answer to a `close_notify`.
@@ -33,7 +34,7 @@ const VERDICT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 impl std::fmt::Debug for Tls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tls")
-            .field("server_name", &self.server_name)
+            .field("client", &self.client)
             .finish_non_exhaustive()
     }
 }
@@ -62,20 +63,20 @@ pub(crate) fn endpoint(uri: &AMQPUri) -> String {
 }
 
 impl Tls {
-    /// Reads the files of `config` and builds the client configuration. A file that cannot
-    /// be read or used is a [`TlsFailure::Configuration`] naming it.
+    /// Reads the files of `config` and builds the client configuration, trusting the
+    /// platform's roots unless it names CA files. A file that cannot be read or used is a
+    /// [`TlsFailure::Configuration`] naming it.
     pub(crate) fn new(config: &TlsConfig) -> Result<Self, TlsFailure> {
-        let client = retry_core::tls::client_config(config, platform_roots)?;
+        let client = TlsClient::new(config, DefaultRoots::Platform)?;
         Ok(Tls {
-            connector: RustlsConnector::from(client),
-            server_name: config.server_name().map(str::to_owned),
-            client_certificate: config.client_identity().is_some(),
+            connector: RustlsConnector::from(Arc::clone(client.config())),
+            client,
         })
     }
 
     /// Whether a client certificate is presented.
     pub(crate) fn presents_a_certificate(&self) -> bool {
-        self.client_certificate
+        self.client.presents_certificate()
     }
 
     /// Reads the server's answer to the `close_notify` just sent on `stream`: a server that
@@ -129,10 +130,7 @@ impl Tls {
     where
         S: futures::AsyncRead + futures::AsyncWrite + Send + Unpin + 'static,
     {
-        let name = self
-            .server_name
-            .as_deref()
-            .unwrap_or(uri.authority.host.as_str());
+        let name = self.client.checked_name(&uri.authority.host);
         stream
             .into_rustls(&self.connector, name)
             .await
@@ -140,33 +138,11 @@ impl Tls {
     }
 }
 
-/// The platform's roots, as lapin would load them.
-fn platform_roots() -> Result<RootCertStore, TlsFailure> {
-    let found = rustls_native_certs::load_native_certs();
-    let mut roots = RootCertStore::empty();
-    roots.add_parsable_certificates(found.certs);
-    if roots.is_empty() {
-        let why = found
-            .errors
-            .first()
-            .map_or_else(|| "none found".to_owned(), ToString::to_string);
-        return Err(TlsFailure::Configuration {
-            file: "the platform's CA certificates".into(),
-            reason: format!("no usable CA certificate ({why}); give a CA file"),
-        });
-    }
-    Ok(roots)
-}
-
 /// A failed handshake with `uri`'s node, its certificate checked against `name`: a
 /// [`TlsRefused`] when rustls refused it, the error as it was otherwise (a reset, a
 /// timeout).
 fn refused(uri: &AMQPUri, name: &str, e: std::io::Error) -> std::io::Error {
-    let Some(failure) = e
-        .get_ref()
-        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        .map(|r| retry_core::tls::failure(r, name))
-    else {
+    let Some(failure) = transport_kit::settings::failure_in(&e, name) else {
         return e;
     };
     std::io::Error::new(

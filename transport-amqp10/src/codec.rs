@@ -19,10 +19,10 @@ use retry_core::{
     BrokerSignals, Delivery, HeaderValue, Headers, Message, MessageParts, Properties, Publish,
     Timestamp,
 };
+use transport_kit::amqp10;
 
 use crate::convert::{Originals, read_application_properties, write_application_properties};
 use crate::profile::{BrokerProfile, NativeDelay};
-use crate::scan;
 
 /// The header under which a received message keeps what only AMQP 1.0 can express, so that
 /// its clones carry it unchanged. It is removed before anything is sent, and an application
@@ -103,7 +103,7 @@ impl Native {
         };
         // A message from another transport may carry anything under this name: nothing is
         // decoded that could be nested deep enough to overflow the decoder's stack.
-        if scan::check_values(bytes).is_err() {
+        if amqp10::check_values(bytes).is_err() {
             return Native::default();
         }
         let Ok(Value::Map(map)) = serde_amqp::from_slice::<Value>(bytes) else {
@@ -111,7 +111,7 @@ impl Native {
         };
         let get = |k: &str| map.get(&Value::Symbol(Symbol::from(k)));
         let part = |k: &str| match get(k) {
-            Some(Value::Binary(b)) if scan::check_values(b).is_ok() => Some(b.to_vec()),
+            Some(Value::Binary(b)) if amqp10::check_values(b).is_ok() => Some(b.to_vec()),
             _ => None,
         };
         Native {
@@ -302,7 +302,7 @@ fn id_text(id: &MessageId) -> String {
     match id {
         MessageId::String(s) => s.clone(),
         MessageId::Ulong(n) => n.to_string(),
-        MessageId::Uuid(u) => crate::convert::hyphenated(u.as_inner()),
+        MessageId::Uuid(u) => transport_kit::amqp10::hyphenated(u.as_inner()),
         MessageId::Binary(b) => b.iter().map(|byte| format!("{byte:02x}")).collect(),
     }
 }
@@ -384,7 +384,7 @@ pub(crate) fn build_clone(
 /// Body sections from their encoding; a message that holds only body sections is a valid
 /// encoded message.
 fn decode_sections(bytes: &[u8]) -> Option<Body<Value>> {
-    scan::check_message(bytes).ok()?;
+    amqp10::check_message(bytes).ok()?;
     serde_amqp::from_slice::<Deserializable<AmqpMessage<Body<Value>>>>(bytes)
         .ok()
         .map(|m| m.0.body)

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use retry_core::{NodeListError, PASSWORD_MASK, TlsConfig, redact_url};
+use retry_core::{NodeListError, PASSWORD_MASK, TlsConfig, TlsFailure};
+use transport_kit::settings::{ConnectionSettings, DefaultRoots, NodeUrl, TlsClient};
 
 use crate::profile::BrokerProfile;
 
@@ -22,6 +23,10 @@ use crate::profile::BrokerProfile;
 /// the node that answered last, or failing that on the next node of the list that answers,
 /// so a connection lost with its node comes back on another; each move is logged with the
 /// node it left and the node it reached.
+///
+/// The node list, its order, the connect, operation and publish timeouts and the TLS
+/// settings are the [`ConnectionSettings`] every transport has ([`settings`](Self::settings)).
+/// The rest is this transport's own.
 ///
 /// ```
 /// use std::time::Duration;
@@ -40,44 +45,82 @@ use crate::profile::BrokerProfile;
 /// ```
 #[derive(Clone)]
 pub struct Amqp10Config {
-    url: String,
+    settings: ConnectionSettings,
+    /// A rustls configuration given whole: used in place of the settings' TLS settings,
+    /// which are then none (whichever was given last wins).
+    tls_config: Option<Arc<rustls::ClientConfig>>,
     profile: BrokerProfile,
     container_id: Option<String>,
-    connect_timeout: Duration,
-    publish_timeout: Duration,
-    operation_timeout: Duration,
     fetch_wait: Duration,
     reverify_after: Duration,
     idle_timeout: Option<Duration>,
-    tls: Option<TlsSetup>,
     external_auth: bool,
 }
 
-/// Where the TLS client configuration of `amqps://` connections comes from.
-#[derive(Clone)]
-pub(crate) enum TlsSetup {
-    /// Built from these settings, reading their files, for each connection.
-    Settings(TlsConfig),
-    /// Given whole by the application.
-    Client(Arc<rustls::ClientConfig>),
-}
-
 impl Amqp10Config {
-    /// Settings for `url`, with the defaults below.
+    /// Settings for `url`, with the defaults below (nodes in order).
     pub fn new(url: impl Into<String>) -> Self {
         Amqp10Config {
-            url: url.into(),
+            settings: ConnectionSettings::new(url)
+                .with_connect_timeout(Duration::from_secs(10))
+                .with_publish_timeout(Duration::from_secs(5))
+                .with_operation_timeout(Duration::from_secs(10)),
+            tls_config: None,
             profile: BrokerProfile::RabbitMq3,
             container_id: None,
-            connect_timeout: Duration::from_secs(10),
-            publish_timeout: Duration::from_secs(5),
-            operation_timeout: Duration::from_secs(10),
             fetch_wait: Duration::from_millis(250),
             reverify_after: Duration::from_secs(5),
             idle_timeout: Some(Duration::from_secs(60)),
-            tls: None,
             external_auth: false,
         }
+    }
+
+    /// The connection settings every transport has, in place of these settings' own: the
+    /// nodes and their order, the connect, publish and operation timeouts and the TLS
+    /// settings. TLS settings in them replace a configuration given with
+    /// [`with_tls_config`](Self::with_tls_config); without, it stays. What is this
+    /// transport's own (profile, container id, fetch wait, re-verification, idle timeout,
+    /// `EXTERNAL`) stays as it was.
+    ///
+    /// With [`NodeOrder::Shuffled`](transport_kit::settings::NodeOrder::Shuffled) the list
+    /// is shuffled once per transport; connections still open on the node that answered
+    /// last first.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_amqp10::{Amqp10Config, ConnectionSettings, NodeOrder};
+    ///
+    /// let shared = ConnectionSettings::new("amqp://guest:s3cret@10.0.0.1:5672,amqp://guest:s3cret@10.0.0.2:5672")
+    ///     .with_node_order(NodeOrder::Shuffled)
+    ///     .with_publish_timeout(Duration::from_secs(2));
+    /// let config = Amqp10Config::new("amqp://127.0.0.1:5672")
+    ///     .with_container_id("orders")
+    ///     .with_settings(shared.clone());
+    /// assert_eq!(config.publish_timeout(), Duration::from_secs(2));
+    /// assert_eq!(config.container_id(), Some("orders"));
+    /// assert_eq!(config.settings(), &shared);
+    /// ```
+    pub fn with_settings(mut self, settings: ConnectionSettings) -> Self {
+        if settings.tls().is_some() {
+            self.tls_config = None;
+        }
+        self.settings = settings;
+        self
+    }
+
+    /// The connection settings every transport has: what the `with_*` methods of the
+    /// timeouts and of [`with_tls`](Self::with_tls) set, and the nodes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_amqp10::Amqp10Config;
+    ///
+    /// let config = Amqp10Config::new("amqp://127.0.0.1:5672");
+    /// assert_eq!(config.settings().publish_timeout(), Duration::from_secs(5));
+    /// assert_eq!(config.settings().nodes().len(), 1);
+    /// ```
+    pub fn settings(&self) -> &ConnectionSettings {
+        &self.settings
     }
 
     /// Settings for the nodes of one cluster, one URL each; refused with a [`NodeListError`]
@@ -110,7 +153,7 @@ impl Amqp10Config {
 
     /// How long opening a connection (TCP, TLS, SASL, open) may take. Default: 10 s.
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.settings = self.settings.with_connect_timeout(timeout);
         self
     }
 
@@ -119,14 +162,14 @@ impl Amqp10Config {
     /// send refused by a full `reject-publish` queue never resolves (the broker's session
     /// process fails and the connection closes).
     pub fn with_publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
+        self.settings = self.settings.with_publish_timeout(timeout);
         self
     }
 
     /// How long attaching or detaching a link, verifying an address or settling a delivery
     /// may take. Default: 10 s.
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
-        self.operation_timeout = timeout;
+        self.settings = self.settings.with_operation_timeout(timeout);
         self
     }
 
@@ -225,7 +268,8 @@ impl Amqp10Config {
     /// assert!(!format!("{config:?}").contains("s3cret"));
     /// ```
     pub fn with_tls(mut self, tls: TlsConfig) -> Self {
-        self.tls = Some(TlsSetup::Settings(tls));
+        self.settings = self.settings.with_tls(tls);
+        self.tls_config = None;
         self
     }
 
@@ -234,7 +278,8 @@ impl Amqp10Config {
     /// verifier). The server name is the URL's host. Replaces settings given with
     /// `with_tls`. Default: see `with_tls`.
     pub fn with_tls_config(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
-        self.tls = Some(TlsSetup::Client(tls));
+        self.settings = self.settings.without_tls();
+        self.tls_config = Some(tls);
         self
     }
 
@@ -285,17 +330,17 @@ impl Amqp10Config {
 
     /// The connect timeout.
     pub fn connect_timeout(&self) -> Duration {
-        self.connect_timeout
+        self.settings.connect_timeout()
     }
 
     /// The publish timeout.
     pub fn publish_timeout(&self) -> Duration {
-        self.publish_timeout
+        self.settings.publish_timeout()
     }
 
     /// The operation timeout.
     pub fn operation_timeout(&self) -> Duration {
-        self.operation_timeout
+        self.settings.operation_timeout()
     }
 
     /// The fetch wait.
@@ -315,44 +360,40 @@ impl Amqp10Config {
 
     /// The TLS settings given with [`with_tls`](Self::with_tls), if any.
     pub fn tls(&self) -> Option<&TlsConfig> {
-        match &self.tls {
-            Some(TlsSetup::Settings(tls)) => Some(tls),
-            _ => None,
-        }
+        self.settings.tls()
     }
 
     /// The rustls configuration given with [`with_tls_config`](Self::with_tls_config), if
     /// any.
     pub fn tls_config(&self) -> Option<&Arc<rustls::ClientConfig>> {
-        match &self.tls {
-            Some(TlsSetup::Client(tls)) => Some(tls),
-            _ => None,
-        }
+        self.tls_config.as_ref()
     }
 
-    pub(crate) fn tls_setup(&self) -> Option<&TlsSetup> {
-        self.tls.as_ref()
+    /// The TLS client of a connection: the configuration given whole, or one built from the
+    /// TLS settings (the bundled public roots without a CA file), their files read now.
+    pub(crate) fn tls_client(&self) -> Result<TlsClient, TlsFailure> {
+        match (&self.tls_config, self.settings.tls()) {
+            (Some(given), _) => Ok(TlsClient::from_config(Arc::clone(given))),
+            (None, Some(settings)) => TlsClient::new(settings, DefaultRoots::Bundled),
+            (None, None) => TlsClient::new(&TlsConfig::new(), DefaultRoots::Bundled),
+        }
     }
 
     /// The URL with its password replaced by `****`
     /// ([`PASSWORD_MASK`](retry_core::PASSWORD_MASK)), for logs (every node's, for a list).
     pub fn redacted_url(&self) -> String {
-        node_urls(&self.url)
-            .map(redact_url)
-            .collect::<Vec<_>>()
-            .join(",")
+        self.settings.redacted_url()
     }
 
+    /// The nodes, parsed, in the settings' order.
     pub(crate) fn node_list(&self) -> Result<Nodes, NodeListError> {
-        let list = node_urls(&self.url)
-            .enumerate()
-            .map(|(i, url)| Endpoint::parse(i + 1, url, &self.profile))
-            .collect::<Result<Vec<_>, _>>()?;
-        if list.is_empty() {
-            return Err(NodeListError::Empty);
-        }
+        let parsed = self
+            .settings
+            .nodes()
+            .parse_with(|url, _: &[Endpoint]| Endpoint::parse(url, &self.profile))?;
+        let order = self.settings.node_order().arrange(parsed.len());
         Ok(Nodes {
-            list: list.into(),
+            list: order.into_iter().map(|i| parsed[i].clone()).collect(),
             last: Arc::new(AtomicUsize::new(NONE_YET)),
         })
     }
@@ -366,31 +407,19 @@ impl Amqp10Config {
 impl fmt::Debug for Amqp10Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Amqp10Config")
-            .field("url", &self.redacted_url())
+            .field("settings", &self.settings)
+            .field(
+                "tls_config",
+                &self.tls_config.as_ref().map(|_| "a rustls ClientConfig"),
+            )
             .field("profile", &self.profile)
             .field("container_id", &self.container_id)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("publish_timeout", &self.publish_timeout)
-            .field("operation_timeout", &self.operation_timeout)
             .field("fetch_wait", &self.fetch_wait)
             .field("reverify_after", &self.reverify_after)
             .field("idle_timeout", &self.idle_timeout)
             .field("external_auth", &self.external_auth)
-            .field(
-                "tls",
-                &match &self.tls {
-                    Some(TlsSetup::Settings(tls)) => Some(tls as &dyn fmt::Debug),
-                    Some(TlsSetup::Client(_)) => Some(&"a rustls ClientConfig" as &dyn fmt::Debug),
-                    None => None,
-                },
-            )
             .finish()
     }
-}
-
-/// The URLs of a comma-separated list, trimmed, empty pieces left out.
-fn node_urls(urls: &str) -> impl Iterator<Item = &str> {
-    urls.split(',').map(str::trim).filter(|u| !u.is_empty())
 }
 
 /// The nodes connections open on: from the one that answered last, then the rest in order.
@@ -475,20 +504,18 @@ pub(crate) struct Endpoint {
 }
 
 impl Endpoint {
-    /// Node `position` (from 1) of the list, `raw`.
-    fn parse(position: usize, raw: &str, profile: &BrokerProfile) -> Result<Self, NodeListError> {
-        let redacted = redact_url(raw);
-        let url = url::Url::parse(raw).map_err(|e| NodeListError::Invalid {
-            position,
-            node: redacted.clone(),
-            reason: e.to_string(),
-        })?;
+    /// One node of the list.
+    fn parse(node: NodeUrl<'_>, profile: &BrokerProfile) -> Result<Self, NodeListError> {
+        node.check_scheme(&["amqp", "amqps"])?;
+        let redacted = node.redacted();
+        let url = url::Url::parse(node.url()).map_err(|e| node.invalid(e.to_string()))?;
         let tls = match url.scheme() {
             "amqp" => false,
             "amqps" => true,
+            // A URL without `//`, such as `host:5672`, whose "scheme" is its host.
             other => {
                 return Err(NodeListError::UnsupportedScheme {
-                    position,
+                    position: node.position(),
                     node: redacted,
                     scheme: other.to_owned(),
                 });
@@ -496,21 +523,13 @@ impl Endpoint {
         };
         let host = match url.host_str() {
             Some(h) if !h.is_empty() => h.trim_start_matches('[').trim_end_matches(']'),
-            _ => {
-                return Err(NodeListError::Invalid {
-                    position,
-                    node: redacted,
-                    reason: "it names no host".into(),
-                });
-            }
+            _ => return Err(node.invalid("it names no host")),
         }
         .to_owned();
         let port = url.port().unwrap_or(if tls { 5671 } else { 5672 });
         let decode = |s: &str| {
-            percent_decode(s).ok_or_else(|| NodeListError::Invalid {
-                position,
-                node: redacted.clone(),
-                reason: "user name or password is not valid percent-encoded UTF-8".into(),
+            percent_decode(s).ok_or_else(|| {
+                node.invalid("user name or password is not valid percent-encoded UTF-8")
             })
         };
         let credentials = match (url.username(), url.password()) {
@@ -556,6 +575,7 @@ fn percent_decode(s: &str) -> Option<String> {
 mod tests {
     use super::*;
     use crate::profile::GenericProfile;
+    use retry_core::redact_url;
 
     #[test]
     fn parses_plain_and_tls_urls() {
@@ -627,6 +647,45 @@ mod tests {
         assert_eq!(redact_url("amqp://h/v"), "amqp://h/v");
         assert_eq!(redact_url("amqp://u@h"), "amqp://u@h");
         assert_eq!(redact_url("amqp://u:p:q@h/x@y"), "amqp://u:****@h/x@y");
+    }
+
+    #[test]
+    fn the_tls_given_last_wins() {
+        let given = Arc::new(
+            TlsClient::new(&TlsConfig::new(), DefaultRoots::Bundled)
+                .expect("no file to read")
+                .config()
+                .as_ref()
+                .clone(),
+        );
+        let named = TlsConfig::new().with_server_name("rabbit.internal");
+        let config = Amqp10Config::new("amqps://h")
+            .with_tls(named.clone())
+            .with_tls_config(Arc::clone(&given));
+        assert!(config.tls().is_none() && config.tls_config().is_some());
+        let client = config.tls_client().expect("given whole");
+        assert_eq!(client.checked_name("h"), "h");
+        // Shared settings without TLS keep the configuration given whole; with, replace it.
+        let config = config.with_settings(ConnectionSettings::new("amqps://h"));
+        assert!(config.tls_config().is_some());
+        let config = config.with_settings(ConnectionSettings::new("amqps://h").with_tls(named));
+        assert!(config.tls_config().is_none());
+        let client = config.tls_client().expect("no file to read");
+        assert_eq!(client.checked_name("h"), "rabbit.internal");
+        assert!(!format!("{config:?}").contains("ClientConfig {"));
+    }
+
+    #[test]
+    fn a_shuffled_list_holds_every_node_once() {
+        let urls = ["amqp://h1", "amqp://h2", "amqp://h3", "amqp://h4"];
+        let config = Amqp10Config::new("amqp://h").with_settings(
+            ConnectionSettings::from_nodes(transport_kit::settings::NodeList::from_urls(urls))
+                .with_node_order(transport_kit::settings::NodeOrder::Shuffled),
+        );
+        let nodes = config.node_list().expect("four nodes");
+        let mut hosts: Vec<&str> = nodes.list.iter().map(|e| e.host.as_str()).collect();
+        hosts.sort_unstable();
+        assert_eq!(hosts, ["h1", "h2", "h3", "h4"]);
     }
 
     #[test]

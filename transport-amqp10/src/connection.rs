@@ -1,5 +1,6 @@
 //! Opening connections (TCP or TLS; SASL PLAIN, ANONYMOUS or EXTERNAL) and probing addresses.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -127,12 +128,13 @@ async fn open_inner(
         return Ok((connection, tap));
     }
 
-    let setup = config.tls_setup();
-    let name = tls::checked_name(setup, endpoint);
-    let presented = tls::presents_certificate(setup);
-    let (client, server_name) =
-        tls::client_for(setup, endpoint).map_err(|f| tls::refused(endpoint, f))?;
-    let mut stream = tokio_rustls::TlsConnector::from(client)
+    let client = config.tls_client().map_err(|f| tls::refused(endpoint, f))?;
+    let server_name = client
+        .server_name(&endpoint.host)
+        .map_err(|f| tls::refused(endpoint, f))?;
+    let name = client.checked_name(&endpoint.host);
+    let presented = client.presents_certificate();
+    let mut stream = tokio_rustls::TlsConnector::from(Arc::clone(client.config()))
         .connect(server_name, tcp)
         .await
         .map_err(|e| tls::refused(endpoint, tls::handshake_failure(&e, name)))?;
@@ -140,7 +142,7 @@ async fn open_inner(
     // certificate: its refusal arrives as the first answer to AMQP, or as a connection
     // closed before any answer.
     let refusal = |e: &(dyn std::error::Error + 'static), answered: bool| {
-        tls::failure_in(e, name).or_else(|| {
+        transport_kit::settings::failure_in(e, name).or_else(|| {
             (presented && !answered && tls::closed(e)).then(tls::closed_after_handshake)
         })
     };

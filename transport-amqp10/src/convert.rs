@@ -27,8 +27,6 @@
 //! Writing goes the other way; arrays and tables, which application properties cannot
 //! hold, travel as the AMQP encoding of a list or map in a `binary` value.
 
-use std::fmt::Write as _;
-
 use fe2o3_amqp::types::messaging::ApplicationProperties;
 use fe2o3_amqp::types::primitives::{OrderedMap, SimpleValue, Timestamp as AmqpTimestamp, Value};
 use retry_core::{HeaderValue, Headers, Timestamp};
@@ -136,7 +134,7 @@ pub fn header_from_simple(value: &SimpleValue) -> HeaderValue {
             Ok(ms) => HeaderValue::Timestamp(Timestamp::from_millis(ms)),
             Err(_) => HeaderValue::Int(t.milliseconds()),
         },
-        SimpleValue::Uuid(u) => HeaderValue::Str(hyphenated(u.as_inner())),
+        SimpleValue::Uuid(u) => HeaderValue::Str(transport_kit::amqp10::hyphenated(u.as_inner())),
         SimpleValue::Binary(b) => HeaderValue::Bytes(b.to_vec()),
         SimpleValue::String(s) => HeaderValue::Str(s.clone()),
         SimpleValue::Symbol(s) => HeaderValue::Str(s.as_str().to_owned()),
@@ -187,17 +185,6 @@ fn value_from_header(value: &HeaderValue) -> Value {
         ),
         simple => Value::from(simple_from_header(simple)),
     }
-}
-
-pub(crate) fn hyphenated(bytes: &[u8; 16]) -> String {
-    let mut out = String::with_capacity(36);
-    for (i, b) in bytes.iter().enumerate() {
-        if matches!(i, 4 | 6 | 8 | 10) {
-            out.push('-');
-        }
-        let _ = write!(out, "{b:02x}");
-    }
-    out
 }
 
 #[cfg(test)]

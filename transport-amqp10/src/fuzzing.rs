@@ -1,11 +1,11 @@
 //! What the fuzz targets in `fuzz/` run, and what the corpus replay tests run on stable:
 //! not an API. Each function takes arbitrary bytes and panics only on a broken invariant.
 
-use crate::scan::{check_message, check_values};
 use crate::tap::fuzz_frames;
+use transport_kit::amqp10::{check_message, check_values};
 
-/// The scan of encoded AMQP 1.0 values, as a message and as a run of values: no panic and
-/// no recursion, whatever the bytes.
+/// The check this crate makes of encoded AMQP 1.0 values (`transport_kit::amqp10`), as a
+/// message and as a run of values: no panic and no recursion, whatever the bytes.
 pub fn scan(data: &[u8]) {
     let _ = check_message(data);
     let _ = check_values(data);

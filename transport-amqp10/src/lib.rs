@@ -195,7 +195,7 @@
 //! # }
 //! ```
 //!
-//! `examples/consumer.rs` runs the whole path against a local RabbitMQ and exits.
+//! `examples/04_amqp10_consumer.rs` (workspace root) runs the whole path against a local RabbitMQ and exits.
 //!
 //! The crate's README (`transport-amqp10/README.md`) is how it works concern by concern,
 //! and what the RabbitMQ 3.x profile cannot do. The guide, in the repository's `docs/`
@@ -220,7 +220,6 @@ mod profile;
 mod publisher;
 mod receiver;
 mod registration;
-mod scan;
 mod shared;
 mod subscription;
 mod tap;
@@ -237,6 +236,7 @@ pub use registration::registration;
 pub use retry_core::NodeListError;
 pub use subscription::Amqp10Subscription;
 pub use transport::Amqp10Transport;
+pub use transport_kit::settings::{ConnectionSettings, NodeOrder};
 
 /// The former name of [`NodeListError`]. Its variants are now those of the node-list error
 /// both AMQP transports share: `EmptyNodeList` is `Empty`, `InvalidUrl` and `MissingHost`

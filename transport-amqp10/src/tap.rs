@@ -3,8 +3,8 @@
 //!
 //! It does two things fe2o3 0.18 offers no way to do:
 //!
-//! * **Every message is checked before fe2o3 decodes it** ([`scan::check_message`]): a
-//!   valid encoding, nested no deeper than [`scan::MAX_DEPTH`]. fe2o3 decodes a message by
+//! * **Every message is checked before fe2o3 decodes it** ([`amqp10::check_message`]): a
+//!   valid encoding, nested no deeper than [`amqp10::MAX_DEPTH`]. fe2o3 decodes a message by
 //!   recursing once per level of nesting, and a message nested thousands deep overflows the
 //!   stack and aborts the process. A message that fails the check reaches fe2o3 with its
 //!   payload replaced by one byte that is no format code, so fe2o3 reports it as a
@@ -32,8 +32,7 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::watch;
-
-use crate::scan::{self, Refusal};
+use transport_kit::amqp10::{self, Refusal};
 
 /// What a refused message's payload is replaced with: a byte that is no format code.
 const REFUSED_PAYLOAD: &[u8] = &[0xff];
@@ -431,7 +430,7 @@ impl Frames {
             .is_some_and(|h| h.assembling.contains_key(&handle));
         if !assembling && !more {
             shared.transfers.fetch_add(1, Ordering::AcqRel);
-            match scan::check_message(&frame[payload_at..]) {
+            match amqp10::check_message(&frame[payload_at..]) {
                 Ok(()) => self.emit(channel, frame),
                 Err(refusal) => {
                     let payload = frame[payload_at..].to_vec();
@@ -464,7 +463,7 @@ impl Frames {
         else {
             return;
         };
-        let verdict = scan::check_message(&payload);
+        let verdict = amqp10::check_message(&payload);
         let mut first = true;
         for f in held
             .frames
@@ -846,7 +845,7 @@ mod tests {
         assert_eq!(out, frame(3, &transfer(1, Some(7), false), &[0xff]));
         let refused = s.refused.lock().unwrap().pop_front().expect("kept");
         assert_eq!(refused.delivery_id, Some(7));
-        assert_eq!(refused.refusal.why, scan::Why::TooDeep);
+        assert_eq!(refused.refusal.why, amqp10::Why::TooDeep);
         assert_eq!(refused.payload, deep);
     }
 
@@ -954,7 +953,7 @@ mod tests {
                 Some(id),
                 Refusal {
                     at: 0,
-                    why: scan::Why::TooDeep,
+                    why: amqp10::Why::TooDeep,
                 },
                 vec![],
             );

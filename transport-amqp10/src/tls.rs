@@ -1,17 +1,17 @@
-//! TLS for `amqps://`: the rustls client configuration built from a [`TlsConfig`], and the
-//! typed refusal ([`TransportError::Tls`]) a failed handshake becomes.
+//! TLS for `amqps://`: the typed refusal ([`TransportError::Tls`]) a failed handshake
+//! becomes. The client configuration built from a [`TlsConfig`](retry_core::TlsConfig), and
+//! the name the server's certificate is checked against, are the shared connection
+//! settings' ([`TlsClient`](transport_kit::settings::TlsClient)).
 //!
 //! Errors name files and checks, never what a file holds: a key's bytes, or a line of it,
 //! must not reach an error, a `Debug` output or a log line.
 
 use std::error::Error as StdError;
-use std::sync::Arc;
 
-use retry_core::{TlsConfig, TlsFailure, TransportError};
-use rustls::pki_types::ServerName;
-use rustls::{ClientConfig, RootCertStore};
+use retry_core::{TlsFailure, TransportError};
+use transport_kit::settings::failure_in;
 
-use crate::config::{Endpoint, TlsSetup};
+use crate::config::Endpoint;
 
 /// The `host:port` a TLS refusal names: never the user or password of the URL.
 pub(crate) fn endpoint_name(endpoint: &Endpoint) -> String {
@@ -23,46 +23,6 @@ pub(crate) fn refused(endpoint: &Endpoint, failure: TlsFailure) -> TransportErro
     TransportError::Tls {
         endpoint: endpoint_name(endpoint),
         failure,
-    }
-}
-
-/// The client configuration and the server name of a connection to `endpoint`: the files
-/// of the settings are read now.
-pub(crate) fn client_for(
-    setup: Option<&TlsSetup>,
-    endpoint: &Endpoint,
-) -> Result<(Arc<ClientConfig>, ServerName<'static>), TlsFailure> {
-    let (client, name) = match setup {
-        Some(TlsSetup::Client(client)) => (Arc::clone(client), None),
-        Some(TlsSetup::Settings(settings)) => (Arc::new(build(settings)?), settings.server_name()),
-        None => (Arc::new(build(&TlsConfig::new())?), None),
-    };
-    let name = name.unwrap_or(endpoint.host.as_str());
-    let server_name =
-        ServerName::try_from(name.to_owned()).map_err(|e| TlsFailure::Configuration {
-            file: "the server name".into(),
-            reason: format!("{name:?} is not a DNS name or an IP address: {e}"),
-        })?;
-    Ok((client, server_name))
-}
-
-/// The name the server's certificate is checked against.
-pub(crate) fn checked_name<'a>(setup: Option<&'a TlsSetup>, endpoint: &'a Endpoint) -> &'a str {
-    match setup {
-        Some(TlsSetup::Settings(settings)) => {
-            settings.server_name().unwrap_or(endpoint.host.as_str())
-        }
-        _ => endpoint.host.as_str(),
-    }
-}
-
-/// Whether the handshake presents a client certificate (one given whole in a rustls
-/// configuration may, too: it is counted as one).
-pub(crate) fn presents_certificate(setup: Option<&TlsSetup>) -> bool {
-    match setup {
-        Some(TlsSetup::Settings(settings)) => settings.client_identity().is_some(),
-        Some(TlsSetup::Client(client)) => client.client_auth_cert_resolver.has_certs(),
-        None => false,
     }
 }
 
@@ -93,22 +53,6 @@ pub(crate) fn closed_after_handshake() -> TlsFailure {
     TlsFailure::RefusedByServer {
         alert: "none received: the server closed the connection right after the handshake, before answering, as it does when it refuses the client certificate".into(),
     }
-}
-
-/// The rustls configuration of `settings`; without CA files, the bundled public roots.
-fn build(settings: &TlsConfig) -> Result<ClientConfig, TlsFailure> {
-    retry_core::tls::client_config(settings, || {
-        Ok(RootCertStore::from_iter(
-            webpki_roots::TLS_SERVER_ROOTS.iter().cloned(),
-        ))
-    })
-}
-
-/// The TLS failure somewhere in the causes of `e`, if there is one: rustls' own error, as
-/// tokio-rustls hands it over inside an `io::Error`. `name` is the name the server's
-/// certificate was checked against.
-pub(crate) fn failure_in(e: &(dyn StdError + 'static), name: &str) -> Option<TlsFailure> {
-    retry_core::tls::rustls_error_in(e).map(|tls| retry_core::tls::failure(tls, name))
 }
 
 /// The failure of a handshake that failed with `e`: every handshake error is a TLS refusal,
@@ -178,26 +122,5 @@ mod tests {
             handshake_failure(&eof, "h"),
             TlsFailure::Other(why) if why.contains("closed")
         ));
-    }
-
-    #[test]
-    fn a_failure_is_found_below_other_errors() {
-        #[derive(Debug, thiserror::Error)]
-        #[error("opening failed")]
-        struct Wrapper(#[source] std::io::Error);
-        let e = Wrapper(io(rustls::Error::AlertReceived(
-            AlertDescription::CertificateExpired,
-        )));
-        assert_eq!(
-            failure_in(&e, "h"),
-            Some(TlsFailure::RefusedByServer {
-                alert: "CertificateExpired".into()
-            })
-        );
-        assert_eq!(
-            failure_in(&std::io::Error::other("plain"), "h"),
-            None,
-            "not every error is a TLS one"
-        );
     }
 }

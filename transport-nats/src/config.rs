@@ -3,11 +3,17 @@
 use std::time::Duration;
 
 use async_nats::ServerAddr;
-use retry_core::{NodeListError, redact_url};
+use retry_core::NodeListError;
+use transport_kit::settings::{ConnectionSettings, NodeList, NodeOrder};
 
 /// How to reach NATS and how the transport behaves. Built with [`NatsConfig::new`] and the
 /// `with_*` methods; checked when [`NatsTransport::connect`](crate::NatsTransport::connect)
 /// runs.
+///
+/// The servers, their order, the connect, operation and publish timeouts are the
+/// [`ConnectionSettings`] every transport has ([`settings`](Self::settings)); TLS comes from
+/// the URL (`tls://`), and TLS settings in them are refused
+/// ([`ConfigError::TlsSettings`]). The rest is this transport's own.
 ///
 /// ```
 /// use std::time::Duration;
@@ -21,12 +27,10 @@ use retry_core::{NodeListError, redact_url};
 /// ```
 #[derive(Clone)]
 pub struct NatsConfig {
-    urls: String,
+    settings: ConnectionSettings,
     ack_wait: Duration,
     pull_wait: Duration,
     fetch_wait: Duration,
-    publish_timeout: Duration,
-    operation_timeout: Duration,
     replicas: usize,
     duplicate_window: Duration,
     name: Option<String>,
@@ -41,19 +45,63 @@ impl NatsConfig {
     /// (`nats://user:password@host:4222`); every message and log shows them masked.
     ///
     /// Defaults: ack wait 10 s, pull wait 1 s, fetch wait 250 ms, publish timeout 10 s,
-    /// operation timeout 10 s, one replica, a duplicate window of 2 min.
+    /// operation timeout 10 s (and connect timeout), one replica, a duplicate window of
+    /// 2 min, servers tried in an order async-nats shuffles at each connection
+    /// ([`NodeOrder::Shuffled`]). An empty URL between the commas is refused at its place.
     pub fn new(urls: impl Into<String>) -> Self {
+        let urls = urls.into();
         NatsConfig {
-            urls: urls.into(),
+            settings: ConnectionSettings::from_nodes(NodeList::from_urls(urls.split(',')))
+                .with_node_order(NodeOrder::Shuffled)
+                .with_connect_timeout(Duration::from_secs(10))
+                .with_publish_timeout(Duration::from_secs(10))
+                .with_operation_timeout(Duration::from_secs(10)),
             ack_wait: Duration::from_secs(10),
             pull_wait: Duration::from_secs(1),
             fetch_wait: Duration::from_millis(250),
-            publish_timeout: Duration::from_secs(10),
-            operation_timeout: Duration::from_secs(10),
             replicas: 1,
             duplicate_window: DEFAULT_DUPLICATE_WINDOW,
             name: None,
         }
+    }
+
+    /// The connection settings every transport has, in place of these settings' own: the
+    /// servers, their order ([`NodeOrder::InOrder`] keeps the list's order; async-nats
+    /// shuffles it otherwise), the connect, publish and operation timeouts. TLS settings
+    /// are refused when connecting: NATS takes TLS from the URL. What is this transport's
+    /// own (ack, pull and fetch waits, replicas, duplicate window, name) stays as it was.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_nats::{ConnectionSettings, NatsConfig, NodeOrder};
+    ///
+    /// let shared = ConnectionSettings::new("nats://10.0.0.1:4222,nats://10.0.0.2:4222")
+    ///     .with_connect_timeout(Duration::from_secs(3));
+    /// let config = NatsConfig::new("nats://127.0.0.1:4222")
+    ///     .with_replicas(3)
+    ///     .with_settings(shared.clone());
+    /// assert_eq!(config.settings().node_order(), NodeOrder::InOrder);
+    /// assert_eq!(config.url(), "nats://10.0.0.1:4222,nats://10.0.0.2:4222");
+    /// assert_eq!(config.replicas(), 3);
+    /// assert_eq!(config.settings(), &shared);
+    /// ```
+    pub fn with_settings(mut self, settings: ConnectionSettings) -> Self {
+        self.settings = settings;
+        self
+    }
+
+    /// The connection settings every transport has.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_nats::{NatsConfig, NodeOrder};
+    ///
+    /// let config = NatsConfig::new("nats://127.0.0.1:4222");
+    /// assert_eq!(config.settings().node_order(), NodeOrder::Shuffled);
+    /// assert_eq!(config.settings().connect_timeout(), Duration::from_secs(10));
+    /// ```
+    pub fn settings(&self) -> &ConnectionSettings {
+        &self.settings
     }
 
     /// How long the server waits for a delivery's ack before it hands the message out
@@ -84,14 +132,28 @@ impl NatsConfig {
 
     /// How long a publish waits for the stream's acknowledgement (PubAck).
     pub fn with_publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
+        self.settings = self.settings.with_publish_timeout(timeout);
         self
     }
 
     /// How long any other request to the server (a stream or consumer lookup, a fetch of a
-    /// stored message) waits for its answer.
+    /// stored message) waits for its answer. It also bounds connecting: this sets the
+    /// settings' connect timeout too (a connect timeout of its own goes in
+    /// [`with_settings`](Self::with_settings), after this call).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use transport_nats::NatsConfig;
+    ///
+    /// let config = NatsConfig::new("nats://127.0.0.1:4222").with_operation_timeout(Duration::from_secs(2));
+    /// assert_eq!(config.operation_timeout(), Duration::from_secs(2));
+    /// assert_eq!(config.settings().connect_timeout(), Duration::from_secs(2));
+    /// ```
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
-        self.operation_timeout = timeout;
+        self.settings = self
+            .settings
+            .with_operation_timeout(timeout)
+            .with_connect_timeout(timeout);
         self
     }
 
@@ -118,11 +180,7 @@ impl NatsConfig {
 
     /// The servers' URLs, passwords masked.
     pub fn url(&self) -> String {
-        self.urls
-            .split(',')
-            .map(|u| redact_url(u.trim()))
-            .collect::<Vec<_>>()
-            .join(",")
+        self.settings.redacted_url()
     }
 
     /// The ack wait.
@@ -142,12 +200,12 @@ impl NatsConfig {
 
     /// The publish timeout.
     pub fn publish_timeout(&self) -> Duration {
-        self.publish_timeout
+        self.settings.publish_timeout()
     }
 
     /// The operation timeout.
     pub fn operation_timeout(&self) -> Duration {
-        self.operation_timeout
+        self.settings.operation_timeout()
     }
 
     /// The number of replicas.
@@ -176,46 +234,27 @@ impl NatsConfig {
         zero("ack_wait", self.ack_wait)?;
         zero("pull_wait", self.pull_wait)?;
         zero("fetch_wait", self.fetch_wait)?;
-        zero("publish_timeout", self.publish_timeout)?;
-        zero("operation_timeout", self.operation_timeout)?;
+        zero("publish_timeout", self.settings.publish_timeout())?;
+        zero("operation_timeout", self.settings.operation_timeout())?;
+        zero("connect_timeout", self.settings.connect_timeout())?;
         zero("duplicate_window", self.duplicate_window)?;
         if !(1..=5).contains(&self.replicas) {
             return Err(ConfigError::Replicas {
                 replicas: self.replicas,
             });
         }
-        let mut nodes = Vec::new();
-        for (i, node) in self.urls.split(',').map(str::trim).enumerate() {
-            let position = i + 1;
-            if node.is_empty() {
-                return Err(NodeListError::Invalid {
-                    position,
-                    node: String::new(),
-                    reason: "the URL is empty".to_owned(),
-                }
-                .into());
-            }
-            let scheme = node.split_once("://").map(|(s, _)| s);
-            match scheme {
-                Some("nats" | "tls") | None => {}
-                Some(other) => {
-                    return Err(NodeListError::UnsupportedScheme {
-                        position,
-                        node: redact_url(node),
-                        scheme: other.to_owned(),
-                    }
-                    .into());
-                }
-            }
-            let addr = node
-                .parse::<ServerAddr>()
-                .map_err(|e| NodeListError::Invalid {
-                    position,
-                    node: redact_url(node),
-                    reason: e.to_string(),
-                })?;
-            nodes.push(addr);
+        if self.settings.tls().is_some() {
+            return Err(ConfigError::TlsSettings);
         }
+        let nodes = self.settings.nodes().parse_with(|node, _: &[ServerAddr]| {
+            if node.url().is_empty() {
+                return Err(node.invalid("the URL is empty"));
+            }
+            node.check_scheme(&["nats", "tls"])?;
+            node.url()
+                .parse::<ServerAddr>()
+                .map_err(|e| node.invalid(e.to_string()))
+        })?;
         Ok(nodes)
     }
 }
@@ -223,12 +262,10 @@ impl NatsConfig {
 impl std::fmt::Debug for NatsConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsConfig")
-            .field("urls", &self.url())
+            .field("settings", &self.settings)
             .field("ack_wait", &self.ack_wait)
             .field("pull_wait", &self.pull_wait)
             .field("fetch_wait", &self.fetch_wait)
-            .field("publish_timeout", &self.publish_timeout)
-            .field("operation_timeout", &self.operation_timeout)
             .field("replicas", &self.replicas)
             .field("duplicate_window", &self.duplicate_window)
             .finish()
@@ -266,6 +303,12 @@ pub enum ConfigError {
         /// What was given.
         replicas: usize,
     },
+    /// TLS settings were given ([`ConnectionSettings::with_tls`]): NATS takes TLS from the
+    /// URL.
+    #[error(
+        "TLS settings are not supported over NATS: a tls:// URL connects with TLS, trusting the platform's roots"
+    )]
+    TlsSettings,
 }
 
 #[cfg(test)]
@@ -289,6 +332,27 @@ mod tests {
             .check()
             .unwrap_err();
         assert!(err.to_string().contains('2'), "{err}");
+    }
+
+    #[test]
+    fn the_shared_settings_are_checked_and_tls_settings_refused() {
+        let base = NatsConfig::new("nats://127.0.0.1:4222");
+        let tls = base
+            .settings()
+            .clone()
+            .with_tls(retry_core::TlsConfig::new());
+        let err = base.clone().with_settings(tls).check().unwrap_err();
+        assert!(matches!(err, ConfigError::TlsSettings), "{err:?}");
+        let zero = base.settings().clone().with_connect_timeout(Duration::ZERO);
+        let err = base.clone().with_settings(zero).check().unwrap_err();
+        assert_eq!(err.to_string(), "connect_timeout must be longer than zero");
+        let none = base.with_settings(ConnectionSettings::new(" , "));
+        assert!(matches!(
+            none.check().unwrap_err(),
+            ConfigError::Nodes(NodeListError::Empty)
+        ));
+        // Schemes are told apart whatever their case, as async-nats reads them.
+        assert!(NatsConfig::new("NATS://127.0.0.1:4222").check().is_ok());
     }
 
     #[test]

@@ -21,6 +21,7 @@ use async_nats::{Client, ConnectOptions, ServerAddr};
 use retry_core::TransportError;
 use tokio::sync::watch;
 use tracing::{error, info, warn};
+use transport_kit::settings::NodeOrder;
 
 use crate::config::NatsConfig;
 use crate::provision::bounded;
@@ -70,7 +71,7 @@ pub(crate) async fn connect(
         config.url(),
     );
     let mut options = ConnectOptions::new()
-        .connection_timeout(config.operation_timeout())
+        .connection_timeout(config.settings().connect_timeout())
         .request_timeout(Some(config.operation_timeout()))
         .event_callback(move |event| {
             let (bump, lost, shown) = (bump.clone(), Arc::clone(&lost), shown.clone());
@@ -91,6 +92,9 @@ pub(crate) async fn connect(
                 }
             }
         });
+    if config.settings().node_order() == NodeOrder::InOrder {
+        options = options.retain_servers_order();
+    }
     if let Some(name) = config.name() {
         options = options.name(match role {
             Role::Control => name.to_owned(),
@@ -99,7 +103,7 @@ pub(crate) async fn connect(
     }
     let url = config.url();
     bounded(
-        config.operation_timeout(),
+        config.settings().connect_timeout(),
         "connecting to NATS",
         options.connect(nodes),
     )

@@ -152,3 +152,4 @@ pub use registration::registration;
 pub use subscription::NatsSubscription;
 pub use tag::NatsTag;
 pub use transport::{MIN_SERVER_VERSION, NatsTransport};
+pub use transport_kit::settings::{ConnectionSettings, NodeOrder};
