@@ -76,25 +76,12 @@
 //!
 //! Beside the suite: [`storm`] is the many-message scenario on its own, with the pure
 //! engine's expected decisions per message and an explicit bound on duplicated messages (0
-//! unless the caller injects faults that can duplicate). [`process`] is what the
-//! `crashing_consumer` binary and its test share: a consumer process that aborts on a
-//! poison message, restarted by the test until the poison is parked.
+//! unless the caller injects faults that can duplicate).
 //!
-//! [`chaos`] runs consumer processes on a private RabbitMQ node under SIGKILLs, forced
-//! connection closes and a broker restart, with a journal of every delivery, publish,
-//! settlement and terminal per message, and reconciles every message at the end: the
-//! `chaos` binary runs it at full scale, `tests/tests/chaos.rs` bounded for CI.
-//!
-//! [`differential`] checks the memory model against RabbitMQ directly, not each against the
-//! engine: one scripted workload with a crash, a refused publish, per-message TTLs and
-//! retries through every delay level, on classic and on quorum queues, run on both. A
-//! [`Recorded`](recording::Recorded) transport logs every delivery as the broker produced
-//! it, and each delivery (named by message id and its index among that message's
-//! deliveries) must match between the two runs: the queue it came from and its exchange and
-//! routing key, the redelivered flag, `x-delivery-count`, every `x-death` record (queue,
-//! reason, count, exchange, routing keys, original expiration; times dropped, the unique
-//! queue name normalised) and the `x-first-death-*` headers, and per queue the order of
-//! arrival; so must every message's decisions.
+//! What runs the transports under faults at scale lives in the `stress` crate beside this
+//! one (the folder `stress/`): the chaos harness with its journal per message, the soak,
+//! the differential check of the memory model against RabbitMQ, the crashing consumer and
+//! the scripts that start private nodes and clusters. It builds on this crate's harnesses.
 //!
 //! ## Running the suite on a fourth transport
 //!
@@ -161,8 +148,6 @@
 
 pub mod amqp091;
 pub mod amqp10;
-pub mod chaos;
-pub mod differential;
 pub mod drive;
 pub mod erased;
 #[cfg(doctest)]
@@ -171,9 +156,7 @@ pub mod harness;
 pub mod journal;
 pub mod memory;
 pub mod nats;
-pub mod process;
 pub mod rabbitmq;
-pub mod recording;
 pub mod scenarios;
 pub mod storm;
 pub mod suite;

@@ -15,7 +15,8 @@ use crate::rabbitmq::{SLACK, runtime, unique_name};
 use crate::suite::{Scenario, run_and_clean_up};
 use crate::verdict::Verdict;
 
-pub use transport_nats::testing::{ACK_WAIT, REQUIRE_NATS, delete_plan, nats_url, test_config};
+pub use test_brokers::{REQUIRE_NATS, nats_url};
+pub use transport_nats::testing::{ACK_WAIT, delete_plan, test_config};
 
 /// Connects to `url` with [`test_config`], or, when no server with JetStream answers, skips
 /// `what` loudly (and panics instead under [`REQUIRE_NATS`]).
@@ -27,7 +28,7 @@ pub async fn detect(what: &str, url: &str) -> Option<NatsTransport> {
 /// `Nats-Msg-Id`, with the stream's acknowledgement awaited.
 pub async fn publish_test_message(client: &async_nats::Client, queue: &str, message: &TestMessage) {
     let body = String::from_utf8_lossy(&message.body);
-    transport_nats::testing::publish(client, queue, &message.id, &body, &[]).await;
+    test_brokers::nats::publish(client, queue, &message.id, &body, &[]).await;
 }
 
 /// Takes every message stored in `queue` (read in order, each deleted once read).

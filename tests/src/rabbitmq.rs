@@ -4,14 +4,9 @@
 
 use std::future::Future;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel};
+use lapin::Channel;
 use retry_core::{TopologyPlan, Transport};
 use tokio::sync::OnceCell;
 use transport_amqp10::{Amqp10Config, Amqp10Transport};
@@ -20,7 +15,10 @@ use transport_amqp091::{AmqpConfig, AmqpTransport, headers_from_table};
 use crate::harness::{Harness, ParkedMessage, TestMessage, TopologyFaults};
 use crate::suite::{Scenario, print_uncaptured, run_and_clean_up};
 use crate::verdict::Verdict;
-use transport_amqp091::testing::{no_broker, redeclare, refusing};
+use test_brokers::no_broker;
+use test_brokers::rabbitmq::{
+    confirm_channel, get, message_count, probe, publish, redeclare, refusing,
+};
 
 /// How far below a delay an observed wait may fall on RabbitMQ: its TTL timers fire on
 /// millisecond boundaries.
@@ -39,10 +37,8 @@ impl BrokerEnv {
     /// The URLs from the environment, or the local broker's.
     pub fn from_env() -> Self {
         BrokerEnv {
-            amqp091_url: std::env::var("AMQP_URL")
-                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-            amqp10_url: std::env::var("AMQP10_URL")
-                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".into()),
+            amqp091_url: test_brokers::amqp_url(),
+            amqp10_url: test_brokers::amqp10_url(),
         }
     }
 
@@ -52,15 +48,9 @@ impl BrokerEnv {
     pub async fn detect(what: &str, amqp10: bool) -> Option<Self> {
         let env = Self::from_env();
         let probe = async {
-            // A plain connection: one with automatic recovery keeps retrying a refused
-            // connect instead of saying so.
-            let c = lapin::Connection::connect(
-                &env.amqp091_url,
-                lapin::ConnectionProperties::default(),
-            )
-            .await
-            .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
-            let _ = c.close(200, "probe".into()).await;
+            probe(&env.amqp091_url)
+                .await
+                .map_err(|e| format!("AMQP 0-9-1: {e}"))?;
             if amqp10 {
                 let t = Amqp10Transport::connect(Amqp10Config::new(&env.amqp10_url))
                     .await
@@ -119,16 +109,7 @@ where
 /// A name no other test, scenario or run uses: `cf-<scenario>-<pid>-<time>-<n>`, short
 /// enough that every name derived from it stays far below AMQP's 255 bytes.
 pub fn unique_name(scenario: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!(
-        "cf-{scenario}-{}-{nanos:x}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    test_brokers::unique(&format!("cf-{scenario}"))
 }
 
 /// An AMQP 0-9-1 connection for everything around the transport under test: declaring and
@@ -152,15 +133,9 @@ impl Admin {
             AmqpTransport::connect(AmqpConfig::new(url).with_connection_name(unique_name("admin")))
                 .await
                 .expect("the admin connection opens");
-        let channel = transport
-            .connection()
-            .create_channel()
+        let channel = confirm_channel(&transport.connection())
             .await
-            .expect("admin channel");
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .expect("confirm mode");
+            .expect("a confirm-mode admin channel");
         Admin {
             transport,
             channel,
@@ -203,42 +178,13 @@ impl Admin {
     /// Publishes a persistent test message to `queue` through the default exchange and
     /// waits for the confirm.
     pub async fn publish(&self, queue: &str, message: &TestMessage) {
-        let confirm = self
-            .channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &message.body,
-                BasicProperties::default()
-                    .with_message_id(message.id.as_str().into())
-                    .with_delivery_mode(2),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("confirm");
-        assert!(
-            confirm.is_ack(),
-            "publish to {queue} not confirmed: {confirm:?}"
-        );
+        publish(&self.channel, queue, &message.body, &message.id).await;
     }
 
     /// Messages ready in `queue`; panics if it does not exist.
     pub async fn ready(&self, queue: &str) -> usize {
-        let q = self
-            .channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("queue {queue} does not exist: {e}"));
-        q.message_count() as usize
+        let count = message_count(&self.channel, queue).await;
+        count.unwrap_or_else(|e| panic!("queue {queue} does not exist: {e}")) as usize
     }
 
     /// Takes every message out of `queue` with `basic.get`.
@@ -246,13 +192,9 @@ impl Admin {
         let mut out = Vec::new();
         // Bounded: a queue someone keeps filling must not keep a scenario here.
         for _ in 0..100_000 {
-            let got = self
-                .channel
-                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
-                .await
-                .unwrap_or_else(|e| panic!("basic.get on {queue}: {e}"));
-            let Some(msg) = got else { return out };
-            let d = msg.delivery;
+            let Some(d) = get(&self.channel, queue).await else {
+                return out;
+            };
             out.push(ParkedMessage {
                 id: d.properties.message_id().as_ref().map(|s| s.to_string()),
                 headers: d

@@ -17,7 +17,7 @@ use futures::future::BoxFuture;
 use crate::harness::Harness;
 pub use crate::verdict::Verdict;
 
-pub use transport_amqp091::testing::print_uncaptured;
+pub use test_brokers::print_uncaptured;
 
 /// A scenario function, boxed so one type holds every scenario.
 pub type ScenarioFn<H> = for<'a> fn(&'a H) -> BoxFuture<'a, Verdict>;

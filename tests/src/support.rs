@@ -1,7 +1,7 @@
 //! Building blocks for scenarios: the skip check, a topology of the scenario's own, and the
 //! check that nothing was left behind. The scenarios in [`scenarios`](crate::scenarios)
-//! and the other workloads of this crate ([`storm`](crate::storm),
-//! [`differential`](crate::differential)) are written with them.
+//! and the other workloads ([`storm`](crate::storm), and the `stress` crate's differential
+//! check) are written with them.
 
 use std::time::Duration;
 

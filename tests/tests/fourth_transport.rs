@@ -1,10 +1,11 @@
 //! How to run the conformance suite on a transport of your own, as a complete example that
 //! runs: `cargo test -p conformance --test fourth_transport`.
 //!
-//! Three steps:
+//! Five steps:
 //!
-//! 1. a [`Transport`] (here [`Fourth`], a newtype over transport-memory's connection that
-//!    forwards every call, and cannot declare topology: its `provision` only verifies);
+//! 1. a [`Transport`] (here [`Fourth`], transport-memory's connection decorated with
+//!    `transport_kit::forward`: it cannot declare topology, and its `provision` only
+//!    verifies; every other call reaches transport-memory unchanged);
 //! 2. a [`Harness`] for it (here [`FourthHarness`]), which gives scenarios connections,
 //!    declares their topology, publishes test messages, reads the parking queue, injects
 //!    faults and tells the time, plus a runner that runs one scenario on a harness of its
@@ -15,8 +16,9 @@
 //!    a registry hands it out;
 //! 4. a [`Registration`] (here [`registration`], for `fourth://` URLs), which a program
 //!    adds to its registry with one line, and then connects to by URL;
-//! 5. [`Admin`] for it, with which its registration gives it `retryctl` and the console: a
-//!    binary of its own calls `retryctl::main_with` with a registry that has it.
+//! 5. [`Admin`] for it (here transport-memory's, forwarded by the layer, with `apply`
+//!    refused), with which its registration gives it `retryctl` and the console: a binary
+//!    of its own calls `retryctl::main_with` with a registry that has it.
 //!
 //! `docs/new-transport.md` is the whole recipe.
 //!
@@ -34,12 +36,11 @@ use conformance::{
     ErasedHarness, Harness, HarnessCapabilities, MemoryHarness, ParkedMessage, Stopwatch,
     TestMessage, TopologyFaults, Verdict,
 };
-use futures::future::BoxFuture;
 use retry_core::{
-    Admin, AppliedObject, Capabilities, CheckReport, ConnectError, ConnectOptions, Delivery, Depth,
-    DynTransport, Endpoint, Message, PlanOptions, Publish, PublishResult, Registration,
-    RetryPolicy, Settlement, Timestamp, TopologyPlan, Transport, TransportError,
+    Admin, AppliedObject, Capabilities, ConnectError, ConnectOptions, Depth, DynTransport,
+    Endpoint, Registration, RetryPolicy, TopologyPlan, Transport, TransportError,
 };
+use transport_kit::forward::{Decorate, Decorated};
 use transport_memory::{Broker, MemoryTransport};
 
 /// What [`Fourth`] declares, written down here rather than asked of it: the harness checks
@@ -60,91 +61,44 @@ const EXPECTED_SKIPS: &[&str] = &[
     "transport_declares_topology",
 ];
 
-/// The transport under test: one connection to the in-memory broker, every call forwarded,
-/// except that it does not declare topology (it verifies instead).
-struct Fourth(MemoryTransport);
+/// The transport under test: one connection to the in-memory broker, every call forwarded
+/// by the layer, except what [`NoDeclare`] changes.
+type Fourth = Decorated<MemoryTransport, NoDeclare>;
 
-#[async_trait]
-impl Transport for Fourth {
-    type Tag = <MemoryTransport as Transport>::Tag;
-    type Subscription = <MemoryTransport as Transport>::Subscription;
+/// What [`Fourth`] changes of transport-memory: it does not declare topology, so its
+/// `provision` verifies instead, and what `retryctl` and the console ask it to create is
+/// refused. The rest, the broker's virtual clock and solo gate included, is forwarded.
+struct NoDeclare;
 
-    fn capabilities(&self) -> Capabilities {
+impl Decorate<MemoryTransport> for NoDeclare {
+    type Mark = ();
+
+    fn capabilities(&self, inner: &MemoryTransport) -> Capabilities {
         Capabilities {
             declares_topology: false,
-            ..self.0.capabilities()
+            ..inner.capabilities()
         }
     }
 
-    async fn provision(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        self.verify(plan).await
-    }
-
-    async fn verify(&self, plan: &TopologyPlan) -> Result<(), TransportError> {
-        self.0.verify(plan).await
-    }
-
-    async fn consume(
+    async fn provision(
         &self,
-        queue: &str,
-        prefetch: u16,
-    ) -> Result<Self::Subscription, TransportError> {
-        self.0.consume(queue, prefetch).await
+        inner: &MemoryTransport,
+        plan: &TopologyPlan,
+    ) -> Result<(), TransportError> {
+        inner.verify(plan).await
     }
 
-    async fn fetch(&self, queue: &str) -> Result<Option<Delivery<Self::Tag>>, TransportError> {
-        self.0.fetch(queue).await
-    }
-
-    async fn ready(&self, queue: &str, poll: Duration) -> Result<(), TransportError> {
-        self.0.ready(queue, poll).await
-    }
-
-    async fn publish(&self, original: &Message, publish: &Publish) -> PublishResult {
-        self.0.publish(original, publish).await
-    }
-
-    async fn settle(&self, tag: &Self::Tag, settlement: Settlement) -> Result<(), TransportError> {
-        self.0.settle(tag, settlement).await
-    }
-
-    // The broker's virtual clock: without these two the engine would read the wall clock.
-    fn now(&self) -> Timestamp {
-        self.0.now()
-    }
-
-    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
-        self.0.sleep(duration)
-    }
-
-    async fn close(&self) {
-        Transport::close(&self.0).await
-    }
-}
-
-/// What `retryctl` and the console ask of [`Fourth`]: its broker's depths and checks, and a
-/// refusal to create anything, since it declares no topology.
-#[async_trait]
-impl Admin for Fourth {
-    async fn depth(&self, queue: &str) -> Result<Depth, TransportError> {
-        self.0.depth(queue).await
-    }
-
-    async fn apply(&self, _: &TopologyPlan) -> Result<Vec<AppliedObject>, TransportError> {
+    async fn apply(
+        &self,
+        _: &MemoryTransport,
+        _: &TopologyPlan,
+    ) -> Result<Vec<AppliedObject>, TransportError> {
         Err(TransportError::Unsupported {
             what: "creating queues with the fourth transport".into(),
             why: "it declares nothing: declare the plan with the broker's own tools, then check \
                   it with `retryctl topology verify`"
                 .into(),
         })
-    }
-
-    async fn check(
-        &self,
-        plan: &TopologyPlan,
-        options: &PlanOptions,
-    ) -> Result<CheckReport, TransportError> {
-        self.0.check(plan, options).await
     }
 }
 
@@ -198,7 +152,7 @@ impl Harness for FourthHarness {
     }
 
     async fn transport(&self) -> Arc<Fourth> {
-        let t = Fourth(self.memory.broker().connect());
+        let t = Fourth::new(self.memory.broker().connect(), NoDeclare);
         assert_declares(self.name(), t.capabilities(), EXPECTED);
         Arc::new(t)
     }
@@ -226,7 +180,7 @@ impl Harness for FourthHarness {
     }
 
     async fn crash(&self, transport: Arc<Fourth>) {
-        let connection = &transport.0;
+        let connection = transport.inner();
         connection
             .broker()
             .close_connection(connection.connection_id(), "consumer process crashed");
@@ -281,7 +235,7 @@ fn registration_on(broker: Broker) -> Registration {
         "the fourth transport",
         ["fourth"],
         move |_: Endpoint| {
-            let connection = Fourth(broker.connect());
+            let connection = Fourth::new(broker.connect(), NoDeclare);
             async move { Ok(DynTransport::with_admin(connection)) }
         },
     )

@@ -3,24 +3,24 @@
 # stops and starts its application and closes its connections, which must never happen to
 # the shared broker on 5672.
 #
-#   tests/chaos-node.sh up [OWNER_PID]  start the node (a fresh one); with OWNER_PID, a watcher
+#   stress/chaos-node.sh up [OWNER_PID]  start the node (a fresh one); with OWNER_PID, a watcher
 #                                       stops it and deletes its data once that process exits,
 #                                       unless a later `up` has replaced it by then
-#   tests/chaos-node.sh down            stop it and delete its data (its log is kept in
+#   stress/chaos-node.sh down            stop it and delete its data (its log is kept in
 #                                       /tmp/retry-chaos-$CHAOS_PORT.last.log)
-#   tests/chaos-node.sh stop-app        rabbitmqctl stop_app (the node keeps running)
-#   tests/chaos-node.sh start-app       rabbitmqctl start_app, and wait until it serves
-#   tests/chaos-node.sh list            one line per client connection: its Erlang pid, the
+#   stress/chaos-node.sh stop-app        rabbitmqctl stop_app (the node keeps running)
+#   stress/chaos-node.sh start-app       rabbitmqctl start_app, and wait until it serves
+#   stress/chaos-node.sh list            one line per client connection: its Erlang pid, the
 #                                       client's port and the connection's name, tab-separated
-#   tests/chaos-node.sh close-peers PORT...
+#   stress/chaos-node.sh close-peers PORT...
 #                                       close the connections whose client ports these are
-#   tests/chaos-node.sh url             the AMQP URL of the node
+#   stress/chaos-node.sh url             the AMQP URL of the node
 #
 # CHAOS_PORT picks the node (default 5690): it listens for AMQP 0-9-1 and 1.0 on
 # 127.0.0.1:$CHAOS_PORT, for distribution on $CHAOS_PORT + 20000, is called
 # rchaos$CHAOS_PORT@localhost, and keeps its config, data and logs in
 # /tmp/retry-chaos-$CHAOS_PORT (owned by the rabbitmq user, as the server script requires).
-# Ports 5681-5683 belong to tests/cluster.sh's cluster, 5675-5676 to tests/tls-node.sh's node;
+# Ports 5681-5683 belong to stress/cluster.sh's cluster, 5675-5676 to stress/tls-node.sh's node;
 # the machine's node is never named.
 set -euo pipefail
 

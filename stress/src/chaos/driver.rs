@@ -29,8 +29,8 @@ use super::journal::{self, Entry, JournalWriter};
 use super::node::{PrivateNode, local_ports};
 use super::reconcile::{Drained, Reconciled, RunFacts, reconcile};
 use super::script::{self, Class, Mix};
-use crate::rabbitmq::{Admin, unique_name};
-use transport_amqp091::testing::try_cluster_sh;
+use conformance::rabbitmq::{Admin, unique_name};
+use test_brokers::rabbitmq::try_cluster_sh;
 
 /// Where a chaos run's consumers run, and what its broker faults do.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,7 +38,7 @@ pub enum Broker {
     /// A private node ([`PrivateNode`]) on this port: a broker fault is a
     /// `stop_app`/`start_app` of it, and connections are closed by force.
     Node(u16),
-    /// The three-node cluster of `tests/cluster.sh`, by its AMQP 0-9-1 node list: the plan's
+    /// The three-node cluster of `stress/cluster.sh`, by its AMQP 0-9-1 node list: the plan's
     /// queues are quorum queues on all three nodes, the consumers are given the whole list,
     /// and a broker fault stops one node gracefully or kills it (by turns), the next node
     /// each time, then starts it again. Connections are not closed by force there.

@@ -1,4 +1,4 @@
-//! A private RabbitMQ node for the chaos runs, through `tests/chaos-node.sh`: its
+//! A private RabbitMQ node for the chaos runs, through `stress/chaos-node.sh`: its
 //! application is stopped and started and its connections are closed by force, which must
 //! never happen to the machine's shared broker.
 

@@ -2,10 +2,10 @@
 # A private RabbitMQ node with a TLS listener, for the TLS tests, beside the machine's broker,
 # and the throwaway certificates it and the tests use.
 #
-#   tests/tls-node.sh up       make the certificates (once) and start the node (idempotent)
-#   tests/tls-node.sh down     stop the node and delete its data and certificates
-#   tests/tls-node.sh certs    make the certificates only, and print their directory
-#   tests/tls-node.sh env      the variables the TLS tests read, as `export` lines
+#   stress/tls-node.sh up       make the certificates (once) and start the node (idempotent)
+#   stress/tls-node.sh down     stop the node and delete its data and certificates
+#   stress/tls-node.sh certs    make the certificates only, and print their directory
+#   stress/tls-node.sh env      the variables the TLS tests read, as `export` lines
 #
 # The node, rtls@localhost, speaks AMQP 0-9-1 and AMQP 1.0 on 127.0.0.1:5675 (plain TCP) and
 # on 127.0.0.1:5676 (TLS), and distribution on 25675. Its TLS listener asks for a client

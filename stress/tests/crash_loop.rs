@@ -9,13 +9,13 @@ use std::panic::AssertUnwindSafe;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use conformance::process::{self, Event, Line, ProcessArgs};
 use conformance::rabbitmq::{Admin, BrokerEnv, runtime, unique_name};
 use conformance::suite::print_uncaptured;
 use conformance::{ParkedMessage, TestMessage};
 use futures::FutureExt;
 use retry_core::headers::CRASHES;
 use retry_core::{DeadLetterReason, HeaderValue, ParkedRecord, TopologyPlan, Transport};
+use stress::process::{self, Event, Line, ProcessArgs};
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
 use transport_nats::NatsTransport;

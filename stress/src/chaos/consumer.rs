@@ -18,7 +18,7 @@ use transport_amqp091::{AmqpConfig, AmqpTransport};
 use super::journal::JournalWriter;
 use super::script::{self, Class, Does};
 use super::transport::{Journaled, chain, message_id};
-use crate::rabbitmq::runtime;
+use conformance::rabbitmq::runtime;
 
 /// Which transport a consumer process runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -127,7 +127,7 @@ pub fn exe_beside_this_one(this: &str) -> Result<PathBuf, String> {
         Ok(exe)
     } else {
         Err(format!(
-            "{} is missing: cargo build -p conformance --bin {this} --bin chaos_consumer",
+            "{} is missing: cargo build -p stress --bin {this} --bin chaos_consumer",
             exe.display()
         ))
     }

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # A local three-node RabbitMQ cluster for the cluster tests, beside the machine's own broker.
 #
-#   tests/cluster.sh up            start rtest1..3@localhost and cluster them (idempotent)
-#   tests/cluster.sh down          stop them and delete their data
-#   tests/cluster.sh stop NODE     stop one gracefully (rabbitmqctl -n NODE stop)
-#   tests/cluster.sh kill NODE     kill -9 one node's Erlang VM
-#   tests/cluster.sh start NODE    start a stopped or killed node again; it rejoins by itself
-#   tests/cluster.sh start-all     start every stopped node at once (after all went down)
-#   tests/cluster.sh status        the cluster as rtest1 (or any running node) sees it
-#   tests/cluster.sh urls          the AMQP node list, comma-separated, for AMQP_CLUSTER_URLS
+#   stress/cluster.sh up            start rtest1..3@localhost and cluster them (idempotent)
+#   stress/cluster.sh down          stop them and delete their data
+#   stress/cluster.sh stop NODE     stop one gracefully (rabbitmqctl -n NODE stop)
+#   stress/cluster.sh kill NODE     kill -9 one node's Erlang VM
+#   stress/cluster.sh start NODE    start a stopped or killed node again; it rejoins by itself
+#   stress/cluster.sh start-all     start every stopped node at once (after all went down)
+#   stress/cluster.sh status        the cluster as rtest1 (or any running node) sees it
+#   stress/cluster.sh urls          the AMQP node list, comma-separated, for AMQP_CLUSTER_URLS
 #
 # NODE is rtest1, rtest2 or rtest3 (or the full rtest1@localhost). Node N listens for AMQP
 # (and AMQP 1.0) on 127.0.0.1:568N and for distribution on 2568N; its data, logs, config and

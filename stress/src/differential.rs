@@ -43,11 +43,11 @@ use std::time::Duration;
 
 use retry_core::{HeaderValue, Headers, RetryPolicy, Terminal};
 
-use crate::drive::{Ended, drive, wait_until};
-use crate::harness::{Harness, TestMessage, TopologyFaults};
-use crate::journal::{Journal, Step};
 use crate::recording::{DeliveryLog, Observed, Recorded};
-use crate::support::{Setup, assert_nothing_left, delay_queue, ms, setup_with_faults};
+use conformance::drive::{Ended, drive, wait_until};
+use conformance::harness::{Harness, TestMessage, TopologyFaults};
+use conformance::journal::{Journal, Step};
+use conformance::support::{Setup, assert_nothing_left, delay_queue, ms, setup_with_faults};
 
 /// The first delay level, and the crash delay.
 pub const FIRST: Duration = Duration::from_millis(600);

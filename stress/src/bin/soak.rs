@@ -1,16 +1,16 @@
-//! The soak, by hand and in CI: see `conformance::chaos::soak`.
+//! The soak, by hand and in CI: see `stress::chaos::soak`.
 //!
 //! ```text
-//! cargo build -p conformance --bin soak --bin chaos_consumer
+//! cargo build -p stress --bin soak --bin chaos_consumer
 //! target/debug/soak --duration 5m --warm-up 1m --out target/soak      # what CI runs
 //! target/debug/soak --duration 60m --warm-up 5m --out /tmp/soak-60m
-//! tests/cluster.sh up && AMQP_CLUSTER_URLS="$(tests/cluster.sh urls)" \
+//! stress/cluster.sh up && AMQP_CLUSTER_URLS="$(stress/cluster.sh urls)" \
 //!     target/debug/soak --cluster --duration 15m --warm-up 3m --out /tmp/soak-cluster
 //! ```
 //!
-//! It starts a private RabbitMQ node (`tests/chaos-node.sh`, port 5694 unless `--port`),
+//! It starts a private RabbitMQ node (`stress/chaos-node.sh`, port 5694 unless `--port`),
 //! which goes down when the soak ends; with `--cluster` it runs on the three-node cluster of
-//! `tests/cluster.sh` instead (its node list in `AMQP_CLUSTER_URLS`), stopping and killing
+//! `stress/cluster.sh` instead (its node list in `AMQP_CLUSTER_URLS`), stopping and killing
 //! its nodes, and starts every node again at the end. Into `--out` go `report.txt` (also
 //! printed), `samples.csv` and `soak.svg`. The exit status is 1 if the soak failed, 2 for
 //! bad arguments.
@@ -19,12 +19,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use conformance::chaos::consumer;
-use conformance::chaos::driver::Broker;
-use conformance::chaos::node::PrivateNode;
-use conformance::chaos::soak::{self, SoakConfig};
 use conformance::rabbitmq::runtime;
-use transport_amqp091::testing::try_cluster_sh;
+use stress::chaos::consumer;
+use stress::chaos::driver::Broker;
+use stress::chaos::node::PrivateNode;
+use stress::chaos::soak::{self, SoakConfig};
+use test_brokers::rabbitmq::try_cluster_sh;
 
 const USAGE: &str = "usage: soak [--duration 5m] [--warm-up 1m] [--rate 100] [--seed 1] [--port 5694 | --cluster] [--out DIR]";
 
@@ -127,7 +127,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let on = if o.cluster {
-        "the cluster of tests/cluster.sh".to_owned()
+        "the cluster of stress/cluster.sh".to_owned()
     } else {
         format!("a private RabbitMQ node on port {}", o.port)
     };
@@ -145,7 +145,7 @@ fn main() -> ExitCode {
             .collect();
         if urls.len() != 3 {
             eprintln!(
-                "--cluster needs the three nodes' URLs in AMQP_CLUSTER_URLS: tests/cluster.sh up, then AMQP_CLUSTER_URLS=\"$(tests/cluster.sh urls)\""
+                "--cluster needs the three nodes' URLs in AMQP_CLUSTER_URLS: stress/cluster.sh up, then AMQP_CLUSTER_URLS=\"$(stress/cluster.sh urls)\""
             );
             return ExitCode::from(2);
         }

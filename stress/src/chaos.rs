@@ -10,14 +10,14 @@
 //! * [`journal`]: the journal's format, writer and reader.
 //! * [`transport`]: the transport wrapper that journals deliveries, publishes and settles.
 //! * [`consumer`]: the `chaos_consumer` process.
-//! * [`node`]: the private node (`tests/chaos-node.sh`).
+//! * [`node`]: the private node (`stress/chaos-node.sh`).
 //! * [`driver`]: publishing, the fault schedule, the wait, the drain.
 //! * [`reconcile`]: what became of every message.
 //! * [`soak`]: chaos for a set time with one consumer's RSS, descriptors and threads
 //!   sampled, judged and drawn.
 //!
-//! The full run is the `chaos` binary (`cargo run -p conformance --bin chaos -- --help`);
-//! `tests/tests/chaos.rs` is the bounded version CI runs. The soak is the `soak` binary.
+//! The full run is the `chaos` binary (`cargo run -p stress --bin chaos -- --help`);
+//! `tests/chaos.rs` is the bounded version CI runs. The soak is the `soak` binary.
 
 pub mod consumer;
 pub mod driver;

@@ -1,7 +1,7 @@
-//! The full chaos run, by hand: see `conformance::chaos`.
+//! The full chaos run, by hand: see `stress::chaos`.
 //!
 //! ```text
-//! cargo build -p conformance --bin chaos --bin chaos_consumer
+//! cargo build -p stress --bin chaos --bin chaos_consumer
 //! target/debug/chaos                                  # 20,000 messages, 45 s of chaos, both protocols
 //! target/debug/chaos --protocol amqp10 --runs 3 --seed 7
 //! target/debug/chaos --poison-heavy --messages 2000 --poison 60
@@ -9,7 +9,7 @@
 //! target/debug/chaos --reconcile /tmp/cf-chaos-….journal --crash-limit 2
 //! ```
 //!
-//! It starts a private RabbitMQ node (`tests/chaos-node.sh`, port 5690 unless `--port`),
+//! It starts a private RabbitMQ node (`stress/chaos-node.sh`, port 5690 unless `--port`),
 //! which goes down when the run ends. Each run prints its figures, and for every lost,
 //! stuck or wrongly blamed message its journal; the journals stay in the temporary
 //! directory. The exit status is 1 if any run broke a rule.
@@ -17,10 +17,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use conformance::chaos::consumer::{self, Protocol};
-use conformance::chaos::driver::{self, ChaosConfig};
-use conformance::chaos::node::PrivateNode;
 use conformance::rabbitmq::runtime;
+use stress::chaos::consumer::{self, Protocol};
+use stress::chaos::driver::{self, ChaosConfig};
+use stress::chaos::node::PrivateNode;
 
 const USAGE: &str = "usage: chaos [--protocol amqp091|amqp10|both] [--runs N] [--seed S] [--messages N] [--poison N] [--chaos-secs S] [--kills N] [--closes N] [--restarts N] [--consumers N] [--port P] [--poison-heavy] [--graceful] | --reconcile JOURNAL [--crash-limit N]";
 

@@ -2,19 +2,19 @@
 # A local three-node NATS JetStream cluster for the NATS cluster tests, beside the machine's
 # own server.
 #
-#   tests/nats-cluster.sh up          start n1..n3 (a running node is left alone) and wait until
+#   stress/nats-cluster.sh up          start n1..n3 (a running node is left alone) and wait until
 #                                     JetStream is ready: one meta leader that all three agree
 #                                     on, and both other nodes current with it
-#   tests/nats-cluster.sh down        stop them (SIGTERM, SIGKILL after 5 s) and delete their data
-#   tests/nats-cluster.sh stop NODE   SIGTERM one node and wait until it has exited
-#   tests/nats-cluster.sh kill NODE   SIGKILL one node
-#   tests/nats-cluster.sh start NODE  start a stopped or killed node again on its own store; wait
+#   stress/nats-cluster.sh down        stop them (SIGTERM, SIGKILL after 5 s) and delete their data
+#   stress/nats-cluster.sh stop NODE   SIGTERM one node and wait until it has exited
+#   stress/nats-cluster.sh kill NODE   SIGKILL one node
+#   stress/nats-cluster.sh start NODE  start a stopped or killed node again on its own store; wait
 #                                     until it listens and, when another node runs, until its
 #                                     JetStream is current with the meta leader again (whether
 #                                     it has caught up on each stream and consumer is for the
 #                                     caller to check: see META_ONLY)
-#   tests/nats-cluster.sh status      which nodes run, their ports and the meta leader
-#   tests/nats-cluster.sh urls        the client URLs, comma-separated, for NATS_CLUSTER_URLS
+#   stress/nats-cluster.sh status      which nodes run, their ports and the meta leader
+#   stress/nats-cluster.sh urls        the client URLs, comma-separated, for NATS_CLUSTER_URLS
 #
 # NODE is n1, n2 or n3 (or just 1, 2 or 3). Node N listens on 127.0.0.1 only: for clients on
 # 424N, for cluster routes on 624N and for HTTP monitoring (the readiness checks) on 824N. Its

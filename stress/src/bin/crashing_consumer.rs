@@ -15,9 +15,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance::process::{Event, ProcessArgs, append, encode_terminal};
 use conformance::rabbitmq::{BrokerEnv, runtime, unique_name};
 use retry_core::{Consumer, HandlerError, Message, Transport};
+use stress::process::{Event, ProcessArgs, append, encode_terminal};
 use transport_amqp091::{AmqpConfig, AmqpTransport};
 use transport_nats::NatsTransport;
 

@@ -1,5 +1,5 @@
 //! Chaos with a journal per message, bounded for CI, on a private RabbitMQ node this test
-//! binary starts (`tests/chaos-node.sh`, port 5691) and that goes down when it exits:
+//! binary starts (`stress/chaos-node.sh`, port 5691) and that goes down when it exits:
 //! consumer processes over AMQP 0-9-1 and AMQP 1.0 are SIGKILLed, have their connections
 //! closed by the broker and live through a `stop_app`/`start_app`; poison messages abort
 //! them. Nothing may be lost, every message ends as its script says, no message that is not
@@ -14,12 +14,12 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use conformance::chaos::consumer::Protocol;
-use conformance::chaos::driver::{self, ChaosConfig, ChaosOutcome};
-use conformance::chaos::node::PrivateNode;
 use conformance::rabbitmq::runtime;
 use conformance::suite::print_uncaptured;
-use transport_amqp091::testing::no_broker;
+use stress::chaos::consumer::Protocol;
+use stress::chaos::driver::{self, ChaosConfig, ChaosOutcome};
+use stress::chaos::node::PrivateNode;
+use test_brokers::no_broker;
 
 /// Not the by-hand runs' 5690, so both can run at once.
 const PORT: u16 = 5691;
