@@ -87,8 +87,7 @@
 //! ```
 //!
 //! The same loop on a real broker, with plain lapin doing the publishes, confirms and acks,
-//! is `transport-amqp091/examples/embedded.rs` (`cargo run -p transport-amqp091 --example
-//! embedded`); [`Terminal`]'s `Display` and [`Terminal::is_final`],
+//! is `examples/06_embedded.rs` (`cargo run -p examples --example 06_embedded`); [`Terminal`]'s `Display` and [`Terminal::is_final`],
 //! [`TopologyPlan::lane_queue`] and `Outcome::from(handler_result)` are the helpers it uses.
 //!
 //! The concepts behind these types (the header schema, suspects and crash attribution, the

@@ -4,8 +4,8 @@
 //! come back as suspects, run alone and are handled.
 //!
 //! ```text
-//! cargo run -p transport-memory --example crash_loop            # timeline and summary
-//! cargo run -p transport-memory --example crash_loop -- --trace # plus the broker's trace
+//! cargo run -p examples --example 01_crash_loop             # timeline and summary
+//! cargo run -p examples --example 01_crash_loop -- --trace  # plus the broker's trace
 //! ```
 
 use std::collections::BTreeMap;
@@ -170,8 +170,8 @@ mod tests {
     #[test]
     fn prints_what_the_readmes_show() {
         let out = super::run(false).unwrap();
-        let guide = include_str!("../../docs/concepts.md");
-        let here = include_str!("../README.md");
+        let guide = include_str!("../docs/concepts.md");
+        let here = include_str!("../transport-memory/README.md");
         assert_eq!(out, block_after(guide, "The crash-loop example prints"));
         assert_eq!(out, block_after(here, "## Crash loop"));
     }
