@@ -9,18 +9,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
 
-/// The host and port of `url` (`scheme://user:pass@host:port/...`), or `default`.
-fn address(var: &str, default: &str) -> String {
-    let url = std::env::var(var).unwrap_or_default();
-    let rest = url.split_once("://").map_or("", |(_, rest)| rest);
-    let host_port = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
-    let host_port = host_port.split(['/', ',']).next().unwrap_or_default();
-    if host_port.is_empty() {
-        default.to_owned()
-    } else {
-        host_port.to_owned()
-    }
-}
+use test_brokers::{amqp_url, amqp10_url, authority, nats_url, no_broker, no_nats};
 
 /// Whether the server at `addr` answers `header` with a protocol header of the same
 /// protocol id (RabbitMQ without its AMQP 1.0 plugin answers an AMQP 1.0 header with its
@@ -41,44 +30,31 @@ fn answers(addr: &str, header: &[u8], expect: impl Fn(&[u8]) -> bool) -> Result<
 }
 
 /// Whether `transport`'s server is there; `false` (after a loud notice) if not and it is
-/// not required; a panic if it is required.
+/// not required; a panic if it is required (`REQUIRE_BROKER`, `REQUIRE_NATS`).
 fn server(transport: &str) -> bool {
-    let (required, probe) = match transport {
-        "amqp091" => (
-            "REQUIRE_BROKER",
-            answers(
-                &address("AMQP_URL", "127.0.0.1:5672"),
-                b"AMQP\x00\x00\x09\x01",
-                |r| r[0] == 1, // a connection.start frame
-            ),
+    let probe = match transport {
+        "amqp091" => answers(
+            &authority(&amqp_url()),
+            b"AMQP\x00\x00\x09\x01",
+            |r| r[0] == 1, // a connection.start frame
         ),
-        "amqp10" => (
-            "REQUIRE_BROKER",
-            answers(
-                &address("AMQP10_URL", "127.0.0.1:5672"),
-                b"AMQP\x03\x01\x00\x00",
-                |r| r == b"AMQP\x03\x01\x00\x00",
-            )
-            .map_err(|e| format!("{e} (is rabbitmq_amqp1_0 enabled?)")),
-        ),
-        "nats" => (
-            "REQUIRE_NATS",
-            TcpStream::connect(address("NATS_URL", "127.0.0.1:4222"))
-                .map(drop)
-                .map_err(|e| e.to_string()),
-        ),
+        "amqp10" => answers(&authority(&amqp10_url()), b"AMQP\x03\x01\x00\x00", |r| {
+            r == b"AMQP\x03\x01\x00\x00"
+        })
+        .map_err(|e| format!("{e} (is rabbitmq_amqp1_0 enabled?)")),
+        "nats" => TcpStream::connect(authority(&nats_url()))
+            .map(drop)
+            .map_err(|e| e.to_string()),
         other => panic!("no probe for {other}"),
     };
-    match probe {
-        Ok(()) => true,
-        Err(why) if std::env::var_os(required).is_some() => {
-            panic!("{transport}: the server is required ({required}) but {why}")
-        }
-        Err(why) => {
-            eprintln!("SKIPPED: benches on {transport}: {why}; set {required}=1 to fail instead");
-            false
-        }
+    let Err(why) = probe else { return true };
+    let what = format!("the benches on {transport}");
+    if transport == "nats" {
+        no_nats(&what, &why);
+    } else {
+        no_broker(&what, &why);
     }
+    false
 }
 
 /// Runs `bin` with `args`; its standard output if it succeeded.
